@@ -1,0 +1,73 @@
+//! `host doctor`: what this process runs on, read from the process itself.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use mlx_rs::{random, Array, Device};
+use serde::Serialize;
+
+use crate::runtime;
+
+#[derive(Debug, Serialize)]
+pub struct Report {
+    pub mlx_version: String,
+    /// Every libmlx.so mapped into the process; exactly one when host and plugins share it.
+    pub libmlx_path: Vec<PathBuf>,
+    pub blas: Option<String>,
+    pub blas_path: Option<PathBuf>,
+    pub device: String,
+    pub plugins_dir: PathBuf,
+    /// Median f32 throughput of a 512×512×512 matrix product.
+    pub matmul_gflops: f64,
+}
+
+impl Report {
+    pub fn collect(plugins_dir: PathBuf) -> Result<Report, mlx_rs::error::Exception> {
+        runtime::init();
+        let matmul_gflops = matmul_gflops(512, 20)?;
+        let blas = runtime::blas_in_use();
+        Ok(Report {
+            mlx_version: runtime::mlx_version(),
+            libmlx_path: runtime::libmlx_paths().unwrap_or_default(),
+            blas: blas.as_ref().map(|b| b.name.clone()),
+            blas_path: blas.map(|b| b.path),
+            device: Device::default().to_string(),
+            plugins_dir,
+            matmul_gflops,
+        })
+    }
+
+    pub fn human(&self) -> String {
+        let or_unknown = |v: Option<String>| v.unwrap_or_else(|| "not found".into());
+        let paths: Vec<String> = self.libmlx_path.iter().map(|p| p.display().to_string()).collect();
+        format!(
+            "MLX          {}\nlibmlx.so    {}\nBLAS         {}\n             {}\ndevice       {}\nplugins dir  {}\nmatmul f32   {:.1} GFLOP/s (512×512×512)\n",
+            self.mlx_version,
+            if paths.is_empty() { "not mapped".into() } else { paths.join(", ") },
+            or_unknown(self.blas.clone()),
+            or_unknown(self.blas_path.as_ref().map(|p| p.display().to_string())),
+            self.device,
+            self.plugins_dir.display(),
+            self.matmul_gflops,
+        )
+    }
+}
+
+/// Median GFLOP/s of `runs` evaluated n×n×n f32 matrix products, after two warm-up runs.
+pub fn matmul_gflops(n: i32, runs: usize) -> Result<f64, mlx_rs::error::Exception> {
+    let key = random::key(0)?;
+    let a: Array = random::normal::<f32>(&[n, n], None, None, &key)?;
+    let b: Array = random::normal::<f32>(&[n, n], None, None, &key)?;
+    mlx_rs::transforms::eval([&a, &b])?;
+    let mut seconds = Vec::with_capacity(runs);
+    for i in 0..runs + 2 {
+        let start = Instant::now();
+        a.matmul(&b)?.eval()?;
+        if i >= 2 {
+            seconds.push(start.elapsed().as_secs_f64());
+        }
+    }
+    seconds.sort_by(f64::total_cmp);
+    let median = seconds[seconds.len() / 2];
+    Ok(2.0 * f64::from(n).powi(3) / median / 1e9)
+}

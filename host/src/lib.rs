@@ -1,0 +1,6 @@
+//! The drafter host: a Gemma 4 target, its caches and the speculative verify loop, with
+//! drafters loaded as plugins. The `host` binary is a thin command line over this library.
+
+pub mod doctor;
+pub mod plugins_dir;
+pub mod runtime;

@@ -1,0 +1,108 @@
+//! The process's MLX runtime: the rules every artifact follows, and what is actually loaded.
+
+use std::collections::BTreeSet;
+use std::ffi::{CStr, CString};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::sync::Once;
+
+/// Applies the process-wide MLX rules; call it before any MLX work (idempotent).
+///
+/// Compilation is disabled because mlx-rs numbers compiled functions per copy of mlx-rs while
+/// the compile cache lives in the one shared libmlx: with host and plugins each holding a copy,
+/// a plugin's compiled function could hit the host's cache entry and return its result.
+pub fn init() {
+    static INIT: Once = Once::new();
+    INIT.call_once(mlx_rs::transforms::compile::disable_compile);
+}
+
+/// The version of the libmlx loaded into this process, as it reports itself.
+pub fn mlx_version() -> String {
+    // SAFETY: mlx_version fills a fresh mlx_string, which is freed after copying its text.
+    unsafe {
+        let mut s = mlx_sys::mlx_string_new();
+        mlx_sys::mlx_version(&mut s);
+        let version = CStr::from_ptr(mlx_sys::mlx_string_data(s)).to_string_lossy().into_owned();
+        mlx_sys::mlx_string_free(s);
+        version
+    }
+}
+
+/// Every file mapped into this process, from /proc/self/maps.
+pub fn mapped_files() -> std::io::Result<BTreeSet<PathBuf>> {
+    let maps = std::fs::read_to_string("/proc/self/maps")?;
+    Ok(maps
+        .lines()
+        .filter_map(|line| line.split_whitespace().nth(5))
+        .filter(|path| path.starts_with('/'))
+        .map(PathBuf::from)
+        .collect())
+}
+
+/// The distinct libmlx.so files mapped into this process (one, when all is well).
+pub fn libmlx_paths() -> std::io::Result<Vec<PathBuf>> {
+    Ok(mapped_files()?
+        .into_iter()
+        .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("libmlx.so")))
+        .collect())
+}
+
+/// The BLAS that MLX's matrix products actually call.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Blas {
+    /// "OpenBLAS <its build configuration>" where it says so, else the library's file name.
+    pub name: String,
+    /// The file providing `cblas_sgemm`, symbolic links resolved.
+    pub path: PathBuf,
+}
+
+/// Finds the object that provides `cblas_sgemm` to the process, the symbol MLX's CPU matmul
+/// calls, and names it. Reads the process rather than assuming what setup installed.
+pub fn blas_in_use() -> Option<Blas> {
+    let file = defining_file(lookup("cblas_sgemm")?)?;
+    let name = openblas_config(&file)
+        .map(|config| format!("OpenBLAS {}", config.trim().trim_start_matches("OpenBLAS").trim()))
+        .or_else(|| Some(file.file_name()?.to_string_lossy().into_owned()))
+        .unwrap_or_default();
+    let path = std::fs::canonicalize(&file).unwrap_or(file);
+    Some(Blas { name, path })
+}
+
+/// OpenBLAS's build description, when `library` is OpenBLAS or a thin BLAS over it (Debian's
+/// libblas.so.3 is one): `openblas_get_config` is searched in the library and its dependencies.
+fn openblas_config(library: &Path) -> Option<String> {
+    let path = CString::new(library.as_os_str().as_bytes()).ok()?;
+    let symbol = CString::new("openblas_get_config").ok()?;
+    // SAFETY: RTLD_NOLOAD only returns a handle to a library already loaded; the symbol has the
+    // signature `char *openblas_get_config(void)` and returns a static string.
+    unsafe {
+        let handle = libc::dlopen(path.as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD);
+        if handle.is_null() {
+            return None;
+        }
+        let get_config = libc::dlsym(handle, symbol.as_ptr());
+        let config = (!get_config.is_null()).then(|| {
+            let get_config: extern "C" fn() -> *const libc::c_char = std::mem::transmute(get_config);
+            CStr::from_ptr(get_config()).to_string_lossy().into_owned()
+        });
+        libc::dlclose(handle);
+        config
+    }
+}
+
+fn lookup(symbol: &str) -> Option<*mut libc::c_void> {
+    let name = CString::new(symbol).ok()?;
+    // SAFETY: dlsym with RTLD_DEFAULT searches the global scope; a null result means absent.
+    let address = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
+    (!address.is_null()).then_some(address)
+}
+
+fn defining_file(address: *mut libc::c_void) -> Option<PathBuf> {
+    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+    // SAFETY: dladdr only reads the address and fills `info` with static strings.
+    if unsafe { libc::dladdr(address, &mut info) } == 0 || info.dli_fname.is_null() {
+        return None;
+    }
+    let name = unsafe { CStr::from_ptr(info.dli_fname) };
+    Some(PathBuf::from(name.to_string_lossy().into_owned()))
+}
