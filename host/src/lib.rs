@@ -2,5 +2,7 @@
 //! drafters loaded as plugins. The `host` binary is a thin command line over this library.
 
 pub mod doctor;
+pub mod manifest;
+pub mod plugin;
 pub mod plugins_dir;
 pub mod runtime;

@@ -1,24 +1,69 @@
 //! # The drafter plugin contract
 //!
-//! A drafter is a shared library that the host loads at run time. Host and plugins are built
-//! separately, possibly by different people with different compilers, so everything that
-//! crosses between them is ABI-stable (`abi_stable`) and said here once.
+//! A drafter is a shared library that the host loads at run time to propose tokens, which the
+//! host's target model then verifies. Host and plugins are built apart, possibly by different
+//! people, so what crosses between them is ABI-stable (`abi_stable`) and described here once.
+//! Authors write plain Rust against [`sdk`]; the [`abi`] and [`target`] modules are the wire.
 //!
-//! **One MLX runtime.** Host and plugins link the same `libmlx.so`; each keeps its own static
-//! copy of mlx-c and mlx-rs. An MLX array is therefore meaningful on both sides, and crosses as
-//! a raw mlx-c handle wrapped in a type that says who owns it:
-//! [`ArrayRef`] is borrowed for the duration of one call (the callee reads it and never frees
-//! it); [`OwnedArray`] is handed over (the receiver frees it, by turning it into an
-//! [`mlx_rs::Array`] or by dropping it).
+//! ## Ownership
+//! Host and plugins link the same `libmlx.so` and each keep their own static copy of mlx-c and
+//! mlx-rs, so an MLX array is meaningful on both sides. It crosses as a raw mlx-c handle in a
+//! wrapper that says who owns it: an [`ArrayRef`] is lent for one call (read it, or take a new
+//! reference with [`ArrayRef::to_array`], never free it); an [`OwnedArray`] is handed over and
+//! the receiver frees it. Other values (`RVec`, `RString`, trait objects) carry their own
+//! deallocator, so whichever side drops them frees them correctly. A row group keeps the
+//! target view it was opened with until the group is dropped; the host keeps the target
+//! alive that long.
 //!
-//! **State that does not cross.** Each copy of mlx-rs has its own default stream scope and its
-//! own default random key, so streams, seeds and keys are passed explicitly. MLX's function
-//! compilation must stay off in every artifact of the process: mlx-rs numbers compiled
-//! functions per copy while the compile cache is shared, so a plugin's compiled function could
-//! return the host's. The host disables compilation once at start-up, for everyone.
+//! ## Threading
+//! A provider, its row groups and the target view are used from one thread at a time: the
+//! host never calls into one row group concurrently, and a plugin must not call the target
+//! view from threads of its own. Each copy of mlx-rs has its own default stream scope and
+//! random key, so anything random is derived from the `steps` the host passes, never from
+//! mlx-rs's global key. MLX's function compilation stays off in every artifact of the
+//! process: mlx-rs numbers compiled functions per copy while the compile cache is shared, so
+//! a plugin's compiled function could return the host's. The host turns it off at start-up.
 //!
-//! Items marked **ABI-frozen** never change layout; new capabilities arrive as new items.
+//! ## Errors
+//! Every entry returns `RResult<_, `[`PluginError`]`>`: a kind and one line that names what was
+//! wrong and where. The SDK runs every entry under `catch_unwind`, so a panic arrives as an
+//! error of kind `PANICKED`; the host then drops that drafter for the rest of the request and
+//! finishes it by plain decoding. A panic that escaped would end the process, which is why
+//! plugins go through the SDK rather than implementing the ABI traits themselves. The host
+//! validates every answer (lengths, token ids, shapes) before using it.
+//!
+//! ## Versioning
+//! The library header carries [`API_VERSION`]; the host compares its major first and refuses
+//! another major with a one-line message, then abi_stable checks the layout of every type
+//! reachable from the root module. Items marked **ABI-frozen** keep their layout for the life
+//! of the major version. The root module never grows: new features arrive as extensions,
+//! looked up by a versioned id (`"name/1"`) through [`abi::DrafterRoot::extension`] and
+//! layout-checked on their own, so a newer host still loads older plugins (which answer that
+//! they have none) and an older host ignores what it does not know.
+//!
+//! ## Writing a drafter
+//! See [`guide`].
 
+#![allow(non_local_definitions)]
+
+pub mod abi;
+pub mod descriptor;
+pub mod error;
+pub mod guide;
+pub mod sdk;
+pub mod target;
 pub mod tensor;
+pub mod version;
 
+pub use descriptor::{Capabilities, Descriptor, OptionDoc, Ports, PrefillMode, ProviderInfo};
+pub use error::{ErrorKind, PluginError};
 pub use tensor::{ArrayRef, OwnedArray, RawArray};
+pub use version::{API_MAJOR, API_MINOR, API_VERSION};
+
+pub use abi_stable;
+pub use mlx_rs;
+
+#[doc(hidden)]
+pub mod __private {
+    pub use abi_stable::library::{__call_root_module_loader, CheckTypeLayout, LibHeader, RootModuleResult};
+}

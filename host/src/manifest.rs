@@ -1,0 +1,319 @@
+//! Manifests: which target, which drafter, how to generate. TOML; paths are relative to the
+//! manifest file; unknown keys, wrong types and missing files are errors naming file, line
+//! and key.
+//!
+//! ```toml
+//! [target]
+//! model = "../models/gemma4-tiny"     # a Hugging Face-format directory
+//!
+//! [drafter]                           # absent: plain decoding
+//! kind = "ngram"                      # a plugin kind found in the plugins directory
+//! artifact = "../models/some-drafter" # the drafter's checkpoint, for kinds that need one
+//! sha256 = "…"                        # optional pin of the plugin library
+//! draft_tokens = 4
+//!
+//! [drafter.options]                   # the plugin's own options (`host plugins inspect KIND`)
+//! max_ngram = 3
+//!
+//! [generation]
+//! prompt = "In the beginning"
+//! max_tokens = 128
+//! temperature = 0.0
+//! seed = 0
+//! ```
+
+use std::fmt;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use toml::Spanned;
+
+use plugin_api::Descriptor;
+
+/// A manifest error: the file, the line when known, and one line of what is wrong.
+#[derive(Debug, Clone, thiserror::Error)]
+pub struct ManifestError {
+    pub file: PathBuf,
+    pub line: Option<usize>,
+    pub message: String,
+}
+
+impl fmt::Display for ManifestError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.line {
+            Some(line) => write!(f, "{}:{line}: {}", self.file.display(), self.message),
+            None => write!(f, "{}: {}", self.file.display(), self.message),
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct File {
+    target: TargetSection,
+    drafter: Option<DrafterSection>,
+    #[serde(default)]
+    generation: Generation,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TargetSection {
+    model: Spanned<PathBuf>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DrafterSection {
+    kind: String,
+    artifact: Option<Spanned<PathBuf>>,
+    sha256: Option<Spanned<String>>,
+    #[serde(default = "default_draft_tokens")]
+    draft_tokens: u32,
+    options: Option<Spanned<toml::Table>>,
+}
+
+fn default_draft_tokens() -> u32 {
+    4
+}
+
+/// How to generate; every field can be overridden on the command line.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Generation {
+    pub prompt: Option<String>,
+    pub prompt_ids: Option<Vec<u32>>,
+    pub chat: bool,
+    pub max_tokens: u32,
+    pub temperature: f32,
+    pub top_p: f32,
+    pub top_k: u32,
+    pub min_p: f32,
+    pub seed: u64,
+}
+
+impl Default for Generation {
+    fn default() -> Self {
+        Generation {
+            prompt: None,
+            prompt_ids: None,
+            chat: false,
+            max_tokens: 128,
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            seed: 0,
+        }
+    }
+}
+
+/// A checked manifest, paths resolved.
+#[derive(Debug, Clone)]
+pub struct Manifest {
+    pub file: PathBuf,
+    pub target_model: PathBuf,
+    pub drafter: Option<DrafterSpec>,
+    pub generation: Generation,
+}
+
+#[derive(Debug, Clone)]
+pub struct DrafterSpec {
+    pub kind: String,
+    pub artifact: Option<PathBuf>,
+    pub sha256: Option<String>,
+    pub draft_tokens: u32,
+    /// The plugin's options, as TOML text for the plugin.
+    pub options: toml::Table,
+    /// Line of each option key, for messages.
+    option_lines: Vec<(String, usize)>,
+}
+
+impl Manifest {
+    pub fn load(file: &Path) -> Result<Manifest, ManifestError> {
+        let text = std::fs::read_to_string(file)
+            .map_err(|e| ManifestError { file: file.to_owned(), line: None, message: format!("cannot read: {e}") })?;
+        Manifest::parse(file, &text)
+    }
+
+    pub fn parse(file: &Path, text: &str) -> Result<Manifest, ManifestError> {
+        let at = |span: Option<Range<usize>>, message: String| ManifestError {
+            file: file.to_owned(),
+            line: span.map(|s| line_of(text, s.start)),
+            message,
+        };
+        let parsed: File = toml::from_str(text).map_err(|e| at(e.span(), e.message().to_owned()))?;
+        let base = file.parent().unwrap_or(Path::new("."));
+        let existing = |key: &str, path: &Spanned<PathBuf>, want_dir: bool| {
+            let resolved = base.join(path.get_ref());
+            let ok = if want_dir { resolved.is_dir() } else { resolved.exists() };
+            if ok {
+                Ok(resolved)
+            } else {
+                let what = if want_dir && resolved.exists() { "is not a directory" } else { "does not exist" };
+                Err(at(Some(path.span()), format!("{key}: {} {what}", resolved.display())))
+            }
+        };
+
+        let target_model = existing("target.model", &parsed.target.model, true)?;
+        let drafter = match parsed.drafter {
+            None => None,
+            Some(d) => {
+                let artifact = d.artifact.as_ref().map(|a| existing("drafter.artifact", a, true)).transpose()?;
+                let sha256 = d
+                    .sha256
+                    .map(|pin| {
+                        let hex = pin.get_ref().trim().to_lowercase();
+                        if hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+                            Ok(hex)
+                        } else {
+                            Err(at(Some(pin.span()), "drafter.sha256: expected 64 hexadecimal digits".into()))
+                        }
+                    })
+                    .transpose()?;
+                if d.draft_tokens == 0 {
+                    return Err(at(None, "drafter.draft_tokens: must be at least 1".into()));
+                }
+                let (options, option_lines) = match d.options {
+                    None => (toml::Table::new(), Vec::new()),
+                    Some(spanned) => {
+                        let span = spanned.span();
+                        let table = spanned.into_inner();
+                        let lines = table.keys().map(|k| (k.clone(), key_line(text, span.clone(), k))).collect();
+                        (table, lines)
+                    }
+                };
+                Some(DrafterSpec { kind: d.kind, artifact, sha256, draft_tokens: d.draft_tokens, options, option_lines })
+            }
+        };
+        Ok(Manifest { file: file.to_owned(), target_model, drafter, generation: parsed.generation })
+    }
+
+    /// Checks the drafter section against the plugin's descriptor: known option keys, and an
+    /// artifact when the plugin needs one.
+    pub fn check_drafter(&self, descriptor: &Descriptor) -> Result<(), ManifestError> {
+        let Some(drafter) = &self.drafter else { return Ok(()) };
+        let error = |line, message| ManifestError { file: self.file.clone(), line, message };
+        if descriptor.needs_artifact && drafter.artifact.is_none() {
+            return Err(error(None, format!("drafter.artifact: drafter `{}` needs an artifact directory", drafter.kind)));
+        }
+        let known: Vec<&str> = descriptor.options.iter().map(|o| o.key.as_str()).collect();
+        for (key, line) in &drafter.option_lines {
+            if !known.contains(&key.as_str()) {
+                let known = if known.is_empty() { "none".to_owned() } else { known.join(", ") };
+                return Err(error(
+                    Some(*line),
+                    format!("drafter.options.{key}: unknown option for drafter `{}` (known: {known})", drafter.kind),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl DrafterSpec {
+    /// The options as TOML text, the form in which they cross to the plugin.
+    pub fn options_toml(&self) -> String {
+        toml::to_string(&self.options).unwrap_or_default()
+    }
+}
+
+fn line_of(text: &str, offset: usize) -> usize {
+    text[..offset.min(text.len())].matches('\n').count() + 1
+}
+
+/// The line where `key` is written inside the table spanning `span`.
+fn key_line(text: &str, span: Range<usize>, key: &str) -> usize {
+    let start = span.start.min(text.len());
+    let region = &text[start..span.end.min(text.len())];
+    let mut offset = start;
+    for line in region.split_inclusive('\n') {
+        let trimmed = line.trim_start().trim_start_matches(['"', '\'']);
+        if trimmed.starts_with(key) && trimmed[key.len()..].trim_start_matches(['"', '\'']).trim_start().starts_with('=') {
+            return line_of(text, offset);
+        }
+        offset += line.len();
+    }
+    line_of(text, start)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn manifest_in(dir: &Path, text: &str) -> Result<Manifest, ManifestError> {
+        std::fs::create_dir_all(dir.join("model")).unwrap();
+        let file = dir.join("m.toml");
+        std::fs::write(&file, text).unwrap();
+        Manifest::load(&file)
+    }
+
+    fn temp(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("host-manifest-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        dir
+    }
+
+    #[test]
+    fn paths_resolve_relative_to_the_manifest() {
+        let dir = temp("relative");
+        let m = manifest_in(&dir, "[target]\nmodel = \"model\"\n[drafter]\nkind = \"ngram\"\n[drafter.options]\nmax_ngram = 4\n").unwrap();
+        assert_eq!(m.target_model, dir.join("model"));
+        let d = m.drafter.unwrap();
+        assert_eq!((d.kind.as_str(), d.draft_tokens), ("ngram", 4));
+        assert_eq!(d.options["max_ngram"].as_integer(), Some(4));
+        assert_eq!(m.generation, Generation::default());
+    }
+
+    #[test]
+    fn unknown_key_names_file_line_and_key() {
+        let dir = temp("unknown");
+        let e = manifest_in(&dir, "[target]\nmodel = \"model\"\n\n[generation]\nmax_tokenz = 3\n").unwrap_err();
+        assert_eq!(e.line, Some(5));
+        assert!(e.to_string().contains("m.toml:5:"), "{e}");
+        assert!(e.message.contains("unknown field `max_tokenz`"), "{e}");
+    }
+
+    #[test]
+    fn wrong_type_names_the_line() {
+        let dir = temp("type");
+        let e = manifest_in(&dir, "[target]\nmodel = \"model\"\n[generation]\ntemperature = \"hot\"\n").unwrap_err();
+        assert_eq!(e.line, Some(4));
+        assert!(e.message.contains("invalid type"), "{e}");
+    }
+
+    #[test]
+    fn missing_file_names_key_and_resolved_path() {
+        let dir = temp("missing");
+        let e = manifest_in(&dir, "[target]\nmodel = \"model\"\n[drafter]\nkind = \"x\"\nartifact = \"nope\"\n").unwrap_err();
+        assert_eq!(e.line, Some(5));
+        assert!(e.message.starts_with("drafter.artifact: "), "{e}");
+        assert!(e.message.contains("nope does not exist"), "{e}");
+    }
+
+    #[test]
+    fn missing_section_is_an_error() {
+        let dir = temp("section");
+        let e = manifest_in(&dir, "[generation]\nseed = 1\n").unwrap_err();
+        assert!(e.message.contains("missing field `target`"), "{e}");
+    }
+
+    #[test]
+    fn unknown_drafter_option_is_refused_against_the_descriptor() {
+        let dir = temp("option");
+        let m = manifest_in(&dir, "[target]\nmodel = \"model\"\n[drafter]\nkind = \"ngram\"\n[drafter.options]\nmax_ngram = 3\nmax_gram = 2\n")
+            .unwrap();
+        let descriptor = Descriptor::new("ngram", "n", "0").option("max_ngram", "3", "");
+        let e = m.check_drafter(&descriptor).unwrap_err();
+        assert_eq!(e.line, Some(7));
+        assert!(e.message.contains("drafter.options.max_gram: unknown option"), "{e}");
+    }
+
+    #[test]
+    fn bad_pin_is_refused() {
+        let dir = temp("pin");
+        let e = manifest_in(&dir, "[target]\nmodel = \"model\"\n[drafter]\nkind = \"x\"\nsha256 = \"abc\"\n").unwrap_err();
+        assert_eq!(e.line, Some(5));
+    }
+}

@@ -1,0 +1,150 @@
+//! The host's side of a loaded drafter: every call checked, every answer validated, and a
+//! drafter that fails once is poisoned so the request can finish without it.
+
+use std::path::Path;
+
+use abi_stable::std_types::{ROption, RVec};
+use mlx_rs::Array;
+use plugin_api::abi::{ProviderBox, RowGroupBox, TokenRows};
+use plugin_api::target::TargetViewBox;
+use plugin_api::{ArrayRef, PluginError, ProviderInfo};
+
+use super::load::Plugin;
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum DrafterError {
+    #[error("drafter `{kind}` failed in {call}: {error}")]
+    Plugin { kind: String, call: &'static str, error: PluginError },
+    #[error("drafter `{kind}` answered {call} wrongly: {reason}")]
+    InvalidAnswer { kind: String, call: &'static str, reason: String },
+    #[error("drafter `{kind}` is disabled for this request after an earlier failure")]
+    Poisoned { kind: String },
+}
+
+/// A loaded artifact of a plugin.
+pub struct Drafter {
+    kind: String,
+    provider: ProviderBox,
+    pub info: ProviderInfo,
+}
+
+impl Drafter {
+    /// Loads `artifact` (if any) with the manifest's options for this drafter, as TOML text.
+    pub fn load(plugin: &Plugin, artifact: Option<&Path>, options: &str) -> Result<Drafter, DrafterError> {
+        let kind = plugin.descriptor.kind.to_string();
+        let artifact = artifact.map(|p| p.to_string_lossy().into_owned()).unwrap_or_default();
+        let provider = (plugin.root.load())(artifact.as_str().into(), options.into())
+            .into_result()
+            .map_err(|error| DrafterError::Plugin { kind: kind.clone(), call: "load", error })?;
+        let info = provider.info();
+        Ok(Drafter { kind, provider, info })
+    }
+
+    /// Opens `rows` rows against a target of `vocab_size` tokens; an incompatible pairing is
+    /// refused here.
+    pub fn open(&self, target: TargetViewBox, rows: usize, vocab_size: u32) -> Result<DraftRows, DrafterError> {
+        let group = self
+            .provider
+            .open(target, rows as u32)
+            .into_result()
+            .map_err(|error| DrafterError::Plugin { kind: self.kind.clone(), call: "open", error })?;
+        Ok(DraftRows { kind: self.kind.clone(), group, rows, vocab_size, poisoned: false })
+    }
+}
+
+/// One row's validated proposal.
+#[derive(Debug)]
+pub struct Proposal {
+    pub tokens: Vec<u32>,
+    pub probabilities: Option<Array>,
+}
+
+/// A drafter's row group, as the verify loop drives it.
+pub struct DraftRows {
+    kind: String,
+    group: RowGroupBox,
+    rows: usize,
+    vocab_size: u32,
+    poisoned: bool,
+}
+
+impl DraftRows {
+    pub fn is_poisoned(&self) -> bool {
+        self.poisoned
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn prefill(&mut self, tokens: &[u32], context: Option<&Array>) -> Result<(), DrafterError> {
+        self.live()?;
+        let answer = self.group.prefill(TokenRows::new(tokens, self.rows), context.map(ArrayRef::new).into()).into_result();
+        self.checked("prefill", answer)
+    }
+
+    /// Asks for up to `depth` tokens after each row's pending token and validates the answer:
+    /// one proposal per row, no more than `depth` tokens, every id inside the vocabulary, and
+    /// probabilities (if any) shaped [tokens, vocab].
+    pub fn draft(&mut self, pending: &[u32], depth: usize, steps: &[u64]) -> Result<Vec<Proposal>, DrafterError> {
+        self.live()?;
+        let answer = self.group.draft(pending.into(), depth as u32, steps.into()).into_result();
+        let rows = self.checked("draft", answer)?;
+        self.validate_draft(rows, depth).map_err(|reason| {
+            self.poisoned = true;
+            DrafterError::InvalidAnswer { kind: self.kind.clone(), call: "draft", reason }
+        })
+    }
+
+    pub fn commit(&mut self, window: &[u32], accepted: &[u32], context: Option<&Array>) -> Result<(), DrafterError> {
+        self.live()?;
+        let answer = self
+            .group
+            .commit(TokenRows::new(window, self.rows), accepted.into(), context.map(ArrayRef::new).into())
+            .into_result();
+        self.checked("commit", answer)
+    }
+
+    fn live(&self) -> Result<(), DrafterError> {
+        if self.poisoned {
+            return Err(DrafterError::Poisoned { kind: self.kind.clone() });
+        }
+        Ok(())
+    }
+
+    fn checked<T>(&mut self, call: &'static str, answer: Result<T, PluginError>) -> Result<T, DrafterError> {
+        answer.map_err(|error| {
+            self.poisoned = true;
+            DrafterError::Plugin { kind: self.kind.clone(), call, error }
+        })
+    }
+
+    fn validate_draft(&self, rows: RVec<plugin_api::abi::DraftRow>, depth: usize) -> Result<Vec<Proposal>, String> {
+        if rows.len() != self.rows {
+            return Err(format!("{} proposals for {} rows", rows.len(), self.rows));
+        }
+        rows.into_iter()
+            .enumerate()
+            .map(|(r, row)| {
+                if row.tokens.len() > depth {
+                    return Err(format!("row {r}: {} tokens for a depth of {depth}", row.tokens.len()));
+                }
+                if let Some(&bad) = row.tokens.iter().find(|&&t| t >= self.vocab_size) {
+                    return Err(format!("row {r}: token id {bad} outside the vocabulary of {}", self.vocab_size));
+                }
+                let probabilities = match row.probabilities {
+                    ROption::RSome(p) => {
+                        let p = p.into_array();
+                        let want = [row.tokens.len() as i32, self.vocab_size as i32];
+                        if p.shape() != want {
+                            return Err(format!("row {r}: probabilities of shape {:?}, expected {want:?}", p.shape()));
+                        }
+                        Some(p)
+                    }
+                    ROption::RNone => None,
+                };
+                Ok(Proposal { tokens: row.tokens.into_vec(), probabilities })
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,9 @@
+//! Drafter plugins: finding and loading libraries, and driving the drafters they provide.
+
+pub mod drafter;
+pub mod load;
+pub mod registry;
+
+pub use drafter::{Drafter, DrafterError};
+pub use load::{LoadError, Plugin};
+pub use registry::{Registry, RegistryEntry};

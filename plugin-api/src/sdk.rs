@@ -1,0 +1,253 @@
+//! The SDK: a drafter author implements [`Drafter`], [`DraftProvider`] and [`DraftRows`] in
+//! plain Rust and exports them with [`export_drafter!`](crate::export_drafter). The adapters
+//! here turn them into the ABI objects and guard every entry: a panic becomes a
+//! [`PluginError`] of kind `PANICKED` instead of crossing the boundary.
+
+use std::collections::BTreeSet;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::Path;
+
+use abi_stable::prefix_type::PrefixTypeTrait;
+use abi_stable::sabi_trait::TD_Opaque;
+use abi_stable::std_types::{RNone, ROption, RResult, RSlice, RStr, RVec};
+use mlx_rs::Array;
+use serde::de::DeserializeOwned;
+
+use crate::abi::{
+    DraftRow, DrafterRoot, DrafterRootRef, Extension, ProviderAbi, ProviderAbi_TO, ProviderBox, RowGroupAbi,
+    RowGroupAbi_TO, RowGroupBox, RowState, TokenRows,
+};
+use crate::target::{Donors, TargetInfo, TargetViewBox};
+use crate::{ArrayRef, Descriptor, ErrorKind, OwnedArray, PluginError, ProviderInfo};
+
+/// A drafter kind: its descriptor, and how it loads an artifact.
+pub trait Drafter: 'static {
+    type Provider: DraftProvider;
+    fn descriptor() -> Descriptor;
+    /// `artifact` is `None` when the manifest names none. `options` holds only keys the
+    /// descriptor declares (the SDK refuses others before calling this).
+    fn load(artifact: Option<&Path>, options: &Options) -> Result<Self::Provider, PluginError>;
+}
+
+/// A loaded artifact, from which row groups are opened against a target.
+pub trait DraftProvider: 'static {
+    type Rows: DraftRows;
+    fn info(&self) -> ProviderInfo;
+    /// Refuse an incompatible target here, naming both values.
+    fn open(&self, target: Target, rows: usize) -> Result<Self::Rows, PluginError>;
+}
+
+/// B rows of drafter state; see [`RowGroupAbi`](crate::abi::RowGroupAbi) for each call's
+/// meaning.
+pub trait DraftRows: 'static {
+    fn prefill(&mut self, tokens: TokenRows<'_>, context: Option<Array>) -> Result<(), PluginError>;
+    fn draft(&mut self, pending: &[u32], depth: usize, steps: &[u64]) -> Result<Vec<Proposal>, PluginError>;
+    fn commit(&mut self, window: TokenRows<'_>, accepted: &[u32], context: Option<Array>) -> Result<(), PluginError>;
+    fn filter_rows(&mut self, keep: &[u32]) -> Result<(), PluginError>;
+    fn append(&mut self, states: Vec<RowState>) -> Result<(), PluginError>;
+    fn capture(&mut self, row: usize) -> Result<RowState, PluginError>;
+}
+
+/// One row's proposal, in plain Rust.
+#[derive(Debug, Default)]
+pub struct Proposal {
+    pub tokens: Vec<u32>,
+    pub probabilities: Option<Array>,
+}
+
+impl Proposal {
+    pub fn tokens(tokens: Vec<u32>) -> Self {
+        Proposal { tokens, probabilities: None }
+    }
+}
+
+/// The drafter's `[drafter]` options from the manifest.
+#[derive(Debug, Default)]
+pub struct Options {
+    table: toml::Table,
+}
+
+impl Options {
+    pub fn parse(text: &str) -> Result<Self, PluginError> {
+        let table = text
+            .parse::<toml::Table>()
+            .map_err(|e| PluginError::invalid_options(format!("options are not TOML: {e}")))?;
+        Ok(Options { table })
+    }
+
+    /// The value of `key`, if given; a value of the wrong type is an error naming the key.
+    pub fn get<T: DeserializeOwned>(&self, key: &str) -> Result<Option<T>, PluginError> {
+        self.table
+            .get(key)
+            .map(|v| {
+                v.clone()
+                    .try_into()
+                    .map_err(|e| PluginError::invalid_options(format!("option `{key}`: {e}")))
+            })
+            .transpose()
+    }
+
+    pub fn get_or<T: DeserializeOwned>(&self, key: &str, default: T) -> Result<T, PluginError> {
+        Ok(self.get(key)?.unwrap_or(default))
+    }
+
+    pub fn keys(&self) -> impl Iterator<Item = &str> {
+        self.table.keys().map(String::as_str)
+    }
+
+    /// Refuses keys the descriptor does not declare.
+    fn check_known(&self, descriptor: &Descriptor) -> Result<(), PluginError> {
+        let known: BTreeSet<&str> = descriptor.options.iter().map(|o| o.key.as_str()).collect();
+        match self.keys().find(|k| !known.contains(k)) {
+            None => Ok(()),
+            Some(key) => Err(PluginError::invalid_options(format!(
+                "unknown option `{key}` for drafter `{}` (known: {})",
+                descriptor.kind,
+                if known.is_empty() { "none".to_string() } else { known.into_iter().collect::<Vec<_>>().join(", ") }
+            ))),
+        }
+    }
+}
+
+/// The target, as a drafter sees it: safe wrappers over the host's callbacks.
+pub struct Target {
+    view: TargetViewBox,
+}
+
+impl Target {
+    pub fn new(view: TargetViewBox) -> Self {
+        Target { view }
+    }
+    pub fn info(&self) -> TargetInfo {
+        self.view.info()
+    }
+    pub fn embed(&self, ids: &Array, scaled: bool) -> Result<Array, PluginError> {
+        self.view.embed(ArrayRef::new(ids), scaled).into_result().map(OwnedArray::into_array)
+    }
+    pub fn logits_from_hidden(&self, hidden: &Array) -> Result<Array, PluginError> {
+        self.view.logits_from_hidden(ArrayRef::new(hidden)).into_result().map(OwnedArray::into_array)
+    }
+    pub fn read_donors(&self) -> Result<Donors, PluginError> {
+        self.view.read_donors().into_result()
+    }
+}
+
+/// Runs one plugin entry, turning a panic into a `PANICKED` error that names the entry.
+pub fn guard<T>(entry: &str, body: impl FnOnce() -> Result<T, PluginError>) -> RResult<T, PluginError> {
+    match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(result) => result.into(),
+        Err(payload) => {
+            let what = payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a non-string panic payload".into());
+            RResult::RErr(PluginError::new(ErrorKind::PANICKED, format!("panicked in {entry}: {what}")))
+        }
+    }
+}
+
+struct ProviderAdapter<P>(P);
+
+impl<P: DraftProvider> ProviderAbi for ProviderAdapter<P> {
+    fn info(&self) -> ProviderInfo {
+        // `info` cannot return an error; a panic here is turned into an empty id.
+        catch_unwind(AssertUnwindSafe(|| self.0.info())).unwrap_or_else(|_| ProviderInfo {
+            id: "<panicked in info>".into(),
+            weights_bytes: 0,
+            namespace: "".into(),
+            trained_depth: 0,
+            capabilities: Default::default(),
+        })
+    }
+
+    fn open(&self, target: TargetViewBox, rows: u32) -> RResult<RowGroupBox, PluginError> {
+        guard("open", || {
+            let group = self.0.open(Target::new(target), rows as usize)?;
+            Ok(RowGroupAbi_TO::from_value(RowsAdapter(group), TD_Opaque))
+        })
+    }
+}
+
+struct RowsAdapter<R>(R);
+
+fn owned(context: ROption<ArrayRef<'_>>) -> Option<Array> {
+    context.into_option().map(|c| c.to_array())
+}
+
+impl<R: DraftRows> RowGroupAbi for RowsAdapter<R> {
+    fn prefill(&mut self, tokens: TokenRows<'_>, context: ROption<ArrayRef<'_>>) -> RResult<(), PluginError> {
+        guard("prefill", || self.0.prefill(tokens, owned(context)))
+    }
+
+    fn draft(&mut self, pending: RSlice<'_, u32>, depth: u32, steps: RSlice<'_, u64>) -> RResult<RVec<DraftRow>, PluginError> {
+        guard("draft", || {
+            let proposals = self.0.draft(pending.as_slice(), depth as usize, steps.as_slice())?;
+            Ok(proposals
+                .into_iter()
+                .map(|p| DraftRow { tokens: p.tokens.into(), probabilities: p.probabilities.map(OwnedArray::new).into() })
+                .collect())
+        })
+    }
+
+    fn commit(&mut self, window: TokenRows<'_>, accepted: RSlice<'_, u32>, context: ROption<ArrayRef<'_>>) -> RResult<(), PluginError> {
+        guard("commit", || self.0.commit(window, accepted.as_slice(), owned(context)))
+    }
+
+    fn filter_rows(&mut self, keep: RSlice<'_, u32>) -> RResult<(), PluginError> {
+        guard("filter_rows", || self.0.filter_rows(keep.as_slice()))
+    }
+
+    fn append(&mut self, states: RVec<RowState>) -> RResult<(), PluginError> {
+        guard("append", || self.0.append(states.into_vec()))
+    }
+
+    fn capture(&mut self, row: u32) -> RResult<RowState, PluginError> {
+        guard("capture", || self.0.capture(row as usize))
+    }
+}
+
+extern "C" fn descriptor_entry<D: Drafter>() -> RResult<Descriptor, PluginError> {
+    guard("descriptor", || Ok(D::descriptor()))
+}
+
+extern "C" fn load_entry<D: Drafter>(artifact: RStr<'_>, options: RStr<'_>) -> RResult<ProviderBox, PluginError> {
+    guard("load", || {
+        let options = Options::parse(options.as_str())?;
+        options.check_known(&D::descriptor())?;
+        let artifact = (!artifact.is_empty()).then(|| Path::new(artifact.as_str()));
+        let provider = D::load(artifact, &options)?;
+        Ok(ProviderAbi_TO::from_value(ProviderAdapter(provider), TD_Opaque))
+    })
+}
+
+extern "C" fn no_extension(_id: RStr<'_>) -> ROption<Extension> {
+    RNone
+}
+
+/// The root module for drafter `D`; [`export_drafter!`](crate::export_drafter) exports it.
+pub fn root_module<D: Drafter>() -> DrafterRootRef {
+    let root = DrafterRoot { descriptor: descriptor_entry::<D>, load: load_entry::<D>, extension: no_extension };
+    root.leak_into_prefix()
+}
+
+/// Exports a [`Drafter`] as this library's plugin root: `plugin_api::export_drafter!(MyDrafter);`
+/// in a `cdylib` crate. It defines the one symbol the host looks for.
+#[macro_export]
+macro_rules! export_drafter {
+    ($drafter:ty) => {
+        #[no_mangle]
+        pub static _1as_0lib_1header_0root_bmodule_bloader: $crate::__private::LibHeader = {
+            extern "C" fn load_root() -> $crate::__private::RootModuleResult {
+                $crate::__private::__call_root_module_loader(|| $crate::sdk::root_module::<$drafter>())
+            }
+            // SAFETY: the header describes the root module type that `load_root` returns.
+            unsafe {
+                $crate::__private::LibHeader::from_constructor::<$crate::abi::DrafterRootRef>(
+                    load_root,
+                    $crate::__private::CheckTypeLayout::Yes,
+                )
+            }
+        };
+    };
+}

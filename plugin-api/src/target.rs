@@ -1,0 +1,75 @@
+//! The host's side of the seam: what a drafter may ask of the target model.
+
+use abi_stable::sabi_trait;
+use abi_stable::std_types::{RBox, RResult, RString, RVec};
+use abi_stable::StableAbi;
+
+use crate::{ArrayRef, OwnedArray, PluginError};
+
+/// Sizes and kinds of the target a drafter is opened against. **ABI-frozen.**
+#[repr(C)]
+#[derive(StableAbi, Clone, Debug, PartialEq)]
+pub struct TargetInfo {
+    /// The checkpoint's `model_type` (e.g. `gemma4_text`).
+    pub model_type: RString,
+    pub vocab_size: u32,
+    pub hidden_size: u32,
+    pub num_layers: u32,
+    pub num_attention_heads: u32,
+    pub num_key_value_heads: u32,
+    pub head_dim: u32,
+    /// Sliding-window length of the sliding layers; 0 when the target has none.
+    pub sliding_window: u32,
+    /// The activation dtype, as mlx-c's `mlx_dtype` number.
+    pub dtype: u32,
+    /// `final_logit_softcapping`; 0 when off.
+    pub final_logit_softcap: f32,
+}
+
+/// The K/V of one donor layer, lent as new references to the target's cache arrays (no copy).
+/// **ABI-frozen.**
+#[repr(C)]
+#[derive(StableAbi, Debug)]
+pub struct DonorLayer {
+    /// [B, kv_heads, slots, head_dim], in the cache's storage order.
+    pub keys: OwnedArray,
+    /// Same shape as `keys`.
+    pub values: OwnedArray,
+    /// [B, slots] int32: the absolute position held by each slot, -1 for an empty slot. A
+    /// rotating cache's slots are not in position order; this says which is which.
+    pub slot_positions: OwnedArray,
+    /// The attention window of this layer; 0 for full attention.
+    pub window: u32,
+}
+
+/// The target's last sliding and last full donor layers, for drafters that attend to the
+/// target's cache instead of keeping one. **ABI-frozen.**
+#[repr(C)]
+#[derive(StableAbi, Debug)]
+pub struct Donors {
+    /// Per row, the target's last cached position.
+    pub positions: RVec<i32>,
+    pub sliding: DonorLayer,
+    pub full: DonorLayer,
+}
+
+/// Callbacks into the target. The host implements it; a row group keeps it for its lifetime.
+/// Calls happen on the thread that drives the row group. **ABI-frozen**: methods are only
+/// ever appended, with defaults.
+#[sabi_trait]
+pub trait TargetViewAbi {
+    fn info(&self) -> TargetInfo;
+
+    /// Token embeddings [B, L, H] of ids [B, L]; `scaled` multiplies by √H as the target's
+    /// own input does.
+    fn embed(&self, ids: ArrayRef<'_>, scaled: bool) -> RResult<OwnedArray, PluginError>;
+
+    /// Logits [B, L, V] of hidden states [B, L, H]: the tied head, then the final softcap.
+    fn logits_from_hidden(&self, hidden: ArrayRef<'_>) -> RResult<OwnedArray, PluginError>;
+
+    #[sabi(last_prefix_field)]
+    fn read_donors(&self) -> RResult<Donors, PluginError>;
+}
+
+/// A target view owned by whoever holds it.
+pub type TargetViewBox = TargetViewAbi_TO<'static, RBox<()>>;
