@@ -47,6 +47,8 @@
 #![allow(non_local_definitions)]
 
 pub mod abi;
+#[cfg(feature = "conformance")]
+pub mod conformance;
 pub mod descriptor;
 pub mod error;
 pub mod guide;

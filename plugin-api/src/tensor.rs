@@ -75,6 +75,11 @@ impl OwnedArray {
         OwnedArray { raw }
     }
 
+    /// Lends the array for a call without giving up ownership.
+    pub fn borrow(&self) -> ArrayRef<'_> {
+        ArrayRef { raw: self.raw, lent: PhantomData }
+    }
+
     pub fn into_array(self) -> Array {
         let handle = self.raw.to_mlx();
         std::mem::forget(self);

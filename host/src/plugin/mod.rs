@@ -3,7 +3,8 @@
 pub mod drafter;
 pub mod load;
 pub mod registry;
+pub mod report;
 
 pub use drafter::{Drafter, DrafterError};
 pub use load::{LoadError, Plugin};
-pub use registry::{Registry, RegistryEntry};
+pub use registry::{select, Registry, RegistryEntry, SelectError};

@@ -51,3 +51,58 @@ impl Registry {
         })
     }
 }
+
+/// Why no plugin could serve a manifest's drafter.
+#[derive(Debug, thiserror::Error)]
+pub enum SelectError {
+    #[error("cannot read the plugins directory {dir}: {reason}")]
+    Directory { dir: PathBuf, reason: String },
+    #[error("no plugin of kind `{kind}` in {dir} (loaded kinds: {loaded}){refused}")]
+    NoSuchKind { kind: String, dir: PathBuf, loaded: String, refused: String },
+    #[error("no library in {dir} has the pinned sha256 {pin}")]
+    NoPinnedLibrary { dir: PathBuf, pin: String },
+    #[error("{path}: {error}")]
+    Refused { path: PathBuf, error: LoadError },
+    #[error("{path} has the pinned sha256 but is of kind `{found}`, not `{kind}`")]
+    WrongKind { path: PathBuf, kind: String, found: String },
+}
+
+/// The plugin a manifest's drafter asks for. With a sha256 pin, only the library with that
+/// hash is opened (hashes are computed before anything is loaded); without one, the
+/// directory is scanned and the plugin of that kind chosen.
+pub fn select(dir: &Path, kind: &str, pin: Option<&str>) -> Result<Plugin, SelectError> {
+    let directory_error = |e: std::io::Error| SelectError::Directory { dir: dir.to_owned(), reason: e.to_string() };
+    if let Some(pin) = pin {
+        let candidates = std::fs::read_dir(dir).map_err(directory_error)?;
+        let pinned = candidates
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.is_file() && p.to_string_lossy().ends_with(LIBRARY_SUFFIX))
+            .find(|p| super::load::sha256_file(p).is_ok_and(|h| h.eq_ignore_ascii_case(pin)));
+        let path = pinned.ok_or_else(|| SelectError::NoPinnedLibrary { dir: dir.to_owned(), pin: pin.to_owned() })?;
+        let plugin = load(&path, Some(pin)).map_err(|error| SelectError::Refused { path: path.clone(), error })?;
+        if plugin.descriptor.kind.as_str() != kind {
+            return Err(SelectError::WrongKind { path, kind: kind.to_owned(), found: plugin.descriptor.kind.to_string() });
+        }
+        return Ok(plugin);
+    }
+    let registry = Registry::scan(dir).map_err(directory_error)?;
+    if let Some(plugin) = registry.find(kind) {
+        return Ok(plugin.clone());
+    }
+    let loaded: Vec<String> = registry.loaded().map(|p| p.descriptor.kind.to_string()).collect();
+    let refused: Vec<String> = registry
+        .entries
+        .iter()
+        .filter_map(|e| e.outcome.as_ref().err().map(|err| format!("{}: {err}", file_name(&e.path))))
+        .collect();
+    Err(SelectError::NoSuchKind {
+        kind: kind.to_owned(),
+        dir: dir.to_owned(),
+        loaded: if loaded.is_empty() { "none".into() } else { loaded.join(", ") },
+        refused: if refused.is_empty() { String::new() } else { format!("; refused: {}", refused.join("; ")) },
+    })
+}
+
+pub fn file_name(path: &Path) -> String {
+    path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| path.display().to_string())
+}

@@ -198,3 +198,38 @@ mod tests {
         assert_eq!(lookup(&[1, 2, 3], 1, 3, 4), &[] as &[u32]);
     }
 }
+
+#[cfg(test)]
+mod conformance {
+    use plugin_api::conformance::{check, Config};
+
+    #[test]
+    fn passes_the_conformance_kit() {
+        check::<super::Ngram>(&Config::default()).assert_passed();
+    }
+
+    #[test]
+    fn passes_with_options_batches_and_deep_drafts() {
+        let config = Config { options: "max_ngram = 5\nmin_ngram = 2\n".into(), rows: 5, depth: 7, rounds: 12, ..Config::default() };
+        check::<super::Ngram>(&config).assert_passed();
+    }
+
+    #[test]
+    fn drafts_something_on_a_repetitive_prompt() {
+        // The kit's prompts come from a small alphabet, so prompt lookup must find matches;
+        // a kit that never saw a non-empty draft would check little.
+        let report = check::<super::Ngram>(&Config::default());
+        assert!(report.passed(), "{report}");
+        assert!(report.drafted > 0, "no tokens drafted in {} rounds", Config::default().rounds);
+    }
+
+    #[test]
+    fn refuses_bad_options() {
+        let report = check::<super::Ngram>(&Config { options: "min_ngram = 4\nmax_ngram = 2\n".into(), ..Config::default() });
+        let failure = &report.failures()[0];
+        assert_eq!(failure.0, "load");
+        assert!(failure.1.as_ref().unwrap_err().contains("min_ngram = 4, max_ngram = 2"), "{report}");
+        let report = check::<super::Ngram>(&Config { options: "max_gram = 2\n".into(), ..Config::default() });
+        assert!(report.failures()[0].1.as_ref().unwrap_err().contains("unknown option `max_gram`"), "{report}");
+    }
+}

@@ -1,0 +1,387 @@
+//! The conformance kit (feature `conformance`): drives a drafter through its whole lifecycle
+//! against a [`SyntheticTarget`] and checks the contract. It goes through the same ABI objects
+//! the host uses, so a plugin that passes here behaves at the boundary.
+//!
+//! ```ignore
+//! let report = plugin_api::conformance::check::<MyDrafter>(&Config::default());
+//! report.assert_passed();
+//! ```
+//! [`check_root`] does the same for any loaded root module.
+
+use std::fmt;
+use std::path::PathBuf;
+
+use abi_stable::sabi_trait::TD_Opaque;
+use abi_stable::std_types::{RResult, RSome, RVec};
+use mlx_rs::{random, Array, Dtype};
+
+use crate::abi::{DraftRow, DrafterRootRef, RowGroupBox, RowState, TokenRows};
+use crate::target::{Donors, TargetInfo, TargetViewAbi, TargetViewAbi_TO, TargetViewBox};
+use crate::{sdk, ArrayRef, OwnedArray, PluginError, ProviderInfo};
+
+/// A target with random weights and no model behind it: sizes, an embedding table, a tied
+/// head. Enough for drafters to be opened and driven.
+#[derive(Clone)]
+pub struct SyntheticTarget {
+    info: TargetInfo,
+    embedding: Array,
+}
+
+impl SyntheticTarget {
+    pub fn new(vocab_size: u32, hidden_size: u32, num_layers: u32, seed: u64) -> Result<Self, PluginError> {
+        let key = random::key(seed)?;
+        let embedding = random::normal::<f32>(&[vocab_size as i32, hidden_size as i32], None, 0.02, &key)?;
+        let info = TargetInfo {
+            model_type: "synthetic".into(),
+            vocab_size,
+            hidden_size,
+            num_layers,
+            num_attention_heads: 2,
+            num_key_value_heads: 1,
+            head_dim: hidden_size / 2,
+            sliding_window: 0,
+            dtype: Dtype::Float32 as u32,
+            final_logit_softcap: 0.0,
+        };
+        Ok(SyntheticTarget { info, embedding })
+    }
+
+    pub fn view(&self) -> TargetViewBox {
+        TargetViewAbi_TO::from_value(self.clone(), TD_Opaque)
+    }
+
+    pub fn info(&self) -> &TargetInfo {
+        &self.info
+    }
+}
+
+impl TargetViewAbi for SyntheticTarget {
+    fn info(&self) -> TargetInfo {
+        self.info.clone()
+    }
+
+    fn embed(&self, ids: ArrayRef<'_>, scaled: bool) -> RResult<OwnedArray, PluginError> {
+        let scale = if scaled { (self.info.hidden_size as f32).sqrt() } else { 1.0 };
+        let result = self.embedding.take_axis(ids.to_array(), 0).and_then(|e| e.multiply(Array::from_f32(scale)));
+        result.map(OwnedArray::new).map_err(PluginError::from).into()
+    }
+
+    fn logits_from_hidden(&self, hidden: ArrayRef<'_>) -> RResult<OwnedArray, PluginError> {
+        hidden.to_array().matmul(self.embedding.t()).map(OwnedArray::new).map_err(PluginError::from).into()
+    }
+
+    fn read_donors(&self) -> RResult<Donors, PluginError> {
+        RResult::RErr(PluginError::unsupported("the synthetic target has no KV cache to lend"))
+    }
+}
+
+/// What the kit runs.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub artifact: Option<PathBuf>,
+    /// The drafter's options, as TOML text.
+    pub options: String,
+    pub vocab_size: u32,
+    pub hidden_size: u32,
+    pub num_layers: u32,
+    pub rows: usize,
+    pub prompt_len: usize,
+    pub depth: usize,
+    pub rounds: usize,
+    pub seed: u64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            artifact: None,
+            options: String::new(),
+            vocab_size: 64,
+            hidden_size: 16,
+            num_layers: 4,
+            rows: 3,
+            prompt_len: 24,
+            depth: 4,
+            rounds: 8,
+            seed: 1,
+        }
+    }
+}
+
+/// Each named check and its outcome.
+#[derive(Debug, Default)]
+pub struct Report {
+    pub checks: Vec<(String, Result<(), String>)>,
+    /// Tokens proposed over all rounds and rows: a drafter that never proposes passes the
+    /// contract but exercises little of it.
+    pub drafted: usize,
+}
+
+impl Report {
+    fn record(&mut self, name: &str, outcome: Result<(), String>) -> bool {
+        let ok = outcome.is_ok();
+        self.checks.push((name.to_owned(), outcome));
+        ok
+    }
+
+    pub fn failures(&self) -> Vec<&(String, Result<(), String>)> {
+        self.checks.iter().filter(|(_, r)| r.is_err()).collect()
+    }
+
+    pub fn passed(&self) -> bool {
+        !self.checks.is_empty() && self.failures().is_empty()
+    }
+
+    /// Panics with every failed check, for use in tests.
+    pub fn assert_passed(&self) {
+        assert!(self.passed(), "conformance failed:\n{self}");
+    }
+}
+
+impl fmt::Display for Report {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (name, outcome) in &self.checks {
+            match outcome {
+                Ok(()) => writeln!(f, "ok    {name}")?,
+                Err(why) => writeln!(f, "FAIL  {name}: {why}")?,
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Runs the kit on drafter `D` in this process, through its exported root module.
+pub fn check<D: sdk::Drafter>(config: &Config) -> Report {
+    check_root(sdk::root_module::<D>(), config)
+}
+
+/// Runs the kit on a root module, e.g. one the host loaded from a library.
+pub fn check_root(root: DrafterRootRef, config: &Config) -> Report {
+    let mut report = Report::default();
+    let _ = run(root, config, &mut report);
+    report
+}
+
+/// A deterministic xorshift stream, so every run of the kit drives the same inputs.
+struct Stream(u64);
+
+impl Stream {
+    fn next(&mut self, below: u32) -> u32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 % u64::from(below.max(1))) as u32
+    }
+}
+
+fn err(e: PluginError) -> String {
+    e.to_string()
+}
+
+fn run(root: DrafterRootRef, config: &Config, report: &mut Report) -> Option<()> {
+    let descriptor = (root.descriptor())().into_result();
+    let descriptor_ok = descriptor.as_ref().map_err(|e| err(e.clone())).and_then(|d| {
+        if d.kind.is_empty() || d.version.is_empty() {
+            Err("kind and version must not be empty".into())
+        } else {
+            Ok(())
+        }
+    });
+    if !report.record("descriptor", descriptor_ok) {
+        return None;
+    }
+    let artifact = config.artifact.as_ref().map(|p| p.to_string_lossy().into_owned()).unwrap_or_default();
+    let provider = (root.load())(artifact.as_str().into(), config.options.as_str().into()).into_result();
+    if !report.record("load", provider.as_ref().map(|_| ()).map_err(|e| err(e.clone()))) {
+        return None;
+    }
+    let provider = provider.ok()?;
+    let info = provider.info();
+    report.record("info", check_info(&info, config));
+
+    let target = SyntheticTarget::new(config.vocab_size, config.hidden_size, config.num_layers, config.seed);
+    let target = match target {
+        Ok(t) => t,
+        Err(e) => {
+            report.record("synthetic target", Err(err(e)));
+            return None;
+        }
+    };
+    let open = |rows: usize| provider.open(target.view(), rows as u32).into_result().map_err(err);
+    let (mut a, mut b) = match (open(config.rows), open(config.rows)) {
+        (Ok(a), Ok(b)) => (a, b),
+        (Err(e), _) | (_, Err(e)) => {
+            report.record("open", Err(e));
+            return None;
+        }
+    };
+    report.record("open", Ok(()));
+
+    let taps = info.capabilities.tap_layers.len().max(1) * config.hidden_size as usize;
+    let with_taps = !info.capabilities.tap_layers.is_empty();
+    let mut stream = Stream(config.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+    // A small alphabet makes repetitions, so that lookup-style drafters have something to find.
+    let alphabet = config.vocab_size.min(8);
+    let prompt: Vec<u32> = (0..config.rows * config.prompt_len).map(|_| stream.next(alphabet)).collect();
+    let prefix_len = config.prompt_len - 1;
+    let prefix: Vec<u32> = (0..config.rows).flat_map(|r| prompt[r * config.prompt_len..][..prefix_len].to_vec()).collect();
+    let mut pending: Vec<u32> = (0..config.rows).map(|r| prompt[r * config.prompt_len + prefix_len]).collect();
+
+    let context = |rows: usize, len: usize, key: u64| -> Option<Array> {
+        with_taps.then(|| {
+            random::normal::<f32>(&[rows as i32, len as i32, taps as i32], None, None, &random::key(key).ok()?).ok()
+        })?
+    };
+    let prefill_context = context(config.rows, prefix_len, config.seed + 1);
+    let prefill = |g: &mut RowGroupBox| {
+        g.prefill(TokenRows::new(&prefix, config.rows), prefill_context.as_ref().map(ArrayRef::new).into())
+            .into_result()
+            .map_err(err)
+    };
+    let prefilled = prefill(&mut a).and_then(|_| prefill(&mut b));
+    if with_taps {
+        report.record("prefill context shape", check_context(&prefill_context, config.rows, prefix_len, taps));
+    }
+    if !report.record("prefill", prefilled) {
+        return None;
+    }
+
+    let mut step = prefix_len as u64;
+    for round in 0..config.rounds {
+        let depth = 1 + round % config.depth.max(1);
+        let steps = vec![step; config.rows];
+        let drafted_a = a.draft(pending.as_slice().into(), depth as u32, steps.as_slice().into()).into_result();
+        let drafted_b = b.draft(pending.as_slice().into(), depth as u32, steps.as_slice().into()).into_result();
+        let (drafted_a, drafted_b) = match (drafted_a, drafted_b) {
+            (Ok(x), Ok(y)) => (x, y),
+            (Err(e), _) | (_, Err(e)) => {
+                report.record(&format!("draft (round {round})"), Err(err(e)));
+                return None;
+            }
+        };
+        let valid = check_draft(&drafted_a, config.rows, depth, config.vocab_size);
+        if !report.record(&format!("draft answer (round {round})"), valid) {
+            return None;
+        }
+        let same = token_lists(&drafted_a) == token_lists(&drafted_b);
+        report.record(
+            &format!("determinism (round {round})"),
+            if same { Ok(()) } else { Err(format!("{:?} then {:?} for the same inputs", token_lists(&drafted_a), token_lists(&drafted_b))) },
+        );
+
+        // Simulate verification: accept a random prefix of each row's draft, then a new token.
+        let drafts = token_lists(&drafted_a);
+        report.drafted += drafts.iter().map(Vec::len).sum::<usize>();
+        let width = 1 + drafts.iter().map(Vec::len).max().unwrap_or(0);
+        let mut window = Vec::with_capacity(config.rows * width);
+        let mut accepted = Vec::with_capacity(config.rows);
+        for (r, d) in drafts.iter().enumerate() {
+            window.push(pending[r]);
+            window.extend_from_slice(d);
+            window.extend(std::iter::repeat(0).take(width - 1 - d.len()));
+            accepted.push(stream.next(d.len() as u32 + 1));
+        }
+        let commit_context = context(config.rows, width, config.seed + 10 + round as u64);
+        let commit = |g: &mut RowGroupBox| {
+            g.commit(TokenRows::new(&window, config.rows), accepted.as_slice().into(), commit_context.as_ref().map(ArrayRef::new).into())
+                .into_result()
+                .map_err(err)
+        };
+        if !report.record(&format!("commit (round {round})"), commit(&mut a).and_then(|_| commit(&mut b))) {
+            return None;
+        }
+        pending = (0..config.rows).map(|_| stream.next(alphabet)).collect();
+        step += 1 + accepted.iter().copied().max().unwrap_or(0) as u64;
+    }
+
+    report.record("capture and append", check_capture_append(&provider_open(&provider, &target), &mut a, &pending, config, step));
+    report.record("filter rows", check_filter(&mut a, &mut b, &pending, config, step));
+    Some(())
+}
+
+fn provider_open<'a>(
+    provider: &'a crate::abi::ProviderBox,
+    target: &'a SyntheticTarget,
+) -> impl Fn(usize) -> Result<RowGroupBox, String> + 'a {
+    move |rows| provider.open(target.view(), rows as u32).into_result().map_err(err)
+}
+
+fn check_info(info: &ProviderInfo, config: &Config) -> Result<(), String> {
+    if let Some(bad) = info.capabilities.tap_layers.iter().find(|&&l| l > config.num_layers) {
+        return Err(format!("tap layer {bad} beyond the target's {} layers", config.num_layers));
+    }
+    if info.namespace.is_empty() {
+        return Err("empty namespace".into());
+    }
+    Ok(())
+}
+
+fn check_context(context: &Option<Array>, rows: usize, len: usize, width: usize) -> Result<(), String> {
+    match context {
+        Some(c) if c.shape() == [rows as i32, len as i32, width as i32] => Ok(()),
+        Some(c) => Err(format!("context of shape {:?}", c.shape())),
+        None => Err("no context".into()),
+    }
+}
+
+fn token_lists(rows: &RVec<DraftRow>) -> Vec<Vec<u32>> {
+    rows.iter().map(|r| r.tokens.to_vec()).collect()
+}
+
+fn check_draft(rows: &RVec<DraftRow>, expected_rows: usize, depth: usize, vocab: u32) -> Result<(), String> {
+    if rows.len() != expected_rows {
+        return Err(format!("{} proposals for {expected_rows} rows", rows.len()));
+    }
+    for (r, row) in rows.iter().enumerate() {
+        if row.tokens.len() > depth {
+            return Err(format!("row {r}: {} tokens for depth {depth}", row.tokens.len()));
+        }
+        if let Some(bad) = row.tokens.iter().find(|&&t| t >= vocab) {
+            return Err(format!("row {r}: token {bad} outside a vocabulary of {vocab}"));
+        }
+        if let RSome(p) = &row.probabilities {
+            let p = p.borrow().to_array();
+            if p.shape() != [row.tokens.len() as i32, vocab as i32] {
+                return Err(format!("row {r}: probabilities of shape {:?}", p.shape()));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn draft_tokens(g: &mut RowGroupBox, pending: &[u32], depth: usize, step: u64) -> Result<Vec<Vec<u32>>, String> {
+    let steps = vec![step; pending.len()];
+    g.draft(pending.into(), depth as u32, steps.as_slice().into()).into_result().map(|rows| token_lists(&rows)).map_err(err)
+}
+
+/// A row captured from one group and appended to an empty one drafts as it did.
+fn check_capture_append(
+    open: &impl Fn(usize) -> Result<RowGroupBox, String>,
+    a: &mut RowGroupBox,
+    pending: &[u32],
+    config: &Config,
+    step: u64,
+) -> Result<(), String> {
+    let row = config.rows - 1;
+    let state: RowState = a.capture(row as u32).into_result().map_err(err)?;
+    let mut fresh = open(0)?;
+    fresh.append(vec![state].into()).into_result().map_err(err)?;
+    let restored = draft_tokens(&mut fresh, &pending[row..=row], config.depth, step)?;
+    let original = draft_tokens(a, pending, config.depth, step)?;
+    if restored[0] != original[row] {
+        return Err(format!("restored row drafts {:?}, the original {:?}", restored[0], original[row]));
+    }
+    Ok(())
+}
+
+/// After keeping rows [last, 0], the group drafts what those rows drafted before.
+fn check_filter(a: &mut RowGroupBox, b: &mut RowGroupBox, pending: &[u32], config: &Config, step: u64) -> Result<(), String> {
+    let last = config.rows - 1;
+    let before = draft_tokens(b, pending, config.depth, step)?;
+    a.filter_rows([last as u32, 0].as_slice().into()).into_result().map_err(err)?;
+    let after = draft_tokens(a, &[pending[last], pending[0]], config.depth, step)?;
+    if after != vec![before[last].clone(), before[0].clone()] {
+        return Err(format!("after filtering: {after:?}, before: {:?}", [&before[last], &before[0]]));
+    }
+    Ok(())
+}
