@@ -1,7 +1,8 @@
 //! Host and plugins share one MLX runtime: arrays cross both ways, one libmlx.so is mapped,
 //! plugin errors keep their text, and compiled functions cannot collide.
 
-use std::path::PathBuf;
+mod common;
+
 use std::sync::{Mutex, MutexGuard};
 
 use abi_stable::std_types::{RResult, RString};
@@ -19,12 +20,7 @@ fn probe() -> (MutexGuard<'static, ()>, &'static Library) {
     static PROBE: std::sync::OnceLock<Library> = std::sync::OnceLock::new();
     let turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
     host::runtime::init();
-    let library = PROBE.get_or_init(|| {
-        let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../target/fixtures/debug/libruntime_probe.so");
-        assert!(path.exists(), "{} is missing: build the fixtures first (make fixtures)", path.display());
-        unsafe { Library::new(path) }.expect("the runtime probe loads")
-    });
+    let library = PROBE.get_or_init(|| unsafe { Library::new(common::fixture("runtime_probe")) }.expect("the runtime probe loads"));
     (turn, library)
 }
 

@@ -48,6 +48,13 @@ pub struct Extension {
     pub table: *const c_void,
 }
 
+impl Extension {
+    /// The extension table `table`, which must live as long as the library (a `static`).
+    pub fn of<T: StableAbi>(table: &'static T) -> Self {
+        Extension { layout: T::LAYOUT, table: (table as *const T).cast() }
+    }
+}
+
 /// Token ids of B rows of equal length, row-major. **ABI-frozen.**
 #[repr(C)]
 #[derive(StableAbi, Clone, Copy, Debug)]

@@ -9,7 +9,7 @@ use std::path::Path;
 
 use abi_stable::prefix_type::PrefixTypeTrait;
 use abi_stable::sabi_trait::TD_Opaque;
-use abi_stable::std_types::{RNone, ROption, RResult, RSlice, RStr, RVec};
+use abi_stable::std_types::{ROption, RResult, RSlice, RStr, RVec};
 use mlx_rs::Array;
 use serde::de::DeserializeOwned;
 
@@ -27,6 +27,11 @@ pub trait Drafter: 'static {
     /// `artifact` is `None` when the manifest names none. `options` holds only keys the
     /// descriptor declares (the SDK refuses others before calling this).
     fn load(artifact: Option<&Path>, options: &Options) -> Result<Self::Provider, PluginError>;
+    /// An extension table by versioned id (`"name/1"`), for features newer than the frozen
+    /// root; build it with [`Extension::of`]. None by default.
+    fn extension(_id: &str) -> Option<Extension> {
+        None
+    }
 }
 
 /// A loaded artifact, from which row groups are opened against a target.
@@ -221,13 +226,13 @@ extern "C" fn load_entry<D: Drafter>(artifact: RStr<'_>, options: RStr<'_>) -> R
     })
 }
 
-extern "C" fn no_extension(_id: RStr<'_>) -> ROption<Extension> {
-    RNone
+extern "C" fn extension_entry<D: Drafter>(id: RStr<'_>) -> ROption<Extension> {
+    catch_unwind(|| D::extension(id.as_str())).ok().flatten().into()
 }
 
 /// The root module for drafter `D`; [`export_drafter!`](crate::export_drafter) exports it.
 pub fn root_module<D: Drafter>() -> DrafterRootRef {
-    let root = DrafterRoot { descriptor: descriptor_entry::<D>, load: load_entry::<D>, extension: no_extension };
+    let root = DrafterRoot { descriptor: descriptor_entry::<D>, load: load_entry::<D>, extension: extension_entry::<D> };
     root.leak_into_prefix()
 }
 

@@ -7,7 +7,9 @@ use std::io::Read;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
+use abi_stable::abi_stability::abi_checking::check_layout_compatibility;
 use abi_stable::library::{lib_header_from_path, LibHeader, LibraryError, RootModuleError};
+use abi_stable::StableAbi;
 use plugin_api::abi::DrafterRootRef;
 use plugin_api::{Descriptor, PluginError, API_MAJOR, API_VERSION};
 use sha2::{Digest, Sha256};
@@ -62,6 +64,19 @@ pub struct Plugin {
 impl std::fmt::Debug for Plugin {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Plugin").field("path", &self.path).field("kind", &self.descriptor.kind).finish()
+    }
+}
+
+impl Plugin {
+    /// The plugin's extension table `T` for a versioned id: `Ok(None)` when the plugin does
+    /// not have it (an older plugin), an error when its layout differs from `T`'s.
+    pub fn extension<T: StableAbi>(&self, id: &str) -> Result<Option<&'static T>, String> {
+        let Some(found) = (self.root.extension())(id.into()).into_option() else { return Ok(None) };
+        check_layout_compatibility(T::LAYOUT, found.layout)
+            .map_err(|e| format!("extension `{id}`: {}", summarize_layout_report(&e.to_string())))?;
+        // SAFETY: the layout check proved the table has T's layout; tables are statics of a
+        // library that is never unloaded.
+        Ok(Some(unsafe { &*found.table.cast::<T>() }))
     }
 }
 

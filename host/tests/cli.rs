@@ -1,0 +1,102 @@
+//! The command line as a user meets it: plugins dropped into a directory show up, refusals are
+//! one line, manifests are checked against the plugin they name.
+
+mod common;
+
+use std::fs;
+use std::process::{Command, Output};
+
+use common::{fixture, plugins_dir_with, workspace_plugin};
+
+fn host(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_host")).args(args).env("RUST_BACKTRACE", "0").output().unwrap()
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn a_plugin_copied_into_a_directory_shows_up_in_the_list() {
+    let dir = plugins_dir_with(&[&workspace_plugin("ngram"), &fixture("future_api")]);
+    let dir_arg = dir.path().to_str().unwrap();
+    let out = host(&["plugins", "list", "--plugins-dir", dir_arg]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    let ngram = text.lines().find(|l| l.contains("libngram.so")).unwrap();
+    assert!(ngram.contains("ngram") && ngram.contains("api 1.0.0") && ngram.contains("loaded"), "{text}");
+    let future = text.lines().find(|l| l.contains("libfuture_api.so")).unwrap();
+    assert!(future.contains("refused") && future.contains("built for plugin API 2.0.0"), "{text}");
+
+    let out = host(&["plugins", "list", "--json", "--plugins-dir", dir_arg]);
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let plugins = json["plugins"].as_array().unwrap();
+    assert_eq!(plugins.len(), 2);
+    let ngram = plugins.iter().find(|p| p["status"] == "loaded").unwrap();
+    assert_eq!((ngram["kind"].as_str(), ngram["api_version"].as_str()), (Some("ngram"), Some("1.0.0")));
+    assert!(ngram["version"].as_str().is_some());
+    let refused = plugins.iter().find(|p| p["status"] == "refused").unwrap();
+    assert!(refused["reason"].as_str().unwrap().starts_with("built for plugin API 2.0.0"));
+}
+
+#[test]
+fn the_workspace_plugins_are_found_next_to_the_host_by_default() {
+    let out = Command::new(env!("CARGO_BIN_EXE_host")).args(["plugins", "list"]).env_remove("HOST_PLUGINS_DIR").output().unwrap();
+    assert!(stdout(&out).lines().any(|l| l.contains("libngram.so") && l.contains("loaded")), "{}", stdout(&out));
+}
+
+#[test]
+fn inspect_by_kind_and_by_path() {
+    let dir = plugins_dir_with(&[&workspace_plugin("ngram")]);
+    let out = host(&["plugins", "inspect", "ngram", "--json", "--plugins-dir", dir.path().to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(json["kind"], "ngram");
+    let keys: Vec<&str> = json["options"].as_array().unwrap().iter().map(|o| o["key"].as_str().unwrap()).collect();
+    assert_eq!(keys, ["max_ngram", "min_ngram"]);
+
+    let bad = fixture("abi_mismatch");
+    let out = host(&["plugins", "inspect", bad.to_str().unwrap()]);
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("ABI layout mismatch with plugin API 1.0.0: mismatched package"), "{err}");
+    let verbose = host(&["plugins", "inspect", bad.to_str().unwrap(), "--verbose"]);
+    assert!(stderr(&verbose).lines().count() > 10);
+
+    let out = host(&["plugins", "inspect", "nope", "--plugins-dir", dir.path().to_str().unwrap()]);
+    assert!(stderr(&out).contains("no plugin of kind `nope`"), "{}", stderr(&out));
+}
+
+#[test]
+fn manifest_check_loads_and_configures_the_drafter() {
+    let plugins = plugins_dir_with(&[&workspace_plugin("ngram")]);
+    let work = tempfile::tempdir().unwrap();
+    fs::create_dir(work.path().join("model")).unwrap();
+    let manifest = work.path().join("m.toml");
+    let check = |text: &str| {
+        fs::write(&manifest, text).unwrap();
+        host(&["manifest", "check", manifest.to_str().unwrap(), "--plugins-dir", plugins.path().to_str().unwrap()])
+    };
+
+    let ok = check("[target]\nmodel = \"model\"\n[drafter]\nkind = \"ngram\"\n[drafter.options]\nmax_ngram = 4\n");
+    assert!(ok.status.success(), "{}", stderr(&ok));
+    assert!(stdout(&ok).contains("drafter   ngram"), "{}", stdout(&ok));
+
+    let unknown = check("[target]\nmodel = \"model\"\n[drafter]\nkind = \"ngram\"\n[drafter.options]\nmax_ngramm = 4\n");
+    let err = stderr(&unknown);
+    assert!(err.contains("m.toml:6: drafter.options.max_ngramm: unknown option for drafter `ngram` (known: max_ngram, min_ngram)"), "{err}");
+
+    let bad_value = check("[target]\nmodel = \"model\"\n[drafter]\nkind = \"ngram\"\n[drafter.options]\nmax_ngram = \"four\"\n");
+    assert!(stderr(&bad_value).contains("invalid options: option `max_ngram`"), "{}", stderr(&bad_value));
+
+    let pinned = check("[target]\nmodel = \"model\"\n[drafter]\nkind = \"ngram\"\nsha256 = \"0000000000000000000000000000000000000000000000000000000000000000\"\n");
+    assert!(stderr(&pinned).contains("no library in") && stderr(&pinned).contains("has the pinned sha256"), "{}", stderr(&pinned));
+
+    let missing_kind = check("[target]\nmodel = \"model\"\n[drafter]\nkind = \"dflash\"\n");
+    assert!(stderr(&missing_kind).contains("no plugin of kind `dflash`"), "{}", stderr(&missing_kind));
+}
