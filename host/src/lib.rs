@@ -3,6 +3,7 @@
 
 pub mod doctor;
 pub mod manifest;
+pub mod model;
 pub mod plugin;
 pub mod plugins_dir;
 pub mod runtime;

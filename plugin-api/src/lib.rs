@@ -52,6 +52,7 @@ pub mod conformance;
 pub mod descriptor;
 pub mod error;
 pub mod guide;
+pub mod nn;
 pub mod sdk;
 pub mod target;
 pub mod tensor;

@@ -1,0 +1,322 @@
+//! The Gemma 4 text model, as mlx-lm's `gemma4_text` computes it. Fields follow the checkpoint's
+//! tensor names.
+
+use mlx_rs::error::Exception;
+use mlx_rs::{Array, Dtype};
+use plugin_api::nn::ops::{attention, gelu_approx, geglu, rms_norm, scalar, softcap};
+use plugin_api::nn::{Embedding, Linear, Rope};
+
+use super::cache::LayerCache;
+use super::config::{Gemma4Config, LayerType};
+use super::load::ModelError;
+
+pub struct Attention {
+    pub q_proj: Linear,
+    pub k_proj: Option<Linear>,
+    pub v_proj: Option<Linear>,
+    pub o_proj: Linear,
+    pub q_norm: Array,
+    pub k_norm: Option<Array>,
+    pub n_heads: i32,
+    pub n_kv_heads: i32,
+    pub head_dim: i32,
+    pub rope: Rope,
+}
+
+pub struct Mlp {
+    pub gate_proj: Linear,
+    pub up_proj: Linear,
+    pub down_proj: Linear,
+}
+
+/// Experts stacked on a leading axis: [E, out, in] (quantized when their scales exist).
+pub struct SwitchGlu {
+    pub gate_proj: Linear,
+    pub up_proj: Linear,
+    pub down_proj: Linear,
+}
+
+pub struct Router {
+    pub proj: Linear,
+    pub scale: Array,
+    pub per_expert_scale: Array,
+}
+
+pub struct Moe {
+    pub router: Router,
+    pub experts: SwitchGlu,
+    pub top_k: i32,
+    pub pre_feedforward_layernorm_2: Array,
+    pub post_feedforward_layernorm_1: Array,
+    pub post_feedforward_layernorm_2: Array,
+}
+
+pub struct PerLayerInput {
+    pub per_layer_input_gate: Linear,
+    pub per_layer_projection: Linear,
+    pub post_per_layer_input_norm: Array,
+}
+
+pub struct DecoderLayer {
+    pub layer_type: LayerType,
+    pub self_attn: Attention,
+    pub mlp: Mlp,
+    pub moe: Option<Moe>,
+    pub per_layer: Option<PerLayerInput>,
+    pub input_layernorm: Array,
+    pub post_attention_layernorm: Array,
+    pub pre_feedforward_layernorm: Array,
+    pub post_feedforward_layernorm: Array,
+    pub layer_scalar: Option<Array>,
+}
+
+/// The model-level per-layer-input tables (Gemma 4 E2B/E4B).
+pub struct PerLayerInputs {
+    pub embed_tokens_per_layer: Embedding,
+    pub per_layer_model_projection: Linear,
+    pub per_layer_projection_norm: Array,
+}
+
+pub struct Gemma4 {
+    pub config: Gemma4Config,
+    pub embed_tokens: Embedding,
+    pub per_layer_inputs: Option<PerLayerInputs>,
+    pub layers: Vec<DecoderLayer>,
+    pub norm: Array,
+    pub lm_head: Option<Linear>,
+    /// For each layer, the layer whose K/V it uses (itself, or the last donor of its type).
+    pub kv_source: Vec<usize>,
+    /// The activation dtype (the embedding's).
+    pub dtype: Dtype,
+}
+
+/// Hidden states captured during a forward, at the requested layers.
+pub struct Taps {
+    pub layers: Vec<usize>,
+    pub captured: Vec<Array>,
+}
+
+/// One layer's K/V as attention reads them, shared with the layers that reuse them.
+#[derive(Clone)]
+struct SharedKv {
+    keys: Array,
+    values: Array,
+    mask: Option<Array>,
+}
+
+impl Gemma4 {
+    /// One cache per donor layer: a ring for sliding layers (rolling back up to `slack`
+    /// rows), a growing cache for full ones.
+    pub fn make_caches(&self, slack: usize) -> Vec<LayerCache> {
+        (0..self.config.first_kv_shared_layer())
+            .map(|i| match self.config.layer_type(i) {
+                LayerType::Full => LayerCache::full(),
+                LayerType::Sliding => LayerCache::sliding(self.config.sliding_window, slack),
+            })
+            .collect()
+    }
+
+    /// Token embeddings of ids [B, L], times √hidden when `scaled` (the model's own input).
+    pub fn embed(&self, ids: &Array, scaled: bool) -> Result<Array, Exception> {
+        let h = self.embed_tokens.embed(ids)?;
+        if !scaled {
+            return Ok(h);
+        }
+        h.multiply(scalar((self.config.hidden_size as f32).sqrt(), h.dtype())?)
+    }
+
+    /// Logits [B, L, V] from final hidden states: the (tied) head, then the softcap.
+    pub fn logits_from_hidden(&self, h: &Array) -> Result<Array, Exception> {
+        let logits = match &self.lm_head {
+            Some(head) => head.forward(h)?,
+            None => self.embed_tokens.as_linear(h)?,
+        };
+        match self.config.final_logit_softcapping {
+            Some(cap) => softcap(&logits, cap),
+            None => Ok(logits),
+        }
+    }
+
+    /// The final-normed hidden states [B, L, H] of ids [B, L] written after what `caches`
+    /// hold. `taps` (layer index, or the layer count for the final norm) are captured.
+    pub fn forward_hidden(&self, ids: &Array, caches: &mut [LayerCache], mut taps: Option<&mut Taps>) -> Result<Array, ModelError> {
+        let c = &self.config;
+        let offset = caches.first().map_or(0, LayerCache::offset) as i32;
+        let mut h = self.embed(ids, true)?;
+        let per_layer = self.per_layer_inputs(ids, &h)?;
+
+        let mut shared: Vec<Option<SharedKv>> = vec![None; self.layers.len()];
+        for (i, layer) in self.layers.iter().enumerate() {
+            let source = self.kv_source[i];
+            let cache = caches.get_mut(i).filter(|_| source == i);
+            let (out, kv) = layer.forward(&h, offset, cache, shared[source].clone(), per_layer.as_ref().map(|p| (p, i)), c)?;
+            h = out;
+            if source == i {
+                shared[i] = Some(kv);
+            }
+            if let Some(t) = taps.as_deref_mut() {
+                if t.layers.contains(&i) {
+                    t.captured.push(h.clone());
+                }
+            }
+        }
+        let h = rms_norm(&h, Some(&self.norm), c.rms_norm_eps)?;
+        if let Some(t) = taps {
+            if t.layers.contains(&self.layers.len()) {
+                t.captured.push(h.clone());
+            }
+        }
+        Ok(h)
+    }
+
+    fn per_layer_inputs(&self, ids: &Array, h: &Array) -> Result<Option<Array>, Exception> {
+        let Some(p) = &self.per_layer_inputs else { return Ok(None) };
+        let c = &self.config;
+        let width = c.hidden_size_per_layer_input;
+        let layers = c.num_hidden_layers as i32;
+        let [b, l] = [ids.shape()[0], ids.shape()[1]];
+        let tokens = p.embed_tokens_per_layer.embed(ids)?;
+        let tokens = tokens.multiply(scalar((width as f32).sqrt(), tokens.dtype())?)?.reshape(&[b, l, layers, width])?;
+        let projected = p.per_layer_model_projection.forward(h)?;
+        let projected = projected.multiply(scalar((c.hidden_size as f32).powf(-0.5), projected.dtype())?)?;
+        let projected = rms_norm(&projected.reshape(&[b, l, layers, width])?, Some(&p.per_layer_projection_norm), c.rms_norm_eps)?;
+        let combined = projected.add(&tokens)?;
+        Ok(Some(combined.multiply(scalar(0.5f32.sqrt(), combined.dtype())?)?))
+    }
+}
+
+impl DecoderLayer {
+    fn forward(
+        &self,
+        x: &Array,
+        offset: i32,
+        cache: Option<&mut LayerCache>,
+        shared: Option<SharedKv>,
+        per_layer: Option<(&Array, usize)>,
+        c: &Gemma4Config,
+    ) -> Result<(Array, SharedKv), ModelError> {
+        let eps = c.rms_norm_eps;
+        let r = rms_norm(x, Some(&self.input_layernorm), eps)?;
+        let (attn, kv) = self.self_attn.forward(&r, offset, cache, shared, eps)?;
+        let h = x.add(rms_norm(&attn, Some(&self.post_attention_layernorm), eps)?)?;
+
+        let ff = match &self.moe {
+            None => self.mlp.forward(&rms_norm(&h, Some(&self.pre_feedforward_layernorm), eps)?)?,
+            Some(moe) => {
+                let dense = self.mlp.forward(&rms_norm(&h, Some(&self.pre_feedforward_layernorm), eps)?)?;
+                let dense = rms_norm(&dense, Some(&moe.post_feedforward_layernorm_1), eps)?;
+                let routed = moe.forward(&h, eps)?;
+                dense.add(rms_norm(&routed, Some(&moe.post_feedforward_layernorm_2), eps)?)?
+            }
+        };
+        let mut h = h.add(rms_norm(&ff, Some(&self.post_feedforward_layernorm), eps)?)?;
+
+        if let (Some(p), Some((inputs, i))) = (&self.per_layer, per_layer) {
+            let layer_input = inputs.take_axis(Array::from_int(i as i32), 2)?;
+            let gate = gelu_approx(&p.per_layer_input_gate.forward(&h)?)?.multiply(&layer_input)?;
+            let gate = rms_norm(&p.per_layer_projection.forward(&gate)?, Some(&p.post_per_layer_input_norm), eps)?;
+            h = h.add(gate)?;
+        }
+        if let Some(s) = &self.layer_scalar {
+            h = h.multiply(s)?;
+        }
+        Ok((h, kv))
+    }
+}
+
+impl Attention {
+    fn forward(
+        &self,
+        x: &Array,
+        offset: i32,
+        cache: Option<&mut LayerCache>,
+        shared: Option<SharedKv>,
+        eps: f32,
+    ) -> Result<(Array, SharedKv), ModelError> {
+        let [b, l] = [x.shape()[0], x.shape()[1]];
+        let q = self.q_proj.forward(x)?.reshape(&[b, l, self.n_heads, self.head_dim])?;
+        let q = rms_norm(&q, Some(&self.q_norm), eps)?.transpose_axes(&[0, 2, 1, 3])?;
+        let q = self.rope.apply(&q, offset)?;
+
+        let kv = match (shared, &self.k_proj, &self.k_norm) {
+            (Some(kv), _, _) => kv,
+            (None, Some(k_proj), Some(k_norm)) => {
+                let k = k_proj.forward(x)?.reshape(&[b, l, self.n_kv_heads, self.head_dim])?;
+                let v = match &self.v_proj {
+                    Some(v_proj) => v_proj.forward(x)?.reshape(&[b, l, self.n_kv_heads, self.head_dim])?,
+                    None => k.clone(),
+                };
+                let k = self.rope.apply(&rms_norm(&k, Some(k_norm), eps)?.transpose_axes(&[0, 2, 1, 3])?, offset)?;
+                let v = rms_norm(&v, None, eps)?.transpose_axes(&[0, 2, 1, 3])?;
+                match cache {
+                    Some(cache) => {
+                        let f = cache.write(&k, &v)?;
+                        SharedKv { keys: f.keys, values: f.values, mask: f.mask }
+                    }
+                    None => SharedKv { mask: causal(l)?, keys: k, values: v },
+                }
+            }
+            _ => return Err(ModelError::Internal("a KV-sharing layer ran before its donor".into())),
+        };
+        let out = attention(&q, &kv.keys, &kv.values, 1.0, kv.mask.as_ref())?;
+        let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, l, self.n_heads * self.head_dim])?;
+        Ok((self.o_proj.forward(&out)?, kv))
+    }
+}
+
+/// [1, 1, L, L] causal mask for a forward without a cache; none for a single token.
+fn causal(l: i32) -> Result<Option<Array>, Exception> {
+    if l == 1 {
+        return Ok(None);
+    }
+    let mask: Vec<bool> = (0..l).flat_map(|q| (0..l).map(move |k| k <= q)).collect();
+    Ok(Some(Array::from_slice(&mask, &[1, 1, l, l])))
+}
+
+impl Mlp {
+    fn forward(&self, x: &Array) -> Result<Array, Exception> {
+        self.down_proj.forward(&geglu(&self.gate_proj.forward(x)?, &self.up_proj.forward(x)?)?)
+    }
+}
+
+impl Moe {
+    /// The routed experts: RMSNorm with scale·hidden^-½, top-k scores, softmax over them
+    /// times each expert's scale, then the chosen experts' GeGLU weighted and summed.
+    fn forward(&self, h: &Array, eps: f32) -> Result<Array, Exception> {
+        let hidden = h.shape()[2];
+        let r = &self.router;
+        let weight = r.scale.multiply(scalar((hidden as f32).powf(-0.5), r.scale.dtype())?)?;
+        let scores = r.proj.forward(&rms_norm(h, Some(&weight), eps)?)?;
+        let experts = scores.shape()[2];
+        let order = mlx_rs::ops::argpartition_axis(&scores, experts - self.top_k, -1)?;
+        let top: Vec<i32> = (experts - self.top_k..experts).collect();
+        let indices = order.take_axis(Array::from_slice(&top, &[self.top_k]), -1)?;
+        let weights = scores.take_along_axis(&indices, -1)?;
+        let weights = mlx_rs::ops::softmax_axis(&weights, -1, None)?.multiply(r.per_expert_scale.take_axis(&indices, 0)?)?;
+
+        let x = rms_norm(h, Some(&self.pre_feedforward_layernorm_2), eps)?.expand_dims_axes(&[-2, -3])?;
+        let up = switch_linear(&self.experts.up_proj, &x, &indices)?;
+        let gate = switch_linear(&self.experts.gate_proj, &x, &indices)?;
+        let y = switch_linear(&self.experts.down_proj, &geglu(&gate, &up)?, &indices)?.squeeze_axes(&[-2])?;
+        y.multiply(weights.expand_dims(-1)?)?.sum_axis(-2, None)
+    }
+}
+
+/// x [.., 1, 1, in] through the experts chosen by `indices` [.., k]: [.., k, 1, out].
+fn switch_linear(l: &Linear, x: &Array, indices: &Array) -> Result<Array, Exception> {
+    match (&l.scales, l.quantization) {
+        (Some(scales), Some(q)) => mlx_rs::ops::gather_qmm(
+            x,
+            &l.weight,
+            scales,
+            l.biases.as_ref(),
+            None,
+            indices,
+            true,
+            q.group_size,
+            q.bits,
+            false,
+        ),
+        _ => mlx_rs::ops::gather_mm(x, l.weight.swap_axes(-1, -2)?, None, indices, false),
+    }
+}

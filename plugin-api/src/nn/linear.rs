@@ -1,0 +1,111 @@
+//! Linear layers and embeddings, plain or MLX-quantized (affine, per-group scales and biases),
+//! loaded by tensor name with their shapes checked.
+
+use mlx_rs::error::Exception;
+use mlx_rs::{Array, Dtype};
+
+use super::weights::{check_shape, Weights, WeightsError};
+
+/// MLX affine quantization of one module: `bits` per weight, one scale and bias per
+/// `group_size` weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Quantization {
+    pub group_size: i32,
+    pub bits: i32,
+}
+
+/// `y = x · Wᵀ`.
+#[derive(Clone)]
+pub struct Linear {
+    pub weight: Array,
+    pub scales: Option<Array>,
+    pub biases: Option<Array>,
+    pub quantization: Option<Quantization>,
+}
+
+impl Linear {
+    /// Loads `{prefix}.weight` of logical shape [out, in] (plus `.scales`/`.biases` when
+    /// quantized).
+    pub fn load(w: &Weights, prefix: &str, out_dims: i32, in_dims: i32, q: Option<Quantization>) -> Result<Linear, WeightsError> {
+        let (weight, scales, biases) = load_matrix(w, prefix, out_dims, in_dims, q)?;
+        Ok(Linear { weight, scales, biases, quantization: q })
+    }
+
+    pub fn forward(&self, x: &Array) -> Result<Array, Exception> {
+        match (&self.scales, self.quantization) {
+            (Some(scales), Some(q)) => {
+                mlx_rs::ops::quantized_matmul(x, &self.weight, scales, self.biases.as_ref(), true, q.group_size, q.bits)
+            }
+            _ => x.matmul(self.weight.t()),
+        }
+    }
+
+    pub fn nbytes(&self) -> usize {
+        self.weight.nbytes() + self.scales.as_ref().map_or(0, Array::nbytes) + self.biases.as_ref().map_or(0, Array::nbytes)
+    }
+}
+
+/// A token embedding table [vocab, dims], which can also serve as the tied output head.
+#[derive(Clone)]
+pub struct Embedding {
+    pub weight: Array,
+    pub scales: Option<Array>,
+    pub biases: Option<Array>,
+    pub quantization: Option<Quantization>,
+}
+
+impl Embedding {
+    pub fn load(w: &Weights, prefix: &str, vocab: i32, dims: i32, q: Option<Quantization>) -> Result<Embedding, WeightsError> {
+        let (weight, scales, biases) = load_matrix(w, prefix, vocab, dims, q)?;
+        Ok(Embedding { weight, scales, biases, quantization: q })
+    }
+
+    /// Rows of the table for `ids` (any shape), dequantized when needed.
+    pub fn embed(&self, ids: &Array) -> Result<Array, Exception> {
+        let rows = self.weight.take_axis(ids, 0)?;
+        match (&self.scales, self.quantization) {
+            (Some(scales), Some(q)) => {
+                let s = scales.take_axis(ids, 0)?;
+                let b = self.biases.as_ref().map(|b| b.take_axis(ids, 0)).transpose()?;
+                mlx_rs::ops::dequantize(&rows, &s, b.as_ref(), q.group_size, q.bits)
+            }
+            _ => Ok(rows),
+        }
+    }
+
+    /// `x · tableᵀ`: logits over the vocabulary from hidden states.
+    pub fn as_linear(&self, x: &Array) -> Result<Array, Exception> {
+        match (&self.scales, self.quantization) {
+            (Some(scales), Some(q)) => {
+                mlx_rs::ops::quantized_matmul(x, &self.weight, scales, self.biases.as_ref(), true, q.group_size, q.bits)
+            }
+            _ => x.matmul(self.weight.t()),
+        }
+    }
+
+    /// The activation dtype the table produces.
+    pub fn dtype(&self) -> Dtype {
+        self.scales.as_ref().map_or(self.weight.dtype(), Array::dtype)
+    }
+}
+
+fn load_matrix(
+    w: &Weights,
+    prefix: &str,
+    rows: i32,
+    cols: i32,
+    q: Option<Quantization>,
+) -> Result<(Array, Option<Array>, Option<Array>), WeightsError> {
+    let name = format!("{prefix}.weight");
+    match q {
+        None => Ok((w.shaped(&name, &[rows, cols])?, None, None)),
+        Some(q) => {
+            let weight = w.get(&name)?;
+            check_shape(&name, &weight, &[rows, cols * q.bits / 32])?;
+            let groups = cols / q.group_size;
+            let scales = w.shaped(&format!("{prefix}.scales"), &[rows, groups])?;
+            let biases = w.shaped(&format!("{prefix}.biases"), &[rows, groups])?;
+            Ok((weight, Some(scales), Some(biases)))
+        }
+    }
+}

@@ -1,0 +1,12 @@
+//! MLX building blocks shared by the host's target model and the drafters: a weights view over
+//! safetensors, (quantized) linear layers and embeddings, RMSNorm, RoPE incl. proportional,
+//! attention and GeGLU. They follow mlx-lm's numerics, which the oracles check.
+
+pub mod linear;
+pub mod ops;
+pub mod rope;
+pub mod weights;
+
+pub use linear::{Embedding, Linear, Quantization};
+pub use rope::Rope;
+pub use weights::{Weights, WeightsError};

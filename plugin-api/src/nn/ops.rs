@@ -1,0 +1,45 @@
+//! Small functional pieces, each as mlx-lm computes it.
+
+use mlx_rs::error::Exception;
+use mlx_rs::fast::ScaledDotProductAttentionMask;
+use mlx_rs::{Array, Dtype};
+
+/// RMSNorm with a weight (multiplied as is, not 1 + w) or without one.
+pub fn rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Array, Exception> {
+    mlx_rs::fast::rms_norm(x, weight, eps)
+}
+
+/// `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`, mlx's `gelu_approx`.
+pub fn gelu_approx(x: &Array) -> Result<Array, Exception> {
+    let dtype = x.dtype();
+    let c = scalar(0.044715, dtype)?;
+    let k = scalar((2.0 / std::f32::consts::PI).sqrt(), dtype)?;
+    let cube = x.multiply(x)?.multiply(x)?;
+    let inner = x.add(cube.multiply(&c)?)?.multiply(&k)?;
+    let gate = mlx_rs::ops::tanh(&inner)?.add(scalar(1.0, dtype)?)?;
+    x.multiply(scalar(0.5, dtype)?)?.multiply(&gate)
+}
+
+/// GeGLU: `gelu_approx(gate) ⊙ up`.
+pub fn geglu(gate: &Array, up: &Array) -> Result<Array, Exception> {
+    gelu_approx(gate)?.multiply(up)
+}
+
+/// `tanh(x / cap) · cap`.
+pub fn softcap(x: &Array, cap: f32) -> Result<Array, Exception> {
+    let c = scalar(cap, x.dtype())?;
+    mlx_rs::ops::tanh(x.divide(&c)?)?.multiply(&c)
+}
+
+/// A scalar in `dtype`, so that it does not promote the array it meets (Python floats are
+/// weakly typed in MLX; a Rust f32 array is not).
+pub fn scalar(value: f32, dtype: Dtype) -> Result<Array, Exception> {
+    Array::from_f32(value).as_dtype(dtype)
+}
+
+/// Attention of queries [B, Hq, L, D] over keys/values [B, Hkv, S, D] with a boolean mask
+/// broadcastable to [B, Hq, L, S] (true = attend), or none.
+pub fn attention(q: &Array, k: &Array, v: &Array, scale: f32, mask: Option<&Array>) -> Result<Array, Exception> {
+    let mask = mask.map(ScaledDotProductAttentionMask::Array);
+    mlx_rs::fast::scaled_dot_product_attention(q, k, v, scale, mask, None)
+}
