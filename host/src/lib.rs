@@ -2,8 +2,12 @@
 //! drafters loaded as plugins. The `host` binary is a thin command line over this library.
 
 pub mod doctor;
+pub mod generate;
 pub mod manifest;
 pub mod model;
 pub mod plugin;
 pub mod plugins_dir;
+pub mod run;
 pub mod runtime;
+pub mod sampling;
+pub mod tokenizer;

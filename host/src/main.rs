@@ -4,7 +4,12 @@ use std::process::ExitCode;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 
+use std::io::Write;
+
+use host::generate::generate;
 use host::manifest::Manifest;
+use host::run::{resolve_request, CheckpointDefaults, Overrides, RunOutput};
+use host::tokenizer::{StreamDecoder, Tokenizer};
 use host::plugin::{load, report, select, Drafter, Registry};
 use host::{doctor, plugins_dir};
 
@@ -24,8 +29,46 @@ struct PluginsDir {
     plugins_dir: Option<PathBuf>,
 }
 
+#[derive(Args)]
+struct RunArgs {
+    /// The manifest: target, drafter, generation settings.
+    #[arg(long, value_name = "FILE")]
+    manifest: PathBuf,
+    /// Prompt text (overrides the manifest's).
+    #[arg(long, conflicts_with = "prompt_ids")]
+    prompt: Option<String>,
+    /// Prompt as token ids, comma-separated.
+    #[arg(long, value_delimiter = ',', value_name = "IDS")]
+    prompt_ids: Option<Vec<u32>>,
+    /// Wrap a text prompt in the Gemma chat format.
+    #[arg(long)]
+    chat: bool,
+    #[arg(long, value_name = "N")]
+    max_tokens: Option<u32>,
+    #[arg(long, value_name = "T")]
+    temperature: Option<f32>,
+    #[arg(long, value_name = "P")]
+    top_p: Option<f32>,
+    #[arg(long, value_name = "K")]
+    top_k: Option<u32>,
+    #[arg(long, value_name = "P")]
+    min_p: Option<f32>,
+    #[arg(long, value_name = "S")]
+    seed: Option<u64>,
+    /// Tokens the drafter proposes per round (overrides the manifest's).
+    #[arg(long, value_name = "N")]
+    draft_tokens: Option<u32>,
+    /// Print one JSON object at the end instead of streaming text.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    dir: PluginsDir,
+}
+
 #[derive(Subcommand)]
 enum Command {
+    /// Generate text for a manifest's prompt, streaming it as it comes.
+    Run(RunArgs),
     /// Show the MLX runtime, BLAS, device and plugins directory this process uses.
     Doctor {
         /// Print one JSON object instead of text.
@@ -94,6 +137,7 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
+        Command::Run(args) => run_manifest(args)?,
         Command::Doctor { json, dir } => {
             let report = doctor::Report::collect(plugins_dir::resolve(dir.plugins_dir))?;
             if json {
@@ -161,6 +205,55 @@ fn run(cli: Cli) -> Result<()> {
             }
             println!("ok: {}", file.display());
         }
+    }
+    Ok(())
+}
+
+fn run_manifest(args: RunArgs) -> Result<()> {
+    let manifest = Manifest::load(&args.manifest)?;
+    if let Some(drafter) = &manifest.drafter {
+        bail!(
+            "{}: [drafter] kind = \"{}\": speculative decoding is not available in this build; remove the [drafter] section to decode plainly",
+            manifest.file.display(),
+            drafter.kind
+        );
+    }
+    let model = host::model::load(&manifest.target_model)?;
+    let tokenizer = Tokenizer::load(&manifest.target_model)?;
+    let defaults = CheckpointDefaults::load(&manifest.target_model).map_err(anyhow::Error::msg)?;
+    let overrides = Overrides {
+        prompt: args.prompt,
+        prompt_ids: args.prompt_ids,
+        chat: args.chat,
+        max_tokens: args.max_tokens,
+        temperature: args.temperature,
+        top_p: args.top_p,
+        top_k: args.top_k,
+        min_p: args.min_p,
+        seed: args.seed,
+        draft_tokens: args.draft_tokens,
+    };
+    let request = resolve_request(&manifest, &overrides, &model, &tokenizer, &defaults)?;
+
+    let mut stream = StreamDecoder::new(&tokenizer);
+    let mut stdout = std::io::stdout().lock();
+    let generation = generate(&model, &request, |token| {
+        let piece = stream.push(token);
+        if !args.json && !piece.is_empty() {
+            let _ = write!(stdout, "{piece}");
+            let _ = stdout.flush();
+        }
+    })?;
+    if args.json {
+        let output = RunOutput { text: stream.text(), tokens: generation.tokens, stop: generation.stop, stats: generation.stats };
+        writeln!(stdout, "{}", serde_json::to_string(&output)?)?;
+    } else {
+        writeln!(stdout)?;
+        let s = &generation.stats;
+        eprintln!(
+            "{} prompt tokens, {} generated ({:?}); prefill {:.0} ms ({:.1} tok/s), decode {:.1} tok/s",
+            s.prompt_tokens, s.generated_tokens, generation.stop, s.prefill_ms, s.prefill_tokens_per_s, s.decode_tokens_per_s
+        );
     }
     Ok(())
 }

@@ -78,7 +78,8 @@ fn default_draft_tokens() -> u32 {
     4
 }
 
-/// How to generate; every field can be overridden on the command line.
+/// How to generate; every field can be overridden on the command line. Sampling fields left
+/// out fall back to the checkpoint's generation_config.json, then to greedy decoding.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct Generation {
@@ -86,10 +87,10 @@ pub struct Generation {
     pub prompt_ids: Option<Vec<u32>>,
     pub chat: bool,
     pub max_tokens: u32,
-    pub temperature: f32,
-    pub top_p: f32,
-    pub top_k: u32,
-    pub min_p: f32,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<u32>,
+    pub min_p: Option<f32>,
     pub seed: u64,
 }
 
@@ -100,10 +101,10 @@ impl Default for Generation {
             prompt_ids: None,
             chat: false,
             max_tokens: 128,
-            temperature: 0.0,
-            top_p: 1.0,
-            top_k: 0,
-            min_p: 0.0,
+            temperature: None,
+            top_p: None,
+            top_k: None,
+            min_p: None,
             seed: 0,
         }
     }

@@ -58,6 +58,13 @@ impl Weights {
         Ok(Weights { dir: dir.to_owned(), tensors })
     }
 
+    /// Loads one safetensors file.
+    pub fn load_file(file: &Path) -> Result<Weights, WeightsError> {
+        let mut tensors = BTreeMap::new();
+        load_file(file, &mut tensors)?;
+        Ok(Weights { dir: file.parent().unwrap_or(Path::new(".")).to_owned(), tensors })
+    }
+
     pub fn from_map(dir: &Path, tensors: BTreeMap<String, Array>) -> Weights {
         Weights { dir: dir.to_owned(), tensors }
     }

@@ -1,0 +1,147 @@
+//! Plain decoding: prefill the prompt, then one target forward per token. EOS ends the
+//! generation and is never part of it; `max_tokens` is exact.
+
+use std::time::Instant;
+
+use mlx_rs::Array;
+use serde::Serialize;
+
+use crate::model::{Gemma4, ModelError};
+use crate::sampling::{sample, SamplingParams};
+
+/// Prompt tokens per prefill forward.
+pub const PREFILL_CHUNK: usize = 512;
+/// Rows a sliding cache can roll back; plain decoding needs none, so keep it small.
+const PLAIN_SLACK: usize = 1;
+
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    pub eos: Vec<u32>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum GenerateError {
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("prompt token id {id} (at position {position}) is outside the vocabulary of {vocab}")]
+    OutOfVocabulary { id: u32, position: usize, vocab: u32 },
+    #[error("invalid sampling parameters: {0}")]
+    Sampling(String),
+    #[error(transparent)]
+    Model(#[from] ModelError),
+}
+
+impl From<mlx_rs::error::Exception> for GenerateError {
+    fn from(e: mlx_rs::error::Exception) -> Self {
+        GenerateError::Model(ModelError::Mlx(e))
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopReason {
+    Eos,
+    MaxTokens,
+}
+
+/// What a generation did; the keys of `host run --json`'s "stats".
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Stats {
+    pub prompt_tokens: usize,
+    pub generated_tokens: usize,
+    pub drafted: usize,
+    pub accepted: usize,
+    pub rounds: usize,
+    pub target_forwards: usize,
+    pub mean_accept_len: f64,
+    pub acceptance_rate: f64,
+    pub accepted_by_position: Vec<f64>,
+    pub prefill_ms: f64,
+    pub decode_ms: f64,
+    pub prefill_tokens_per_s: f64,
+    pub decode_tokens_per_s: f64,
+}
+
+#[derive(Debug, Clone)]
+pub struct Generation {
+    pub tokens: Vec<u32>,
+    pub stop: StopReason,
+    pub stats: Stats,
+}
+
+pub fn check_request(model: &Gemma4, request: &Request) -> Result<(), GenerateError> {
+    if request.prompt.is_empty() {
+        return Err(GenerateError::EmptyPrompt);
+    }
+    let vocab = model.config.vocab_size as u32;
+    if let Some((position, &id)) = request.prompt.iter().enumerate().find(|(_, &id)| id >= vocab) {
+        return Err(GenerateError::OutOfVocabulary { id, position, vocab });
+    }
+    request.sampling.validate().map_err(GenerateError::Sampling)
+}
+
+/// Decodes plainly, calling `on_token` with each token as it is produced.
+pub fn generate(model: &Gemma4, request: &Request, mut on_token: impl FnMut(u32)) -> Result<Generation, GenerateError> {
+    check_request(model, request)?;
+    let mut stats = Stats { prompt_tokens: request.prompt.len(), ..Stats::default() };
+    let mut caches = model.make_caches(PLAIN_SLACK);
+    let mut tokens = Vec::new();
+
+    let started = Instant::now();
+    let mut logits = None;
+    for chunk in request.prompt.chunks(PREFILL_CHUNK) {
+        let ids = Array::from_slice(&chunk.iter().map(|&t| t as i32).collect::<Vec<_>>(), &[1, chunk.len() as i32]);
+        let hidden = model.forward_hidden(&ids, &mut caches, None)?;
+        stats.target_forwards += 1;
+        logits = Some(last_logits(model, &hidden)?);
+    }
+    let mut logits = logits.expect("a non-empty prompt has a chunk");
+    let mut next = sample(&logits, &request.sampling, 0)?;
+    stats.prefill_ms = ms(started);
+
+    let decoding = Instant::now();
+    let stop = loop {
+        if request.eos.contains(&next) {
+            break StopReason::Eos;
+        }
+        if tokens.len() == request.max_tokens {
+            break StopReason::MaxTokens;
+        }
+        tokens.push(next);
+        on_token(next);
+        if tokens.len() == request.max_tokens {
+            break StopReason::MaxTokens;
+        }
+        let ids = Array::from_slice(&[next as i32], &[1, 1]);
+        let hidden = model.forward_hidden(&ids, &mut caches, None)?;
+        stats.target_forwards += 1;
+        logits = last_logits(model, &hidden)?;
+        next = sample(&logits, &request.sampling, tokens.len() as u64)?;
+    };
+    stats.decode_ms = ms(decoding);
+    stats.generated_tokens = tokens.len();
+    stats.rounds = tokens.len();
+    stats.mean_accept_len = if tokens.is_empty() { 0.0 } else { 1.0 };
+    stats.prefill_tokens_per_s = per_second(request.prompt.len(), stats.prefill_ms);
+    // The first token comes from the prefill; decode time covers the rest.
+    stats.decode_tokens_per_s = per_second(tokens.len().saturating_sub(1), stats.decode_ms);
+    Ok(Generation { tokens, stop, stats })
+}
+
+/// Logits [V] of the last position of hidden [1, L, H].
+pub fn last_logits(model: &Gemma4, hidden: &Array) -> Result<Array, mlx_rs::error::Exception> {
+    let l = hidden.shape()[1];
+    let last = hidden.take_axis(Array::from_int(l - 1), 1)?;
+    model.logits_from_hidden(&last)
+}
+
+fn ms(since: Instant) -> f64 {
+    since.elapsed().as_secs_f64() * 1e3
+}
+
+fn per_second(tokens: usize, ms: f64) -> f64 {
+    if ms > 0.0 { tokens as f64 / (ms / 1e3) } else { 0.0 }
+}

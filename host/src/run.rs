@@ -1,0 +1,106 @@
+//! `host run`: resolving one request from the command line, the manifest and the checkpoint's
+//! own defaults (in that order of precedence), then generating it.
+
+use std::path::Path;
+
+use serde::Serialize;
+
+use crate::generate::{Request, Stats};
+use crate::manifest::Manifest;
+use crate::model::Gemma4;
+use crate::sampling::SamplingParams;
+use crate::tokenizer::Tokenizer;
+
+/// Values given on the command line; each overrides the manifest's.
+#[derive(Debug, Clone, Default)]
+pub struct Overrides {
+    pub prompt: Option<String>,
+    pub prompt_ids: Option<Vec<u32>>,
+    pub chat: bool,
+    pub max_tokens: Option<u32>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<u32>,
+    pub min_p: Option<f32>,
+    pub seed: Option<u64>,
+    pub draft_tokens: Option<u32>,
+}
+
+/// Sampling defaults and end-of-sequence ids from the checkpoint's generation_config.json.
+#[derive(Debug, Clone, Default)]
+pub struct CheckpointDefaults {
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<u32>,
+    pub eos: Vec<u32>,
+}
+
+impl CheckpointDefaults {
+    pub fn load(model_dir: &Path) -> Result<CheckpointDefaults, String> {
+        let file = model_dir.join("generation_config.json");
+        let Ok(text) = std::fs::read_to_string(&file) else { return Ok(Self::default()) };
+        let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("{}: not valid JSON: {e}", file.display()))?;
+        let sampling = json.get("do_sample").and_then(|v| v.as_bool()).unwrap_or(true);
+        let eos = match json.get("eos_token_id") {
+            Some(serde_json::Value::Number(n)) => n.as_u64().map(|n| vec![n as u32]).unwrap_or_default(),
+            Some(serde_json::Value::Array(a)) => a.iter().filter_map(|v| v.as_u64().map(|n| n as u32)).collect(),
+            _ => Vec::new(),
+        };
+        Ok(CheckpointDefaults {
+            temperature: if sampling { json.get("temperature").and_then(|v| v.as_f64()).map(|t| t as f32) } else { Some(0.0) },
+            top_p: json.get("top_p").and_then(|v| v.as_f64()).map(|v| v as f32),
+            top_k: json.get("top_k").and_then(|v| v.as_u64()).map(|v| v as u32),
+            eos,
+        })
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RequestError {
+    #[error("no prompt: give --prompt or --prompt-ids, or set [generation] prompt in the manifest")]
+    NoPrompt,
+    #[error("{0}")]
+    Tokenizer(#[from] crate::tokenizer::TokenizerError),
+}
+
+/// The request `host run` generates.
+pub fn resolve_request(
+    manifest: &Manifest,
+    overrides: &Overrides,
+    model: &Gemma4,
+    tokenizer: &Tokenizer,
+    defaults: &CheckpointDefaults,
+) -> Result<Request, RequestError> {
+    let g = &manifest.generation;
+    let chat = overrides.chat || g.chat;
+    let encode = |text: &str| tokenizer.encode(&if chat { tokenizer.chat_prompt(text) } else { text.to_owned() });
+    let prompt = match (&overrides.prompt_ids, &overrides.prompt, &g.prompt_ids, &g.prompt) {
+        (Some(ids), _, _, _) => ids.clone(),
+        (None, Some(text), _, _) => encode(text)?,
+        (None, None, Some(ids), _) => ids.clone(),
+        (None, None, None, Some(text)) => encode(text)?,
+        (None, None, None, None) => return Err(RequestError::NoPrompt),
+    };
+    let sampling = SamplingParams {
+        temperature: overrides.temperature.or(g.temperature).or(defaults.temperature).unwrap_or(0.0),
+        top_p: overrides.top_p.or(g.top_p).or(defaults.top_p).unwrap_or(1.0),
+        top_k: overrides.top_k.or(g.top_k).or(defaults.top_k).unwrap_or(0),
+        min_p: overrides.min_p.or(g.min_p).unwrap_or(0.0),
+        seed: overrides.seed.unwrap_or(g.seed),
+    };
+    let mut eos = model.config.eos_token_ids.clone();
+    eos.extend(&defaults.eos);
+    eos.extend(tokenizer.eos_ids());
+    eos.sort_unstable();
+    eos.dedup();
+    Ok(Request { prompt, max_tokens: overrides.max_tokens.unwrap_or(g.max_tokens) as usize, sampling, eos })
+}
+
+/// The object `host run --json` prints.
+#[derive(Debug, Serialize)]
+pub struct RunOutput {
+    pub tokens: Vec<u32>,
+    pub text: String,
+    pub stop: crate::generate::StopReason,
+    pub stats: Stats,
+}

@@ -1,0 +1,205 @@
+//! Choosing a token from logits, as mlx-lm's `make_sampler` does: greedy at temperature 0,
+//! otherwise top-p, then min-p, then top-k on the log-probabilities, then a draw at the
+//! temperature. Every draw uses a key derived from (seed, step) alone, where step is the index
+//! of the output token: any path to the same output position (plain decoding, or the verify
+//! pass of speculative decoding) draws with the same noise and so picks the same token.
+
+use mlx_rs::error::Exception;
+use mlx_rs::Array;
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SamplingParams {
+    pub temperature: f32,
+    /// Nucleus mass in (0, 1); 1 or 0 disables it.
+    pub top_p: f32,
+    /// 0 disables it.
+    pub top_k: u32,
+    /// 0 disables it.
+    pub min_p: f32,
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams { temperature: 0.0, top_p: 1.0, top_k: 0, min_p: 0.0, seed: 0 }
+    }
+}
+
+impl SamplingParams {
+    pub fn is_greedy(&self) -> bool {
+        self.temperature <= 0.0
+    }
+
+    /// One line naming the first parameter out of range, if any.
+    pub fn validate(&self) -> Result<(), String> {
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            return Err(format!("temperature must be a finite number >= 0, got {}", self.temperature));
+        }
+        if !(0.0..=1.0).contains(&self.top_p) {
+            return Err(format!("top_p must be in [0, 1], got {}", self.top_p));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(format!("min_p must be in [0, 1], got {}", self.min_p));
+        }
+        Ok(())
+    }
+}
+
+/// The token for output position `step`, from that position's logits [V] (or [1, .., V]).
+pub fn sample(logits: &Array, params: &SamplingParams, step: u64) -> Result<u32, Exception> {
+    if params.is_greedy() {
+        let best = mlx_rs::ops::indexing::argmax_axis(&logits.reshape(&[-1])?, 0, None)?;
+        return Ok(best.item_exact::<u32>());
+    }
+    let row = logits.reshape(&[-1])?.as_dtype(mlx_rs::Dtype::Float32)?;
+    let logprobs = filtered_logprobs(row.as_slice::<f32>(), params);
+    Ok(gumbel_argmax(&logprobs, params.temperature, params.seed, step))
+}
+
+/// Log-probabilities with the filters applied (removed tokens at -inf), before temperature.
+pub fn filtered_logprobs(logits: &[f32], params: &SamplingParams) -> Vec<f32> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let log_sum = logits.iter().map(|&x| ((x - max) as f64).exp()).sum::<f64>().ln() as f32 + max;
+    let mut lp: Vec<f32> = logits.iter().map(|&x| x - log_sum).collect();
+    if params.top_p > 0.0 && params.top_p < 1.0 {
+        top_p(&mut lp, params.top_p);
+    }
+    if params.min_p > 0.0 {
+        let best = lp.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let threshold = best + params.min_p.ln();
+        lp.iter_mut().filter(|x| **x < threshold).for_each(|x| *x = f32::NEG_INFINITY);
+    }
+    let k = params.top_k as usize;
+    if k > 0 && k < lp.len() {
+        let mut sorted = lp.clone();
+        sorted.select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a));
+        let kth = sorted[k - 1];
+        // Ties at the k-th value: keep the first ones, so exactly k remain.
+        let mut above = lp.iter().filter(|&&x| x > kth).count();
+        for x in lp.iter_mut() {
+            if *x < kth || (*x == kth && above >= k) {
+                *x = f32::NEG_INFINITY;
+            } else if *x == kth {
+                above += 1;
+            }
+        }
+    }
+    lp
+}
+
+/// Keeps the smallest set of most likely tokens whose mass reaches `p`.
+fn top_p(lp: &mut [f32], p: f32) {
+    let mut order: Vec<usize> = (0..lp.len()).collect();
+    order.sort_by(|&a, &b| lp[b].total_cmp(&lp[a]));
+    let mut mass = 0.0f64;
+    let mut keep = order.len();
+    for (i, &t) in order.iter().enumerate() {
+        mass += (lp[t] as f64).exp();
+        if mass >= p as f64 {
+            keep = i + 1;
+            break;
+        }
+    }
+    for &t in &order[keep..] {
+        lp[t] = f32::NEG_INFINITY;
+    }
+}
+
+/// argmax(logprob / T + Gumbel noise): a draw from softmax(logprob / T). The noise of each
+/// token depends only on (seed, step, token).
+pub fn gumbel_argmax(logprobs: &[f32], temperature: f32, seed: u64, step: u64) -> u32 {
+    let key = step_key(seed, step);
+    let mut best = (f64::NEG_INFINITY, 0u32);
+    for (token, &lp) in logprobs.iter().enumerate() {
+        if lp == f32::NEG_INFINITY {
+            continue;
+        }
+        let u = uniform(key, token as u64);
+        let score = lp as f64 / temperature as f64 - (-u.ln()).ln();
+        if score > best.0 {
+            best = (score, token as u32);
+        }
+    }
+    best.1
+}
+
+/// The key of output position `step` under `seed`.
+pub fn step_key(seed: u64, step: u64) -> u64 {
+    splitmix(seed ^ (step.wrapping_add(1)).wrapping_mul(0x9E37_79B9_7F4A_7C15))
+}
+
+/// A uniform draw in (0, 1) for `index` under `key`.
+pub fn uniform(key: u64, index: u64) -> f64 {
+    let bits = splitmix(key ^ splitmix(index.wrapping_add(0xD1B5_4A32_D192_ED03)));
+    ((bits >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+}
+
+fn splitmix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(temperature: f32) -> SamplingParams {
+        SamplingParams { temperature, ..Default::default() }
+    }
+
+    #[test]
+    fn greedy_takes_the_argmax() {
+        let logits = Array::from_slice(&[0.1f32, 2.0, -1.0, 1.9], &[4]);
+        assert_eq!(sample(&logits, &params(0.0), 0).unwrap(), 1);
+    }
+
+    #[test]
+    fn the_same_seed_and_step_draw_the_same_token() {
+        let logits = Array::from_slice(&[0.0f32; 50], &[50]);
+        let p = SamplingParams { seed: 9, ..params(1.0) };
+        let first: Vec<u32> = (0..20).map(|s| sample(&logits, &p, s).unwrap()).collect();
+        let again: Vec<u32> = (0..20).map(|s| sample(&logits, &p, s).unwrap()).collect();
+        assert_eq!(first, again);
+        assert!(first.iter().any(|&t| t != first[0]), "steps must draw differently: {first:?}");
+        let other_seed: Vec<u32> = (0..20).map(|s| sample(&logits, &SamplingParams { seed: 10, ..p }, s).unwrap()).collect();
+        assert_ne!(first, other_seed);
+    }
+
+    #[test]
+    fn draws_follow_the_softmax() {
+        // Chi-square goodness of fit over 20000 draws, 3 degrees of freedom: the 0.1% critical
+        // value is 16.27.
+        let logits = [1.0f32, 0.0, -1.0, 0.5];
+        let max = 1.0f64;
+        let weights: Vec<f64> = logits.iter().map(|&x| (x as f64 - max).exp()).collect();
+        let total: f64 = weights.iter().sum();
+        let n = 20_000u64;
+        let mut counts = [0u64; 4];
+        for step in 0..n {
+            counts[gumbel_argmax(&filtered_logprobs(&logits, &params(1.0)), 1.0, 3, step) as usize] += 1;
+        }
+        let chi2: f64 = counts
+            .iter()
+            .zip(&weights)
+            .map(|(&c, w)| {
+                let expected = n as f64 * w / total;
+                (c as f64 - expected).powi(2) / expected
+            })
+            .sum();
+        assert!(chi2 < 16.27, "chi2 = {chi2}, counts {counts:?}");
+    }
+
+    #[test]
+    fn filters_remove_what_they_should() {
+        let logits = [3.0f32, 2.0, 1.0, 0.0, -5.0];
+        let kept = |p: SamplingParams| -> Vec<usize> {
+            filtered_logprobs(&logits, &p).iter().enumerate().filter(|(_, x)| x.is_finite()).map(|(i, _)| i).collect()
+        };
+        assert_eq!(kept(SamplingParams { top_k: 2, ..params(1.0) }), [0, 1]);
+        assert_eq!(kept(SamplingParams { top_p: 0.7, ..params(1.0) }), [0, 1]);
+        assert_eq!(kept(SamplingParams { min_p: 0.3, ..params(1.0) }), [0, 1]);
+        assert_eq!(kept(params(1.0)), [0, 1, 2, 3, 4]);
+    }
+}

@@ -1,0 +1,107 @@
+//! A broken checkpoint is a clear error naming what is wrong and where, never a crash.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use host::model::load;
+
+/// A copy of the `dense` oracle checkpoint that a test may break.
+fn copy_of_dense() -> (tempfile::TempDir, PathBuf) {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/gemma4/dense");
+    assert!(src.join("config.json").exists(), "{} is missing: run `make oracle`", src.display());
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("dense");
+    fs::create_dir(&dir).unwrap();
+    for entry in fs::read_dir(&src).unwrap() {
+        let path = entry.unwrap().path();
+        fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
+    }
+    (tmp, dir)
+}
+
+fn error_of(dir: &Path) -> String {
+    host::runtime::init();
+    match load(dir) {
+        Ok(_) => panic!("{} loaded", dir.display()),
+        Err(e) => e.to_string(),
+    }
+}
+
+fn edit_config(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    let file = dir.join("config.json");
+    let mut config: serde_json::Value = serde_json::from_str(&fs::read_to_string(&file).unwrap()).unwrap();
+    edit(&mut config);
+    fs::write(file, serde_json::to_string_pretty(&config).unwrap()).unwrap();
+}
+
+#[test]
+fn a_corrupt_safetensors_header() {
+    let (_tmp, dir) = copy_of_dense();
+    let file = dir.join("model.safetensors");
+    let mut bytes = fs::read(&file).unwrap();
+    bytes[8..24].copy_from_slice(b"{ this is bad  \"");
+    fs::write(&file, bytes).unwrap();
+    let e = error_of(&dir);
+    assert!(e.contains("model.safetensors: not a valid safetensors file"), "{e}");
+}
+
+#[test]
+fn a_truncated_safetensors_file() {
+    let (_tmp, dir) = copy_of_dense();
+    let file = dir.join("model.safetensors");
+    let bytes = fs::read(&file).unwrap();
+    fs::write(&file, &bytes[..bytes.len() / 2]).unwrap();
+    let e = error_of(&dir);
+    assert!(e.contains("not a valid safetensors file"), "{e}");
+}
+
+#[test]
+fn a_missing_tensor() {
+    let (_tmp, dir) = copy_of_dense();
+    let file = dir.join("model.safetensors");
+    let bytes = fs::read(&file).unwrap();
+    let tensors = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let kept: Vec<(String, safetensors::tensor::TensorView)> =
+        tensors.tensors().into_iter().filter(|(name, _)| !name.ends_with("layers.1.mlp.up_proj.weight")).collect();
+    assert_eq!(kept.len() + 1, tensors.len());
+    let rewritten = safetensors::serialize(kept, &None).unwrap();
+    fs::write(&file, rewritten).unwrap();
+    let e = error_of(&dir);
+    assert!(e.contains("missing tensor `layers.1.mlp.up_proj.weight`"), "{e}");
+}
+
+#[test]
+fn a_tensor_of_the_wrong_shape() {
+    let (_tmp, dir) = copy_of_dense();
+    edit_config(&dir, |c| {
+        let inter = c["intermediate_size"].as_i64().unwrap();
+        c["intermediate_size"] = (inter + 8).into();
+    });
+    let e = error_of(&dir);
+    assert!(e.contains("tensor `layers.0.mlp.gate_proj.weight` has shape"), "{e}");
+    assert!(e.contains("expected"), "{e}");
+}
+
+#[test]
+fn an_unknown_model_type() {
+    let (_tmp, dir) = copy_of_dense();
+    edit_config(&dir, |c| c["model_type"] = "llama".into());
+    let e = error_of(&dir);
+    assert!(e.contains("`model_type` = \"llama\" is not supported"), "{e}");
+}
+
+#[test]
+fn an_unsupported_rope_type_names_its_key() {
+    let (_tmp, dir) = copy_of_dense();
+    edit_config(&dir, |c| c["rope_parameters"]["full_attention"]["rope_type"] = "yarn".into());
+    let e = error_of(&dir);
+    assert!(e.contains("`rope_parameters.full_attention.rope_type` = yarn is not supported"), "{e}");
+}
+
+#[test]
+fn no_weights_at_all() {
+    let (_tmp, dir) = copy_of_dense();
+    fs::remove_file(dir.join("model.safetensors")).unwrap();
+    let e = error_of(&dir);
+    assert!(e.contains("no model.safetensors"), "{e}");
+}
