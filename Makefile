@@ -7,7 +7,10 @@ export MLX_WHEEL
 
 FIXTURES := cargo build --manifest-path tests/fixtures/Cargo.toml --target-dir target/fixtures
 
-.PHONY: setup build fixtures run test doctor
+ORACLE_PY := tests/oracle/.venv/bin/python
+BENCH_MODEL := target/bench-model
+
+.PHONY: setup build fixtures run test doctor oracle bench
 
 setup:
 	@bash scripts/setup.sh
@@ -19,8 +22,9 @@ build: setup
 fixtures: setup
 	$(FIXTURES)
 
+# Generates text with the embedded default manifest (a small random-init Gemma 4).
 run: build
-	./target/release/host doctor
+	./target/release/host run --manifest manifests/default.toml
 
 test: setup fixtures
 	cargo build --workspace
@@ -28,3 +32,14 @@ test: setup fixtures
 
 doctor: build
 	./target/release/host doctor
+
+# Regenerates the Gemma 4 oracle fixtures with mlx-lm in its own venv (tests/oracle).
+oracle: setup
+	bash tests/oracle/setup-venv.sh
+	$(ORACLE_PY) tests/oracle/gemma4_oracle.py
+
+# Host against mlx-lm on a random Gemma 4 of more than 20M parameters (made once, not committed).
+bench: build
+	bash tests/oracle/setup-venv.sh
+	[ -e $(BENCH_MODEL)/config.json ] || $(ORACLE_PY) tests/oracle/gemma4_oracle.py --bench $(BENCH_MODEL)
+	./target/release/host bench --manifest manifests/bench.toml

@@ -65,10 +65,32 @@ struct RunArgs {
     dir: PluginsDir,
 }
 
+#[derive(Args)]
+struct BenchArgs {
+    #[arg(long, value_name = "FILE")]
+    manifest: PathBuf,
+    /// Measured pairs (host, mlx-lm), run in alternating order.
+    #[arg(long, default_value_t = 6)]
+    pairs: usize,
+    /// Tokens generated per run.
+    #[arg(long, default_value_t = 128)]
+    max_tokens: u32,
+    /// Python with mlx-lm installed (`make oracle` makes one).
+    #[arg(long, default_value = "tests/oracle/.venv/bin/python")]
+    mlx_lm_python: PathBuf,
+    /// The script that times mlx-lm's generation.
+    #[arg(long, default_value = "tests/oracle/mlx_lm_decode.py")]
+    mlx_lm_script: PathBuf,
+    #[arg(long)]
+    json: bool,
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Generate text for a manifest's prompt, streaming it as it comes.
     Run(RunArgs),
+    /// Time plain decoding against mlx-lm on the manifest's target, paired and interleaved.
+    Bench(BenchArgs),
     /// Show the MLX runtime, BLAS, device and plugins directory this process uses.
     Doctor {
         /// Print one JSON object instead of text.
@@ -138,6 +160,7 @@ fn main() -> ExitCode {
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Run(args) => run_manifest(args)?,
+        Command::Bench(args) => bench(args)?,
         Command::Doctor { json, dir } => {
             let report = doctor::Report::collect(plugins_dir::resolve(dir.plugins_dir))?;
             if json {
@@ -255,5 +278,40 @@ fn run_manifest(args: RunArgs) -> Result<()> {
             s.prompt_tokens, s.generated_tokens, generation.stop, s.prefill_ms, s.prefill_tokens_per_s, s.decode_tokens_per_s
         );
     }
+    Ok(())
+}
+
+fn bench(args: BenchArgs) -> Result<()> {
+    use host::bench::{plain, summary, BenchConfig};
+    let manifest = Manifest::load(&args.manifest)?;
+    let model = host::model::load(&manifest.target_model)?;
+    let tokenizer = Tokenizer::load(&manifest.target_model)?;
+    let overrides = Overrides { max_tokens: Some(args.max_tokens), temperature: Some(0.0), ..Overrides::default() };
+    let mut request = resolve_request(&manifest, &overrides, &model, &tokenizer, &CheckpointDefaults::default())?;
+    // Both sides generate exactly max_tokens: no EOS stop.
+    request.eos.clear();
+    let config = BenchConfig { pairs: args.pairs, mlx_lm_python: args.mlx_lm_python, mlx_lm_script: args.mlx_lm_script };
+    let result = plain(&model, &manifest.target_model, &request, &config)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&result)?);
+        return Ok(());
+    }
+    let stat = |v: Vec<f64>| summary(&v);
+    let (hd, _, _) = stat(result.host.iter().map(|t| t.decode_tokens_per_s).collect());
+    let (md, _, _) = stat(result.mlx_lm.iter().map(|t| t.decode_tokens_per_s).collect());
+    let (hp, _, _) = stat(result.host.iter().map(|t| t.prefill_tokens_per_s).collect());
+    let (mp, _, _) = stat(result.mlx_lm.iter().map(|t| t.prefill_tokens_per_s).collect());
+    let (dr, dr_lo, dr_hi) = stat(result.decode_ratios.clone());
+    let (pr, pr_lo, pr_hi) = stat(result.prefill_ratios.clone());
+    println!("plain decoding, {} prompt tokens, {} generated, {} pairs (median; ratio range)", request.prompt.len(), request.max_tokens, args.pairs);
+    println!("  decode   host {hd:8.1} tok/s   mlx-lm {md:8.1} tok/s   ratio {dr:.3}x  [{dr_lo:.3}, {dr_hi:.3}]");
+    println!("  prefill  host {hp:8.1} tok/s   mlx-lm {mp:8.1} tok/s   ratio {pr:.3}x  [{pr_lo:.3}, {pr_hi:.3}]");
+    println!(
+        "  bandwidth bound {:.1} tok/s ({:.1} MB of weights per token at {:.1} GB/s measured); host decode at {:.0}% of it",
+        result.bandwidth_bound_tokens_per_s,
+        result.weight_bytes_per_token as f64 / 1e6,
+        result.memory_gb_per_s,
+        100.0 * hd / result.bandwidth_bound_tokens_per_s
+    );
     Ok(())
 }

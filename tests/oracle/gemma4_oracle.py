@@ -299,7 +299,7 @@ GENERATION_CONFIG = {
 
 def hf_weights(tc: Dict[str, Any], prefix: str, seed: int, embed_std: float,
                lm_head_std: float, final_norm_scale: float,
-               row_sigma: float = 0.0, router_std: float = 8.0) -> Dict[str, np.ndarray]:
+               router_std: float = 8.0) -> Dict[str, np.ndarray]:
     """float32 numpy tensors named as transformers saves Gemma 4 (prefix 'model.' for
     Gemma4ForCausalLM, 'model.language_model.' for Gemma4ForConditionalGeneration)."""
     rng = np.random.default_rng(seed)
@@ -319,10 +319,7 @@ def hf_weights(tc: Dict[str, Any], prefix: str, seed: int, embed_std: float,
     def norm(dim, spread=0.15):
         return (1.0 + rng.standard_normal(dim) * spread).astype(np.float32)
 
-    # Log-normal row norms give heavier-tailed logits (larger top-1/top-2 gaps relative to the
-    # logit size), which bf16 / 4-bit fixtures need to stay clear of rounding ties.
-    row_scale = np.exp(rng.standard_normal((V, 1)) * row_sigma).astype(np.float32)
-    w[prefix + "embed_tokens.weight"] = normal((V, H), embed_std) * row_scale
+    w[prefix + "embed_tokens.weight"] = normal((V, H), embed_std)
     if Hp:
         w[prefix + "embed_tokens_per_layer.weight"] = normal(
             (tc["vocab_size_per_layer_input"], L * Hp), Hp ** -0.5)
@@ -356,7 +353,7 @@ def hf_weights(tc: Dict[str, Any], prefix: str, seed: int, embed_std: float,
         w[p + "mlp.down_proj.weight"] = mat(H, inter)
         if tc["enable_moe_block"]:
             E, Im = tc["num_experts"], tc["moe_intermediate_size"]
-            # A decisive router: scores spread well beyond float noise.
+            # A decisive router: expert scores O(1), their gaps well beyond float noise.
             w[p + "router.proj.weight"] = normal((E, H), router_std * H ** -0.5)
             w[p + "router.scale"] = norm(H, 0.2)
             w[p + "router.per_expert_scale"] = rng.uniform(0.5, 1.5, E).astype(np.float32)
@@ -373,7 +370,7 @@ def hf_weights(tc: Dict[str, Any], prefix: str, seed: int, embed_std: float,
     # The final norm sets the logit scale (argmax-invariant): real-sized logits, clear margins.
     w[prefix + "norm.weight"] = norm(H) * final_norm_scale
     if not tc["tie_word_embeddings"]:
-        w["lm_head.weight"] = normal((V, H), lm_head_std) * row_scale
+        w["lm_head.weight"] = normal((V, H), lm_head_std)
     return w
 
 
@@ -444,30 +441,40 @@ def _router_call_recording(self, x):
 gemma4_text.Router.__call__ = _router_call_recording
 
 
-def greedy_oracle(model, prompt_ids: List[int], n_tokens: int) -> Dict[str, np.ndarray]:
-    """Prompt forward from an empty cache, then n_tokens greedy steps (EOS does not stop)."""
+class Rejected(Exception):
+    """A candidate seed failed an acceptance check part-way through its greedy run."""
+
+
+def greedy_oracle(model, prompt_ids: List[int], n_tokens: int,
+                  min_margin: Optional[float] = None) -> Dict[str, np.ndarray]:
+    """Prompt forward from an empty cache, then n_tokens greedy steps (EOS does not stop).
+
+    With min_margin, raises Rejected as soon as a selecting row's top-1/top-2 gap is smaller
+    (the seed search uses this to skip candidates early)."""
     cache = make_prompt_cache(model)
     logits = model(mx.array(prompt_ids, dtype=mx.int32)[None], cache=cache)
     prompt_logits = logits[0].astype(mx.float32)
     mx.eval(prompt_logits)
-    rows = [prompt_logits[-1]]
+    rows = [np.array(prompt_logits[-1])]
     tokens: List[int] = []
     for i in range(n_tokens):
-        tok = int(mx.argmax(rows[-1]).item())
+        if min_margin is not None and top2_margins(rows[-1][None])[0] < min_margin:
+            raise Rejected(f"margin at step {i}")
+        tok = int(np.argmax(rows[-1]))
         tokens.append(tok)
         if i == n_tokens - 1:
             break
         out = model(mx.array([[tok]], dtype=mx.int32), cache=cache)
         row = out[0, -1].astype(mx.float32)
         mx.eval(row)
-        rows.append(row)
-    token_logits = mx.stack(rows)
-    mx.eval(token_logits)
+        rows.append(np.array(row))
+    token_logits = np.stack(rows)
     return {
         "prompt_ids": np.array(prompt_ids, dtype=np.int32),
         "prompt_logits": np.array(prompt_logits),
         "tokens": np.array(tokens, dtype=np.int32),
-        "token_logits": np.array(token_logits),
+        "token_logits": token_logits,
+        "token_margins": top2_margins(token_logits).astype(np.float32),
     }
 
 
@@ -525,9 +532,9 @@ class Fixture:
     lm_head_std: float = 0.1
     final_norm_scale: float = 4.0
     # acceptance thresholds for the seed search
-    min_token_margin: float = 0.02
+    min_token_margin: float = 0.02      # float32 logits: ~1e3x the expected f32 discrepancy
     min_prompt_margin: float = 0.005
-    min_router_gap: float = 0.02
+    min_router_gap: float = 1e-3
     extra: Dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -615,7 +622,7 @@ def fixtures() -> List[Fixture]:
             quantize={"group_size": 32, "bits": 4},
             prompt="So she was considering in her own mind",
             seed=5000,
-            min_token_margin=0.1,
+            min_token_margin=1e-6,  # bf16 logits: no exact tie, i.e. >= 1 bf16 ulp
             min_prompt_margin=0.0,
         ),
         Fixture(
@@ -628,34 +635,51 @@ def fixtures() -> List[Fixture]:
                            window=16, dtype="bfloat16"),
             prompt="Either the well was very deep, or she fell very slowly",
             seed=6000,
-            min_token_margin=0.1,
+            min_token_margin=1e-6,  # bf16 logits: no exact tie, i.e. >= 1 bf16 ulp
             min_prompt_margin=0.0,
         ),
     ]
 
 
-def evaluate(model, fx: Fixture, prompt_ids: List[int]):
+def max_run(tokens: np.ndarray) -> int:
+    best = run = 1
+    for a, b in zip(tokens[:-1], tokens[1:]):
+        run = run + 1 if a == b else 1
+        best = max(best, run)
+    return best
+
+
+def evaluate(model, fx: Fixture, prompt_ids: List[int], search: bool = False):
+    """The oracle run plus its statistics; with search=True, raises Rejected early when the
+    run cannot meet the fixture's thresholds."""
     ROUTER_GAPS.clear()
     _RECORD_ROUTER[0] = fx.tc["enable_moe_block"]
     try:
-        res = greedy_oracle(model, prompt_ids, fx.n_tokens)
+        res = greedy_oracle(model, prompt_ids, fx.n_tokens,
+                            min_margin=fx.min_token_margin if search else None)
     finally:
         _RECORD_ROUTER[0] = False
     stats = {
-        "min_token_margin": float(top2_margins(res["token_logits"]).min()),
+        "min_token_margin": float(res["token_margins"].min()),
+        "median_token_margin": float(np.median(res["token_margins"])),
         "min_prompt_margin": float(top2_margins(res["prompt_logits"]).min()),
         "distinct_tokens": int(len(set(res["tokens"].tolist()))),
+        "longest_repeat": max_run(res["tokens"]),
         "logit_std": float(res["token_logits"].std()),
+        "max_abs_logit": float(np.abs(res["token_logits"]).max()),
     }
     if fx.tc["enable_moe_block"]:
         stats["min_router_gap"] = float(min(ROUTER_GAPS))
+    if search and not acceptable(fx, stats):
+        raise Rejected("thresholds")
     return res, stats
 
 
 def acceptable(fx: Fixture, stats: Dict[str, Any]) -> bool:
     ok = (stats["min_token_margin"] >= fx.min_token_margin
           and stats["min_prompt_margin"] >= fx.min_prompt_margin
-          and stats["distinct_tokens"] >= 12)
+          and stats["distinct_tokens"] >= 16
+          and stats["longest_repeat"] <= 8)
     if "min_router_gap" in stats:
         ok = ok and stats["min_router_gap"] >= fx.min_router_gap
     return ok
@@ -665,7 +689,7 @@ def max_abs(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))))
 
 
-def make_fixture(fx: Fixture, tok, out_root: Path, max_tries: int = 64) -> Dict[str, Any]:
+def make_fixture(fx: Fixture, tok, out_root: Path, max_tries: int = 1000) -> Dict[str, Any]:
     t0 = time.time()
     config = full_config(fx.tc, fx.nested)
     prompt_ids = tok.encode(fx.prompt).ids
@@ -678,10 +702,12 @@ def make_fixture(fx: Fixture, tok, out_root: Path, max_tries: int = 64) -> Dict[
         weights = to_mx(hf_weights(fx.tc, fx.prefix, seed, fx.embed_std, fx.lm_head_std,
                                    fx.final_norm_scale), fx.dtype)
         model = build_in_memory(config, weights, fx.quantize)
-        res_mem, stats = evaluate(model, fx, prompt_ids)
-        if acceptable(fx, stats):
-            chosen = (seed, weights, res_mem, stats, attempt + 1)
-            break
+        try:
+            res_mem, stats = evaluate(model, fx, prompt_ids, search=True)
+        except Rejected:
+            continue
+        chosen = (seed, weights, res_mem, stats, attempt + 1)
+        break
     if chosen is None:
         raise RuntimeError(f"{fx.name}: no seed in {max_tries} tries met the margin thresholds")
     seed, weights, res_mem, stats, tries = chosen

@@ -88,6 +88,9 @@ pub struct Gemma4 {
     pub kv_source: Vec<usize>,
     /// The activation dtype (the embedding's).
     pub dtype: Dtype,
+    /// Bytes of all weights, and of the routed experts among them.
+    pub weight_bytes: usize,
+    pub expert_bytes: usize,
 }
 
 /// Hidden states captured during a forward, at the requested layers.
@@ -114,6 +117,20 @@ impl Gemma4 {
                 LayerType::Sliding => LayerCache::sliding(self.config.sliding_window, slack),
             })
             .collect()
+    }
+
+    /// Weight bytes one decode step reads: everything but the experts not routed to (and
+    /// the embedding table, of which a step reads one row, unless it is also the head).
+    pub fn weight_bytes_per_token(&self) -> usize {
+        let c = &self.config;
+        let experts_unused = if c.enable_moe_block {
+            self.expert_bytes - self.expert_bytes * c.top_k_experts as usize / c.num_experts as usize
+        } else {
+            0
+        };
+        let per_layer_table = self.per_layer_inputs.as_ref().map_or(0, |p| p.embed_tokens_per_layer.nbytes());
+        let untied_table = if self.lm_head.is_some() { self.embed_tokens.nbytes() } else { 0 };
+        self.weight_bytes - experts_unused - per_layer_table - untied_table
     }
 
     /// Token embeddings of ids [B, L], times √hidden when `scaled` (the model's own input).

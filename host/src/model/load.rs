@@ -180,7 +180,13 @@ fn build(config: Gemma4Config, w: &Weights) -> Result<Gemma4, WeightsError> {
     }
     let lm_head = if c.tie_word_embeddings { None } else { Some(Linear::load(w, "lm_head", c.vocab_size, hidden, q("lm_head"))?) };
     let dtype = embed_tokens.dtype();
-    Ok(Gemma4 { norm: norm("norm", hidden)?, config, embed_tokens, per_layer_inputs, layers, lm_head, kv_source, dtype })
+    let expert_bytes = layers
+        .iter()
+        .filter_map(|l| l.moe.as_ref())
+        .map(|m| m.experts.gate_proj.nbytes() + m.experts.up_proj.nbytes() + m.experts.down_proj.nbytes())
+        .sum();
+    let weight_bytes = w.nbytes();
+    Ok(Gemma4 { norm: norm("norm", hidden)?, config, embed_tokens, per_layer_inputs, layers, lm_head, kv_source, dtype, weight_bytes, expert_bytes })
 }
 
 /// Stacked expert weights [E, out, in] (or their quantized form) at `path`.

@@ -83,6 +83,10 @@ impl Embedding {
         }
     }
 
+    pub fn nbytes(&self) -> usize {
+        self.weight.nbytes() + self.scales.as_ref().map_or(0, Array::nbytes) + self.biases.as_ref().map_or(0, Array::nbytes)
+    }
+
     /// The activation dtype the table produces.
     pub fn dtype(&self) -> Dtype {
         self.scales.as_ref().map_or(self.weight.dtype(), Array::dtype)

@@ -1,0 +1,132 @@
+//! `host bench`: the host's plain decoding against mlx-lm's own generation on the same
+//! checkpoint, paired and interleaved (ABBA order, so drift hits both sides alike), with the
+//! ratio per pair and its spread, and the memory-bandwidth bound for the checkpoint.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Instant;
+
+use crate::generate::{generate, GenerateError, Request};
+use crate::model::Gemma4;
+
+#[derive(Debug, Clone)]
+pub struct BenchConfig {
+    pub pairs: usize,
+    /// The Python that has mlx-lm installed, and the script that times its generation.
+    pub mlx_lm_python: PathBuf,
+    pub mlx_lm_script: PathBuf,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    #[error(transparent)]
+    Generate(#[from] GenerateError),
+    #[error("running mlx-lm ({command}): {reason}")]
+    Reference { command: String, reason: String },
+}
+
+/// Throughput of one run.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct Throughput {
+    pub prefill_tokens_per_s: f64,
+    pub decode_tokens_per_s: f64,
+}
+
+#[derive(Debug, serde::Serialize)]
+pub struct PlainBench {
+    pub host: Vec<Throughput>,
+    pub mlx_lm: Vec<Throughput>,
+    /// host / mlx-lm per pair.
+    pub decode_ratios: Vec<f64>,
+    pub prefill_ratios: Vec<f64>,
+    pub weight_bytes_per_token: usize,
+    pub memory_gb_per_s: f64,
+    pub bandwidth_bound_tokens_per_s: f64,
+}
+
+pub fn plain(model: &Gemma4, model_dir: &std::path::Path, request: &Request, config: &BenchConfig) -> Result<PlainBench, BenchError> {
+    // One unmeasured run of each, so that neither side pays first-touch costs in the sample.
+    run_host(model, request)?;
+    run_mlx_lm(model_dir, request, config)?;
+    let (mut host, mut mlx_lm) = (Vec::new(), Vec::new());
+    for pair in 0..config.pairs {
+        if pair % 2 == 0 {
+            host.push(run_host(model, request)?);
+            mlx_lm.push(run_mlx_lm(model_dir, request, config)?);
+        } else {
+            mlx_lm.push(run_mlx_lm(model_dir, request, config)?);
+            host.push(run_host(model, request)?);
+        }
+    }
+    let ratios = |f: fn(&Throughput) -> f64| host.iter().zip(&mlx_lm).map(|(h, m)| f(h) / f(m)).collect::<Vec<_>>();
+    let weight_bytes_per_token = model.weight_bytes_per_token();
+    let memory_gb_per_s = memory_bandwidth_gb_per_s();
+    Ok(PlainBench {
+        decode_ratios: ratios(|t| t.decode_tokens_per_s),
+        prefill_ratios: ratios(|t| t.prefill_tokens_per_s),
+        host,
+        mlx_lm,
+        weight_bytes_per_token,
+        memory_gb_per_s,
+        bandwidth_bound_tokens_per_s: memory_gb_per_s * 1e9 / weight_bytes_per_token as f64,
+    })
+}
+
+fn run_host(model: &Gemma4, request: &Request) -> Result<Throughput, BenchError> {
+    let g = generate(model, request, |_| {})?;
+    Ok(Throughput { prefill_tokens_per_s: g.stats.prefill_tokens_per_s, decode_tokens_per_s: g.stats.decode_tokens_per_s })
+}
+
+fn run_mlx_lm(model_dir: &std::path::Path, request: &Request, config: &BenchConfig) -> Result<Throughput, BenchError> {
+    let ids: Vec<String> = request.prompt.iter().map(u32::to_string).collect();
+    let mut command = Command::new(&config.mlx_lm_python);
+    command
+        .arg(&config.mlx_lm_script)
+        .arg("--model")
+        .arg(model_dir)
+        .arg("--prompt-ids")
+        .arg(ids.join(","))
+        .arg("--max-tokens")
+        .arg(request.max_tokens.to_string());
+    let shown = format!("{} {}", config.mlx_lm_python.display(), config.mlx_lm_script.display());
+    let failed = |reason: String| BenchError::Reference { command: shown.clone(), reason };
+    let out = command.output().map_err(|e| failed(e.to_string()))?;
+    if !out.status.success() {
+        return Err(failed(String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or("failed").to_owned()));
+    }
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let json: serde_json::Value = stdout
+        .lines()
+        .rev()
+        .find_map(|l| serde_json::from_str(l).ok())
+        .ok_or_else(|| failed(format!("no JSON in its output: {stdout}")))?;
+    let field = |k: &str| json[k].as_f64().ok_or_else(|| failed(format!("no `{k}` in {json}")));
+    Ok(Throughput { prefill_tokens_per_s: field("prefill_tokens_per_s")?, decode_tokens_per_s: field("decode_tokens_per_s")? })
+}
+
+/// Single-thread read bandwidth of this machine: the best of three sums over 256 MiB.
+pub fn memory_bandwidth_gb_per_s() -> f64 {
+    let words = 32 << 20;
+    let data: Vec<u64> = (0..words as u64).collect();
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        let start = Instant::now();
+        let mut acc = [0u64; 4];
+        for chunk in data.chunks_exact(4) {
+            for (a, x) in acc.iter_mut().zip(chunk) {
+                *a = a.wrapping_add(*x);
+            }
+        }
+        std::hint::black_box(acc);
+        best = best.min(start.elapsed().as_secs_f64());
+    }
+    (words * 8) as f64 / best / 1e9
+}
+
+/// Median and range of a sample, for printing.
+pub fn summary(values: &[f64]) -> (f64, f64, f64) {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    let median = if v.is_empty() { 0.0 } else { v[v.len() / 2] };
+    (median, v.first().copied().unwrap_or(0.0), v.last().copied().unwrap_or(0.0))
+}
