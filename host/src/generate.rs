@@ -32,6 +32,10 @@ pub enum GenerateError {
     Sampling(String),
     #[error(transparent)]
     Model(#[from] ModelError),
+    #[error(transparent)]
+    Drafter(crate::plugin::DrafterError),
+    #[error("internal error: {0}")]
+    Internal(String),
 }
 
 impl From<mlx_rs::error::Exception> for GenerateError {
@@ -63,6 +67,9 @@ pub struct Stats {
     pub decode_ms: f64,
     pub prefill_tokens_per_s: f64,
     pub decode_tokens_per_s: f64,
+    /// Why the drafter was dropped mid-request, if it was; the rest was decoded plainly.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub drafter_error: Option<String>,
 }
 
 #[derive(Debug, Clone)]

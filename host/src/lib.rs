@@ -11,4 +11,6 @@ pub mod plugins_dir;
 pub mod run;
 pub mod runtime;
 pub mod sampling;
+pub mod speculative;
+pub mod target_view;
 pub mod tokenizer;

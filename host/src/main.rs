@@ -234,14 +234,21 @@ fn run(cli: Cli) -> Result<()> {
 
 fn run_manifest(args: RunArgs) -> Result<()> {
     let manifest = Manifest::load(&args.manifest)?;
-    if let Some(drafter) = &manifest.drafter {
-        bail!(
-            "{}: [drafter] kind = \"{}\": speculative decoding is not available in this build; remove the [drafter] section to decode plainly",
-            manifest.file.display(),
-            drafter.kind
-        );
-    }
-    let model = host::model::load(&manifest.target_model)?;
+    let model = std::rc::Rc::new(host::model::load(&manifest.target_model)?);
+    let drafter = match &manifest.drafter {
+        None => None,
+        Some(spec) => {
+            let plugin = select(&plugins_dir::resolve(args.dir.plugins_dir.clone()), &spec.kind, spec.sha256.as_deref())?;
+            manifest.check_drafter(&plugin.descriptor)?;
+            let drafter = Drafter::load(&plugin, spec.artifact.as_deref(), &spec.options_toml())?;
+            host::speculative::probe_open(&model, &drafter)?;
+            let config = host::speculative::SpecConfig {
+                draft_tokens: args.draft_tokens.unwrap_or(spec.draft_tokens) as usize,
+                verify: spec.verify,
+            };
+            Some((drafter, config))
+        }
+    };
     let tokenizer = Tokenizer::load(&manifest.target_model)?;
     let defaults = CheckpointDefaults::load(&manifest.target_model).map_err(anyhow::Error::msg)?;
     let overrides = Overrides {
@@ -260,23 +267,23 @@ fn run_manifest(args: RunArgs) -> Result<()> {
 
     let mut stream = StreamDecoder::new(&tokenizer);
     let mut stdout = std::io::stdout().lock();
-    let generation = generate(&model, &request, |token| {
+    let on_token = |token| {
         let piece = stream.push(token);
         if !args.json && !piece.is_empty() {
             let _ = write!(stdout, "{piece}");
             let _ = stdout.flush();
         }
-    })?;
+    };
+    let generation = match &drafter {
+        None => generate(&model, &request, on_token)?,
+        Some((drafter, config)) => host::speculative::generate_speculative(&model, drafter, &request, *config, on_token)?,
+    };
     if args.json {
         let output = RunOutput { text: stream.text(), tokens: generation.tokens, stop: generation.stop, stats: generation.stats };
         writeln!(stdout, "{}", serde_json::to_string(&output)?)?;
     } else {
         writeln!(stdout)?;
-        let s = &generation.stats;
-        eprintln!(
-            "{} prompt tokens, {} generated ({:?}); prefill {:.0} ms ({:.1} tok/s), decode {:.1} tok/s",
-            s.prompt_tokens, s.generated_tokens, generation.stop, s.prefill_ms, s.prefill_tokens_per_s, s.decode_tokens_per_s
-        );
+        eprint!("{}", host::run::summary(&generation));
     }
     Ok(())
 }

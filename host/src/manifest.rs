@@ -11,6 +11,7 @@
 //! artifact = "../models/some-drafter" # the drafter's checkpoint, for kinds that need one
 //! sha256 = "…"                        # optional pin of the plugin library
 //! draft_tokens = 4
+//! verify = "match"                    # or "rejection" (drafters that return probabilities)
 //!
 //! [drafter.options]                   # the plugin's own options (`host plugins inspect KIND`)
 //! max_ngram = 3
@@ -30,6 +31,8 @@ use serde::Deserialize;
 use toml::Spanned;
 
 use plugin_api::Descriptor;
+
+use crate::speculative::Verify;
 
 /// A manifest error: the file, the line when known, and one line of what is wrong.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -71,7 +74,13 @@ struct DrafterSection {
     sha256: Option<Spanned<String>>,
     #[serde(default = "default_draft_tokens")]
     draft_tokens: u32,
+    #[serde(default = "default_verify")]
+    verify: Verify,
     options: Option<Spanned<toml::Table>>,
+}
+
+fn default_verify() -> Verify {
+    Verify::Match
 }
 
 fn default_draft_tokens() -> u32 {
@@ -125,6 +134,8 @@ pub struct DrafterSpec {
     pub artifact: Option<PathBuf>,
     pub sha256: Option<String>,
     pub draft_tokens: u32,
+    /// `match` (coupled draws, any drafter) or `rejection` (needs draft probabilities).
+    pub verify: Verify,
     /// The plugin's options, as TOML text for the plugin.
     pub options: toml::Table,
     /// Line of each option key, for messages.
@@ -185,7 +196,7 @@ impl Manifest {
                         (table, lines)
                     }
                 };
-                Some(DrafterSpec { kind: d.kind, artifact, sha256, draft_tokens: d.draft_tokens, options, option_lines })
+                Some(DrafterSpec { kind: d.kind, artifact, sha256, draft_tokens: d.draft_tokens, verify: d.verify, options, option_lines })
             }
         };
         Ok(Manifest { file: file.to_owned(), target_model, drafter, generation: parsed.generation })
@@ -196,6 +207,9 @@ impl Manifest {
     pub fn check_drafter(&self, descriptor: &Descriptor) -> Result<(), ManifestError> {
         let Some(drafter) = &self.drafter else { return Ok(()) };
         let error = |line, message| ManifestError { file: self.file.clone(), line, message };
+        if drafter.verify == Verify::Rejection && !descriptor.capabilities.draft_probabilities {
+            return Err(error(None, format!("drafter.verify: `rejection` needs draft probabilities, which drafter `{}` does not return", drafter.kind)));
+        }
         if descriptor.needs_artifact && drafter.artifact.is_none() {
             return Err(error(None, format!("drafter.artifact: drafter `{}` needs an artifact directory", drafter.kind)));
         }

@@ -104,3 +104,28 @@ pub struct RunOutput {
     pub stop: crate::generate::StopReason,
     pub stats: Stats,
 }
+
+/// The human summary printed after a streamed generation.
+pub fn summary(g: &crate::generate::Generation) -> String {
+    let s = &g.stats;
+    let mut out = format!(
+        "{} prompt tokens, {} generated ({:?}); prefill {:.0} ms ({:.1} tok/s), decode {:.1} tok/s, {} target forwards\n",
+        s.prompt_tokens, s.generated_tokens, g.stop, s.prefill_ms, s.prefill_tokens_per_s, s.decode_tokens_per_s, s.target_forwards
+    );
+    if s.drafted > 0 || s.drafter_error.is_some() {
+        let by_position: Vec<String> = s.accepted_by_position.iter().map(|r| format!("{r:.2}")).collect();
+        out.push_str(&format!(
+            "speculation: {} rounds, {} drafted, {} accepted ({:.1}%), mean accepted length {:.2}, by position [{}]\n",
+            s.rounds,
+            s.drafted,
+            s.accepted,
+            100.0 * s.acceptance_rate,
+            s.mean_accept_len,
+            by_position.join(", ")
+        ));
+    }
+    if let Some(e) = &s.drafter_error {
+        out.push_str(&format!("the drafter was dropped, the rest decoded plainly: {e}\n"));
+    }
+    out
+}

@@ -74,11 +74,14 @@ fn check(name: &str, tolerance: f32) {
     assert!(diff <= tolerance, "{name}: prompt logits differ by {diff} > {tolerance}");
 
     let (tokens, logits) = greedy(&model, &o.prompt, o.tokens.len());
+    let mut worst = diff;
     for (step, row) in logits.iter().enumerate() {
         let expected = o.token_logits.take_axis(Array::from_int(step as i32), 0).unwrap();
         let diff = max_abs_diff(row, &expected);
         assert!(diff <= tolerance, "{name}: step {step} logits differ by {diff} > {tolerance}");
+        worst = worst.max(diff);
     }
+    eprintln!("{name}: largest logit difference from mlx-lm {worst:e} (tolerance {tolerance:e})");
     assert_eq!(tokens, o.tokens, "{name}: greedy tokens differ from mlx-lm");
 
     let request = Request { prompt: o.prompt.clone(), max_tokens: o.tokens.len(), sampling: SamplingParams::default(), eos: vec![] };
@@ -86,11 +89,13 @@ fn check(name: &str, tolerance: f32) {
     assert_eq!(generated.tokens, o.tokens, "{name}: the decoding loop differs from mlx-lm");
 }
 
-// Tolerances: float32 checkpoints agree with mlx-lm to float rounding (the two sum attention
-// over cached keys in different orders); bfloat16 ones round every activation to 8 bits of
-// mantissa, so the same reordering moves logits by up to a few hundredths.
+// Tolerances. The host computes what mlx-lm computes, op for op, and on these fixtures the
+// logits come out identical (difference 0, printed with --nocapture). The tolerances leave
+// room for summation order only: attention reads the cached keys in ring order, which may
+// differ from mlx-lm's, a last-bit effect in float32 and at most one bfloat16 step
+// (1/16 for logits between 8 and 16) that could then carry.
 const F32: f32 = 1e-4;
-const BF16: f32 = 5e-2;
+const BF16: f32 = 0.0625;
 
 #[test]
 fn dense_sliding_and_full_layers() {
@@ -114,7 +119,7 @@ fn mixture_of_experts() {
 
 #[test]
 fn quantized_4_bit() {
-    check("quant4", F32);
+    check("quant4", BF16);
 }
 
 #[test]

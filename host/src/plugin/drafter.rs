@@ -5,7 +5,7 @@ use std::path::Path;
 
 use abi_stable::std_types::{ROption, RVec};
 use mlx_rs::Array;
-use plugin_api::abi::{ProviderBox, RowGroupBox, TokenRows};
+use plugin_api::abi::{DrafterRootRef, ProviderBox, RowGroupBox, TokenRows};
 use plugin_api::target::TargetViewBox;
 use plugin_api::{ArrayRef, PluginError, ProviderInfo};
 
@@ -31,9 +31,14 @@ pub struct Drafter {
 impl Drafter {
     /// Loads `artifact` (if any) with the manifest's options for this drafter, as TOML text.
     pub fn load(plugin: &Plugin, artifact: Option<&Path>, options: &str) -> Result<Drafter, DrafterError> {
-        let kind = plugin.descriptor.kind.to_string();
+        Drafter::load_root(plugin.root, plugin.descriptor.kind.as_str(), artifact, options)
+    }
+
+    /// As [`Drafter::load`], from a root module already at hand (e.g. one linked in-process).
+    pub fn load_root(root: DrafterRootRef, kind: &str, artifact: Option<&Path>, options: &str) -> Result<Drafter, DrafterError> {
+        let kind = kind.to_owned();
         let artifact = artifact.map(|p| p.to_string_lossy().into_owned()).unwrap_or_default();
-        let provider = (plugin.root.load())(artifact.as_str().into(), options.into())
+        let provider = (root.load())(artifact.as_str().into(), options.into())
             .into_result()
             .map_err(|error| DrafterError::Plugin { kind: kind.clone(), call: "load", error })?;
         let info = provider.info();
@@ -53,7 +58,7 @@ impl Drafter {
 }
 
 /// One row's validated proposal.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct Proposal {
     pub tokens: Vec<u32>,
     pub probabilities: Option<Array>,

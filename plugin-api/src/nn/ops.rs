@@ -14,7 +14,8 @@ pub fn gelu_approx(x: &Array) -> Result<Array, Exception> {
     let dtype = x.dtype();
     let c = scalar(0.044715, dtype)?;
     let k = scalar((2.0 / std::f32::consts::PI).sqrt(), dtype)?;
-    let cube = x.multiply(x)?.multiply(x)?;
+    // x³ as one power (rounded once), like mlx's `x ** 3`, not two products.
+    let cube = x.power(scalar(3.0, dtype)?)?;
     let inner = x.add(cube.multiply(&c)?)?.multiply(&k)?;
     let gate = mlx_rs::ops::tanh(&inner)?.add(scalar(1.0, dtype)?)?;
     x.multiply(scalar(0.5, dtype)?)?.multiply(&gate)

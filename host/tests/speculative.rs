@@ -1,0 +1,388 @@
+//! Speculative decoding is lossless: its output equals plain decoding token for token, greedy
+//! and sampled, whatever the drafter proposes, across many wraps of the sliding window; with
+//! rejection sampling the emitted tokens follow the target's distribution.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+use std::sync::Mutex;
+
+use host::generate::{generate, Generation, Request};
+use host::model::{load, Gemma4};
+use host::plugin::load::load as load_library;
+use host::plugin::Drafter as HostDrafter;
+use host::sampling::{filtered_logprobs, SamplingParams};
+use host::speculative::{generate_speculative, SpecConfig, Verify};
+use mlx_rs::Array;
+use plugin_api::abi::{RowState, TokenRows};
+use plugin_api::sdk::{self, DraftProvider, DraftRows, Drafter, Options, Proposal, Target};
+use plugin_api::{Capabilities, Descriptor, PluginError, ProviderInfo};
+
+fn fixture(name: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/gemma4").join(name);
+    assert!(dir.join("config.json").exists(), "{} is missing: run `make oracle`", dir.display());
+    dir
+}
+
+fn model(name: &str) -> Rc<Gemma4> {
+    host::runtime::init();
+    Rc::new(load(&fixture(name)).unwrap())
+}
+
+const PROMPT: [u32; 12] = [2, 17, 40, 9, 33, 17, 40, 9, 61, 5, 17, 40];
+
+fn request(max_tokens: usize, sampling: SamplingParams) -> Request {
+    Request { prompt: PROMPT.to_vec(), max_tokens, sampling, eos: vec![] }
+}
+
+fn greedy() -> SamplingParams {
+    SamplingParams::default()
+}
+
+fn sampled(seed: u64) -> SamplingParams {
+    SamplingParams { temperature: 0.9, top_k: 40, top_p: 0.95, min_p: 0.0, seed }
+}
+
+// --- an adversarial drafter: right for a random number of positions, then wrong ----------
+
+/// The plain output the adversary peeks at, per test (tests in a file share a process).
+static SCRIPT: Mutex<Vec<u32>> = Mutex::new(Vec::new());
+
+struct Adversary;
+struct AdversaryProvider {
+    seed: u64,
+    vocab_guard: u32,
+}
+struct AdversaryRows {
+    seed: u64,
+    vocab: u32,
+    rows: usize,
+    script: Vec<u32>,
+}
+
+impl Drafter for Adversary {
+    type Provider = AdversaryProvider;
+    fn descriptor() -> Descriptor {
+        Descriptor::new("adversary", "adversarial test drafter", "0.0.0")
+            .option("seed", "0", "")
+            .option("max_token", "0", "largest id proposed, 0 = the vocabulary's")
+    }
+    fn load(_: Option<&Path>, o: &Options) -> Result<AdversaryProvider, PluginError> {
+        Ok(AdversaryProvider { seed: o.get_or("seed", 0)?, vocab_guard: o.get_or("max_token", 0)? })
+    }
+}
+
+impl DraftProvider for AdversaryProvider {
+    type Rows = AdversaryRows;
+    fn info(&self) -> ProviderInfo {
+        ProviderInfo { id: "adversary".into(), weights_bytes: 0, namespace: "adversary".into(), trained_depth: 0, capabilities: Capabilities::default() }
+    }
+    fn open(&self, target: Target, rows: usize) -> Result<AdversaryRows, PluginError> {
+        let vocab = if self.vocab_guard > 0 { self.vocab_guard } else { target.info().vocab_size };
+        Ok(AdversaryRows { seed: self.seed, vocab, rows, script: SCRIPT.lock().unwrap().clone() })
+    }
+}
+
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+impl DraftRows for AdversaryRows {
+    fn prefill(&mut self, _: TokenRows<'_>, _: Option<Array>) -> Result<(), PluginError> {
+        Ok(())
+    }
+    fn draft(&mut self, pending: &[u32], depth: usize, steps: &[u64]) -> Result<Vec<Proposal>, PluginError> {
+        Ok(steps
+            .iter()
+            .take(pending.len())
+            .map(|&step| {
+                let r = mix(self.seed ^ mix(step));
+                let len = (r % (depth as u64 + 1)) as usize; // 0..=depth, 0 included
+                let right = ((r >> 8) % (len as u64 + 1)) as usize;
+                let tokens = (0..len)
+                    .map(|i| match self.script.get(step as usize + i) {
+                        Some(&t) if i < right => t,
+                        _ => (mix(r ^ i as u64) % self.vocab as u64) as u32,
+                    })
+                    .collect();
+                Proposal::tokens(tokens)
+            })
+            .collect())
+    }
+    fn commit(&mut self, _: TokenRows<'_>, _: &[u32], _: Option<Array>) -> Result<(), PluginError> {
+        Ok(())
+    }
+    fn filter_rows(&mut self, keep: &[u32]) -> Result<(), PluginError> {
+        self.rows = keep.len();
+        Ok(())
+    }
+    fn append(&mut self, states: Vec<RowState>) -> Result<(), PluginError> {
+        self.rows += states.len();
+        Ok(())
+    }
+    fn capture(&mut self, _: usize) -> Result<RowState, PluginError> {
+        Ok(RowState { namespace: "adversary".into(), processed: 0, ids: Default::default(), tensors: Default::default() })
+    }
+}
+
+fn adversary(seed: u64, script: &[u32]) -> HostDrafter {
+    *SCRIPT.lock().unwrap() = script.to_vec();
+    HostDrafter::load_root(sdk::root_module::<Adversary>(), "adversary", None, &format!("seed = {seed}")).unwrap()
+}
+
+fn ngram() -> HostDrafter {
+    let plugin = load_library(&common::workspace_plugin("ngram"), None).unwrap();
+    HostDrafter::load(&plugin, None, "max_ngram = 3").unwrap()
+}
+
+fn spec(model: &Rc<Gemma4>, drafter: &HostDrafter, request: &Request, gamma: usize) -> Generation {
+    let config = SpecConfig { draft_tokens: gamma, verify: Verify::Match };
+    generate_speculative(model, drafter, request, config, |_| {}).unwrap()
+}
+
+fn plain(model: &Gemma4, request: &Request) -> Vec<u32> {
+    generate(model, request, |_| {}).unwrap().tokens
+}
+
+const GAMMAS: [usize; 4] = [1, 2, 4, 7];
+/// Far past the fixtures' sliding windows (8–16 tokens): several wraps.
+const LONG: usize = 80;
+
+#[test]
+fn greedy_with_ngram_equals_plain_greedy() {
+    for fixture in ["dense", "ple-kvshare", "kv-eq"] {
+        let m = model(fixture);
+        let r = request(LONG, greedy());
+        let expected = plain(&m, &r);
+        for gamma in GAMMAS {
+            let g = spec(&m, &ngram(), &r, gamma);
+            assert_eq!(g.tokens, expected, "{fixture}, γ = {gamma}");
+            assert!(g.stats.drafter_error.is_none());
+        }
+    }
+}
+
+#[test]
+fn greedy_with_an_adversary_equals_plain_greedy() {
+    for fixture in ["dense", "ple-kvshare", "moe"] {
+        let m = model(fixture);
+        let r = request(LONG, greedy());
+        let expected = plain(&m, &r);
+        for gamma in GAMMAS {
+            for seed in 0..3 {
+                let g = spec(&m, &adversary(seed, &expected), &r, gamma);
+                assert_eq!(g.tokens, expected, "{fixture}, γ = {gamma}, seed {seed}");
+                let s = &g.stats;
+                assert!(s.accepted > 0 && s.accepted < s.drafted, "{fixture} γ {gamma}: the adversary must be partly right: {s:?}");
+                assert_eq!(s.target_forwards, s.rounds + 1, "one forward per round after the prefill");
+            }
+        }
+    }
+}
+
+#[test]
+fn sampled_speculation_equals_plain_sampling_for_the_same_seed() {
+    let m = model("dense");
+    for seed in [1, 7] {
+        let r = request(LONG, sampled(seed));
+        let expected = plain(&m, &r);
+        for gamma in GAMMAS {
+            assert_eq!(spec(&m, &ngram(), &r, gamma).tokens, expected, "ngram, seed {seed}, γ = {gamma}");
+            assert_eq!(spec(&m, &adversary(seed, &expected), &r, gamma).tokens, expected, "adversary, seed {seed}, γ = {gamma}");
+        }
+    }
+}
+
+#[test]
+fn eos_is_never_content_even_as_an_accepted_draft() {
+    let m = model("dense");
+    let free = plain(&m, &request(40, greedy()));
+    // Make the 10th generated token the end of sequence: both must stop before it.
+    let eos = free[9];
+    let first = free.iter().position(|&t| t == eos).unwrap();
+    let r = Request { eos: vec![eos], ..request(40, greedy()) };
+    let expected = plain(&m, &r);
+    assert_eq!(expected, free[..first]);
+    for gamma in GAMMAS {
+        // The adversary proposes the true continuation, EOS included, so EOS arrives as an
+        // accepted draft in some rounds.
+        let g = spec(&m, &adversary(3, &free), &r, gamma);
+        assert_eq!(g.tokens, expected, "γ = {gamma}");
+        assert!(!g.tokens.contains(&eos));
+    }
+}
+
+#[test]
+fn max_tokens_is_exact() {
+    let m = model("dense");
+    for max in [1, 2, 3, 9, 17] {
+        let r = request(max, greedy());
+        let expected = plain(&m, &r);
+        assert_eq!(expected.len(), max);
+        for gamma in GAMMAS {
+            assert_eq!(spec(&m, &adversary(1, &expected), &r, gamma).tokens, expected, "max {max}, γ {gamma}");
+        }
+    }
+}
+
+#[test]
+fn a_drafter_that_panics_mid_request_leaves_a_complete_correct_output() {
+    let m = model("dense");
+    let r = request(LONG, greedy());
+    let expected = plain(&m, &r);
+    let plugin = load_library(&common::fixture("misbehaving"), None).unwrap();
+    let drafter = HostDrafter::load(&plugin, None, "mode = \"well-behaved\"\npanic_after = 3").unwrap();
+    let g = spec(&m, &drafter, &r, 4);
+    assert_eq!(g.tokens, expected);
+    let why = g.stats.drafter_error.expect("the drop is reported");
+    assert!(why.contains("panicked in draft"), "{why}");
+    assert_eq!(g.stats.drafted, 3, "three one-token drafts before the panic");
+}
+
+#[test]
+fn a_drafter_answering_out_of_contract_is_dropped_not_trusted() {
+    let m = model("dense");
+    let r = request(30, greedy());
+    let expected = plain(&m, &r);
+    let plugin = load_library(&common::fixture("misbehaving"), None).unwrap();
+    for mode in ["too-many", "out-of-vocab"] {
+        let drafter = HostDrafter::load(&plugin, None, &format!("mode = \"{mode}\"")).unwrap();
+        let g = spec(&m, &drafter, &r, 3);
+        assert_eq!(g.tokens, expected, "{mode}");
+        assert!(g.stats.drafter_error.as_deref().unwrap().contains("answered draft wrongly"), "{mode}");
+        assert_eq!(g.stats.drafted, 0);
+    }
+}
+
+#[test]
+fn stats_count_what_happened() {
+    let m = model("dense");
+    let r = request(LONG, greedy());
+    let expected = plain(&m, &r);
+    let g = spec(&m, &adversary(2, &expected), &r, 4);
+    let s = &g.stats;
+    assert_eq!(s.generated_tokens, LONG);
+    // Every round emits its accepted drafts plus one token of the target's own.
+    assert_eq!(s.accepted + s.rounds, LONG);
+    assert!((s.mean_accept_len - LONG as f64 / s.rounds as f64).abs() < 1e-9);
+    assert!((s.acceptance_rate - s.accepted as f64 / s.drafted as f64).abs() < 1e-9);
+    assert_eq!(s.accepted_by_position.len(), 4);
+    assert!(s.accepted_by_position.windows(2).all(|w| w[0] >= w[1] - 1e-9), "acceptance cannot rise with position: {:?}", s.accepted_by_position);
+}
+
+// --- rejection sampling keeps the target's distribution --------------------------------
+
+/// Proposes one token from a fixed distribution q over the first 8 ids, returning q.
+struct Proposer;
+struct ProposerRows {
+    vocab: u32,
+}
+
+const Q: [f32; 8] = [0.30, 0.05, 0.20, 0.05, 0.15, 0.05, 0.10, 0.10];
+
+impl Drafter for Proposer {
+    type Provider = Proposer;
+    fn descriptor() -> Descriptor {
+        Descriptor::new("proposer", "fixed-distribution test drafter", "0.0.0")
+            .capabilities(Capabilities { draft_probabilities: true, ..Capabilities::default() })
+    }
+    fn load(_: Option<&Path>, _: &Options) -> Result<Proposer, PluginError> {
+        Ok(Proposer)
+    }
+}
+
+impl DraftProvider for Proposer {
+    type Rows = ProposerRows;
+    fn info(&self) -> ProviderInfo {
+        ProviderInfo {
+            id: "proposer".into(),
+            weights_bytes: 0,
+            namespace: "proposer".into(),
+            trained_depth: 0,
+            capabilities: Capabilities { draft_probabilities: true, ..Capabilities::default() },
+        }
+    }
+    fn open(&self, target: Target, _rows: usize) -> Result<ProposerRows, PluginError> {
+        Ok(ProposerRows { vocab: target.info().vocab_size })
+    }
+}
+
+impl DraftRows for ProposerRows {
+    fn prefill(&mut self, _: TokenRows<'_>, _: Option<Array>) -> Result<(), PluginError> {
+        Ok(())
+    }
+    fn draft(&mut self, _: &[u32], _depth: usize, steps: &[u64]) -> Result<Vec<Proposal>, PluginError> {
+        let u = (mix(steps[0] ^ 0xABCD) >> 11) as f32 / (1u64 << 53) as f32;
+        let mut acc = 0.0;
+        let token = Q.iter().position(|&q| {
+            acc += q;
+            u < acc
+        });
+        let mut probs = vec![0f32; self.vocab as usize];
+        probs[..8].copy_from_slice(&Q);
+        Ok(vec![Proposal { tokens: vec![token.unwrap_or(7) as u32], probabilities: Some(Array::from_slice(&probs, &[1, self.vocab as i32])) }])
+    }
+    fn commit(&mut self, _: TokenRows<'_>, _: &[u32], _: Option<Array>) -> Result<(), PluginError> {
+        Ok(())
+    }
+    fn filter_rows(&mut self, _: &[u32]) -> Result<(), PluginError> {
+        Ok(())
+    }
+    fn append(&mut self, _: Vec<RowState>) -> Result<(), PluginError> {
+        Ok(())
+    }
+    fn capture(&mut self, _: usize) -> Result<RowState, PluginError> {
+        Err(PluginError::unsupported("no state"))
+    }
+}
+
+#[test]
+fn rejection_sampling_emits_the_targets_distribution() {
+    let m = model("dense");
+    let drafter = HostDrafter::load_root(sdk::root_module::<Proposer>(), "proposer", None, "").unwrap();
+    // Temperature 1 over the top 4 tokens: p has 4 outcomes; q puts most mass elsewhere.
+    let params = |seed| SamplingParams { temperature: 1.0, top_k: 4, top_p: 1.0, min_p: 0.0, seed };
+    let logits = first_token_logits(&m);
+    let lp = filtered_logprobs(&logits, &params(0));
+    let p: Vec<(usize, f64)> = lp.iter().enumerate().filter(|(_, x)| x.is_finite()).map(|(i, &x)| (i, (x as f64).exp())).collect();
+    let total: f64 = p.iter().map(|(_, x)| x).sum();
+    assert_eq!(p.len(), 4);
+
+    let runs = 3000u64;
+    let mut counts = std::collections::BTreeMap::new();
+    let (mut drafted, mut accepted) = (0, 0);
+    for seed in 0..runs {
+        let r = Request { prompt: PROMPT.to_vec(), max_tokens: 2, sampling: params(seed), eos: vec![] };
+        let g = generate_speculative(&m, &drafter, &r, SpecConfig { draft_tokens: 1, verify: Verify::Rejection }, |_| {}).unwrap();
+        *counts.entry(g.tokens[0] as usize).or_insert(0u64) += 1;
+        drafted += g.stats.drafted;
+        accepted += g.stats.accepted;
+    }
+    assert!(accepted > 0 && accepted < drafted, "the test must exercise both acceptance and resampling");
+    // Chi-square goodness of fit, 3 degrees of freedom: at significance 0.001 the critical
+    // value is 16.27. Any token outside p's support is a failure by itself.
+    let outside: u64 = counts.iter().filter(|(t, _)| !p.iter().any(|(i, _)| i == *t)).map(|(_, c)| c).sum();
+    assert_eq!(outside, 0, "tokens outside the target's support: {counts:?}");
+    let chi2: f64 = p
+        .iter()
+        .map(|(t, w)| {
+            let expected = runs as f64 * w / total;
+            let seen = *counts.get(t).unwrap_or(&0) as f64;
+            (seen - expected).powi(2) / expected
+        })
+        .sum();
+    assert!(chi2 < 16.27, "chi2 = {chi2:.2}: counts {counts:?}, p {p:?}");
+}
+
+/// The target's logits for the first generated token of PROMPT.
+fn first_token_logits(m: &Gemma4) -> Vec<f32> {
+    let mut caches = m.make_caches(2);
+    let ids = Array::from_slice(&PROMPT.iter().map(|&t| t as i32).collect::<Vec<_>>(), &[1, PROMPT.len() as i32]);
+    let hidden = m.forward_hidden(&ids, &mut caches, None).unwrap();
+    let logits = host::generate::last_logits(m, &hidden).unwrap().as_dtype(mlx_rs::Dtype::Float32).unwrap();
+    logits.as_slice::<f32>().to_vec()
+}
