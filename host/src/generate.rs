@@ -94,7 +94,7 @@ pub fn check_request(model: &Gemma4, request: &Request) -> Result<(), GenerateEr
 pub fn generate(model: &Gemma4, request: &Request, mut on_token: impl FnMut(u32)) -> Result<Generation, GenerateError> {
     check_request(model, request)?;
     let mut stats = Stats { prompt_tokens: request.prompt.len(), ..Stats::default() };
-    let mut caches = model.make_caches(PLAIN_SLACK);
+    let mut caches = model.make_caches(1, PLAIN_SLACK);
     let mut tokens = Vec::new();
 
     let started = Instant::now();

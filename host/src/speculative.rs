@@ -66,116 +66,263 @@ pub fn generate_speculative(
     config: SpecConfig,
     mut on_token: impl FnMut(u32),
 ) -> Result<Generation, GenerateError> {
-    check_request(model, request)?;
-    let mut stats = Stats { prompt_tokens: request.prompt.len(), ..Stats::default() };
-    let caches = Rc::new(RefCell::new(model.make_caches(config.draft_tokens + 1)));
-    let view = TargetView::new(model.clone(), caches.clone());
-    let mut rows = Some(drafter.open(view.boxed(), 1, model.config.vocab_size as u32).map_err(GenerateError::Drafter)?);
-    if let Some(r) = &rows {
-        check_pairing(model, drafter, r).map_err(GenerateError::Drafter)?;
-    }
-    let tap_layers: Vec<usize> = drafter.info.capabilities.tap_layers.iter().map(|&l| l as usize).collect();
-    let verify = if request.sampling.is_greedy() { Verify::Match } else { config.verify };
-    let mut depth_stats = vec![(0usize, 0usize); config.draft_tokens];
-
-    // Tail-split prefill: every prompt token but the last, which heads the first window.
-    let started = Instant::now();
-    let (prefix, last) = request.prompt.split_at(request.prompt.len() - 1);
-    let mut pending = last[0];
-    let mut contexts = Vec::new();
-    for chunk in prefix.chunks(PREFILL_CHUNK) {
-        let (_, context) = forward(model, &mut caches.borrow_mut(), chunk, &tap_layers)?;
-        stats.target_forwards += 1;
-        contexts.extend(context);
-    }
-    if !prefix.is_empty() {
-        let context = if contexts.is_empty() { None } else { Some(mlx_rs::ops::concatenate(&contexts, 1)?) };
-        drop_on_error(&mut rows, &mut stats, |r| r.prefill(prefix, context.as_ref()));
-    }
-    stats.prefill_ms = started.elapsed().as_secs_f64() * 1e3;
-
-    let decoding = Instant::now();
-    let mut tokens: Vec<u32> = Vec::new();
-    let stop = 'generation: loop {
-        let remaining = request.max_tokens - tokens.len();
-        if remaining == 0 {
-            break StopReason::MaxTokens;
-        }
-        let step = tokens.len() as u64;
-        let depth = config.draft_tokens.min(remaining - 1);
-        let proposal = match (&mut rows, depth) {
-            (Some(_), d) if d > 0 => {
-                drop_on_error(&mut rows, &mut stats, |r| r.draft(&[pending], d, &[step]).map(|mut p| p.remove(0)))
-                    .unwrap_or_default()
-            }
-            _ => Proposal::default(),
-        };
-        let drafts = proposal.tokens.clone();
-        let mut window = vec![pending];
-        window.extend(&drafts);
-
-        let (hidden, context) = forward(model, &mut caches.borrow_mut(), &window, &tap_layers)?;
-        let logits = model.logits_from_hidden(&hidden)?.reshape(&[window.len() as i32, -1])?;
-        stats.target_forwards += 1;
-        stats.rounds += 1;
-        stats.drafted += drafts.len();
-
-        let mut accepted = 0;
-        for i in 0..window.len() {
-            let row = logits.take_axis(Array::from_int(i as i32), 0)?;
-            let draft = drafts.get(i).copied();
-            let (token, took_draft) = match (verify, draft, &proposal.probabilities) {
-                (Verify::Rejection, Some(d), Some(q)) => rejection_step(&row, q, i, d, request, step + i as u64)?,
-                _ => {
-                    let t = sample(&row, &request.sampling, step + i as u64)?;
-                    (t, draft == Some(t))
-                }
-            };
-            if took_draft {
-                accepted += 1;
-                depth_stats[i].1 += 1;
-            }
-            if request.eos.contains(&token) {
-                break 'generation StopReason::Eos;
-            }
-            tokens.push(token);
-            on_token(token);
-            if tokens.len() == request.max_tokens {
-                stats.accepted += accepted;
-                break 'generation StopReason::MaxTokens;
-            }
-            if !took_draft {
-                break;
-            }
-        }
-        for d in depth_stats.iter_mut().take(drafts.len()) {
-            d.0 += 1;
-        }
-        stats.accepted += accepted;
-
-        let rejected = drafts.len() - accepted;
-        for cache in caches.borrow_mut().iter_mut() {
-            cache.rollback(rejected).map_err(|e| GenerateError::Internal(e.to_string()))?;
-        }
-        let context = context.map(|c| c.take_axis(Array::from_iter(0..window.len() as i32, &[window.len() as i32]), 1)).transpose()?;
-        drop_on_error(&mut rows, &mut stats, |r| r.commit(&window, &[accepted as u32], context.as_ref()));
-        pending = *tokens.last().expect("every round emits a token");
-    };
-    stats.decode_ms = decoding.elapsed().as_secs_f64() * 1e3;
-    stats.generated_tokens = tokens.len();
-    stats.mean_accept_len = if stats.rounds == 0 { 0.0 } else { (stats.accepted + stats.rounds) as f64 / stats.rounds as f64 };
-    stats.acceptance_rate = if stats.drafted == 0 { 0.0 } else { stats.accepted as f64 / stats.drafted as f64 };
-    stats.accepted_by_position =
-        depth_stats.iter().take_while(|(drafted, _)| *drafted > 0).map(|&(d, a)| a as f64 / d as f64).collect();
-    stats.prefill_tokens_per_s = per_second(request.prompt.len(), stats.prefill_ms);
-    stats.decode_tokens_per_s = per_second(tokens.len(), stats.decode_ms);
-    Ok(Generation { tokens, stop, stats })
+    let mut out = generate_speculative_rows(model, drafter, std::slice::from_ref(request), config, |_, t| on_token(t))?;
+    Ok(out.remove(0))
 }
 
-/// The target forward over `ids` (one row), with the hidden states at `taps` concatenated on
-/// the feature axis as the drafter's context.
-fn forward(model: &Gemma4, caches: &mut [LayerCache], ids: &[u32], taps: &[usize]) -> Result<(Array, Option<Array>), GenerateError> {
-    let ids = Array::from_slice(&ids.iter().map(|&t| t as i32).collect::<Vec<_>>(), &[1, ids.len() as i32]);
+/// One request's progress.
+struct Row {
+    tokens: Vec<u32>,
+    pending: u32,
+    stop: Option<StopReason>,
+    stats: Stats,
+    /// Per draft position: (times drafted, times accepted).
+    by_position: Vec<(usize, usize)>,
+}
+
+/// Generates several requests as rows of one batch: one target forward per round for all
+/// rows, each row keeping its own accepted length. Each row's output equals what it would be
+/// alone. `on_token(row, token)` sees every token as it is produced.
+pub fn generate_speculative_rows(
+    model: &Rc<Gemma4>,
+    drafter: &Drafter,
+    requests: &[Request],
+    config: SpecConfig,
+    mut on_token: impl FnMut(usize, u32),
+) -> Result<Vec<Generation>, GenerateError> {
+    for request in requests {
+        check_request(model, request)?;
+    }
+    let vocab = model.config.vocab_size as u32;
+    let slack = config.draft_tokens + 1;
+    let tap_layers: Vec<usize> = drafter.info.capabilities.tap_layers.iter().map(|&l| l as usize).collect();
+    let mut rows: Vec<Row> = requests
+        .iter()
+        .map(|r| Row {
+            tokens: Vec::new(),
+            pending: *r.prompt.last().expect("checked non-empty"),
+            stop: None,
+            stats: Stats { prompt_tokens: r.prompt.len(), ..Stats::default() },
+            by_position: vec![(0, 0); config.draft_tokens],
+        })
+        .collect();
+
+    // Tail-split prefill, row by row: every prompt token but the last, which heads the row's
+    // first window. Each row gets its own caches and drafter row; they are joined afterwards.
+    let caches = Rc::new(RefCell::new(Vec::new()));
+    let view = TargetView::new(model.clone(), caches.clone());
+    let started = Instant::now();
+    let mut row_caches = Vec::new();
+    let mut drafter_rows: Vec<DraftRows> = Vec::new();
+    let mut drafter_error = None;
+    for (r, request) in requests.iter().enumerate() {
+        let prefix = &request.prompt[..request.prompt.len() - 1];
+        let mut own = model.make_caches(1, slack);
+        let mut contexts = Vec::new();
+        for chunk in prefix.chunks(PREFILL_CHUNK) {
+            let (_, context) = forward(model, &mut own, &[chunk], &tap_layers)?;
+            rows[r].stats.target_forwards += 1;
+            contexts.extend(context);
+        }
+        row_caches.push(own);
+        if drafter_error.is_none() {
+            let mut one = drafter.open(view.boxed(), 1, vocab).map_err(GenerateError::Drafter)?;
+            check_pairing(model, drafter, &one).map_err(GenerateError::Drafter)?;
+            let context = if contexts.is_empty() { None } else { Some(mlx_rs::ops::concatenate(&contexts, 1)?) };
+            let prefilled = if prefix.is_empty() { Ok(()) } else { one.prefill(prefix, context.as_ref()) };
+            match prefilled {
+                Ok(()) => drafter_rows.push(one),
+                Err(e) => drafter_error = Some(e.to_string()),
+            }
+        }
+    }
+    *caches.borrow_mut() = join_caches(row_caches)?;
+    let mut group = match (drafter_error.is_none(), drafter_rows.len()) {
+        (true, 1) => drafter_rows.pop(),
+        (true, _) => match join_rows(drafter, &view, drafter_rows, vocab) {
+            Ok(g) => Some(g),
+            Err(e) => {
+                drafter_error = Some(e.to_string());
+                None
+            }
+        },
+        _ => None,
+    };
+    let prefill_ms = started.elapsed().as_secs_f64() * 1e3;
+
+    let decoding = Instant::now();
+    // Rows still generating, in the order of the caches and the drafter group.
+    let mut active: Vec<usize> = (0..rows.len()).collect();
+    while !active.is_empty() {
+        let depths: Vec<usize> = active
+            .iter()
+            .map(|&r| config.draft_tokens.min(requests[r].max_tokens - rows[r].tokens.len() - 1))
+            .collect();
+        let depth = depths.iter().copied().max().unwrap_or(0);
+        let mut proposals: Vec<Proposal> = active.iter().map(|_| Proposal::default()).collect();
+        if let (Some(g), true) = (group.as_mut(), depth > 0) {
+            let pending: Vec<u32> = active.iter().map(|&r| rows[r].pending).collect();
+            let steps: Vec<u64> = active.iter().map(|&r| rows[r].tokens.len() as u64).collect();
+            match g.draft(&pending, depth, &steps) {
+                Ok(p) => proposals = p,
+                Err(e) => {
+                    drafter_error = Some(e.to_string());
+                    group = None;
+                }
+            }
+        }
+        for (p, &d) in proposals.iter_mut().zip(&depths) {
+            if p.tokens.len() > d {
+                p.tokens.truncate(d);
+                p.probabilities = p.probabilities.take().map(|q| q.take_axis(Array::from_iter(0..d as i32, &[d as i32]), 0)).transpose()?;
+            }
+        }
+
+        // One forward over every row's [pending, drafts…], right-padded to the longest.
+        let width = 1 + proposals.iter().map(|p| p.tokens.len()).max().unwrap_or(0);
+        let windows: Vec<Vec<u32>> = active
+            .iter()
+            .zip(&proposals)
+            .map(|(&r, p)| {
+                let mut w = vec![rows[r].pending];
+                w.extend(&p.tokens);
+                w.resize(width, rows[r].pending);
+                w
+            })
+            .collect();
+        let (hidden, context) = forward(model, &mut caches.borrow_mut(), &windows.iter().map(Vec::as_slice).collect::<Vec<_>>(), &tap_layers)?;
+        let logits = model.logits_from_hidden(&hidden)?;
+
+        let mut accepted = Vec::with_capacity(active.len());
+        for (b, (&r, proposal)) in active.iter().zip(&proposals).enumerate() {
+            let row_logits = logits.take_axis(Array::from_int(b as i32), 0)?;
+            let n = walk(&mut rows[r], &requests[r], proposal, &row_logits, config.verify, |t| on_token(r, t))?;
+            accepted.push(n);
+        }
+
+        let rollback: Vec<usize> = accepted.iter().map(|&a| width - 1 - a).collect();
+        for cache in caches.borrow_mut().iter_mut() {
+            cache.rollback(&rollback).map_err(|e| GenerateError::Internal(e.to_string()))?;
+        }
+        if let Some(g) = group.as_mut() {
+            let flat: Vec<u32> = windows.concat();
+            let counts: Vec<u32> = accepted.iter().map(|&a| a as u32).collect();
+            if let Err(e) = g.commit(&flat, &counts, context.as_ref()) {
+                drafter_error = Some(e.to_string());
+                group = None;
+            }
+        }
+
+        let still: Vec<usize> = (0..active.len()).filter(|&b| rows[active[b]].stop.is_none()).collect();
+        if still.len() < active.len() && !still.is_empty() {
+            for cache in caches.borrow_mut().iter_mut() {
+                cache.filter_rows(&still)?;
+            }
+            if let Some(g) = group.as_mut() {
+                if let Err(e) = g.filter_rows(&still.iter().map(|&b| b as u32).collect::<Vec<_>>()) {
+                    drafter_error = Some(e.to_string());
+                    group = None;
+                }
+            }
+        }
+        active = still.iter().map(|&b| active[b]).collect();
+    }
+    let decode_ms = decoding.elapsed().as_secs_f64() * 1e3;
+
+    Ok(rows
+        .into_iter()
+        .map(|row| {
+            let mut s = row.stats;
+            s.prefill_ms = prefill_ms;
+            s.decode_ms = decode_ms;
+            s.generated_tokens = row.tokens.len();
+            s.drafter_error = drafter_error.clone();
+            s.mean_accept_len = if s.rounds == 0 { 0.0 } else { (s.accepted + s.rounds) as f64 / s.rounds as f64 };
+            s.acceptance_rate = if s.drafted == 0 { 0.0 } else { s.accepted as f64 / s.drafted as f64 };
+            s.accepted_by_position = row.by_position.iter().take_while(|(d, _)| *d > 0).map(|&(d, a)| a as f64 / d as f64).collect();
+            s.prefill_tokens_per_s = per_second(s.prompt_tokens, prefill_ms);
+            s.decode_tokens_per_s = per_second(row.tokens.len(), decode_ms);
+            Generation { tokens: row.tokens, stop: row.stop.unwrap_or(StopReason::MaxTokens), stats: s }
+        })
+        .collect())
+}
+
+/// The accept walk of one row over its window's logits [W, V]: the target's own token at
+/// each position, accepting drafts while they agree. Returns the accepted draft count.
+fn walk(row: &mut Row, request: &Request, proposal: &Proposal, logits: &Array, verify: Verify, mut emit: impl FnMut(u32)) -> Result<usize, GenerateError> {
+    let drafts = &proposal.tokens;
+    let step = row.tokens.len() as u64;
+    let verify = if request.sampling.is_greedy() { Verify::Match } else { verify };
+    row.stats.rounds += 1;
+    row.stats.target_forwards += 1;
+    row.stats.drafted += drafts.len();
+    for d in row.by_position.iter_mut().take(drafts.len()) {
+        d.0 += 1;
+    }
+    let mut accepted = 0;
+    for i in 0..=drafts.len() {
+        let position = logits.take_axis(Array::from_int(i as i32), 0)?;
+        let draft = drafts.get(i).copied();
+        let (token, took_draft) = match (verify, draft, &proposal.probabilities) {
+            (Verify::Rejection, Some(d), Some(q)) => rejection_step(&position, q, i, d, request, step + i as u64)?,
+            _ => {
+                let t = sample(&position, &request.sampling, step + i as u64)?;
+                (t, draft == Some(t))
+            }
+        };
+        if took_draft {
+            accepted += 1;
+            row.by_position[i].1 += 1;
+            row.stats.accepted += 1;
+        }
+        if request.eos.contains(&token) {
+            row.stop = Some(StopReason::Eos);
+            break;
+        }
+        row.tokens.push(token);
+        emit(token);
+        if row.tokens.len() == request.max_tokens {
+            row.stop = Some(StopReason::MaxTokens);
+            break;
+        }
+        if !took_draft {
+            break;
+        }
+    }
+    if let Some(&last) = row.tokens.last() {
+        row.pending = last;
+    }
+    Ok(accepted)
+}
+
+/// The caches of rows prefilled apart, as one batch.
+fn join_caches(rows: Vec<Vec<LayerCache>>) -> Result<Vec<LayerCache>, GenerateError> {
+    let layers = rows.first().map_or(0, Vec::len);
+    let mut by_layer: Vec<Vec<LayerCache>> = (0..layers).map(|_| Vec::new()).collect();
+    for row in rows {
+        for (layer, cache) in row.into_iter().enumerate() {
+            by_layer[layer].push(cache);
+        }
+    }
+    Ok(by_layer.into_iter().map(LayerCache::stack).collect::<Result<_, _>>()?)
+}
+
+/// One drafter group holding the rows prefilled apart: each captured and appended in order.
+fn join_rows(drafter: &Drafter, view: &TargetView, parts: Vec<DraftRows>, vocab: u32) -> Result<DraftRows, DrafterError> {
+    let mut group = drafter.open(view.boxed(), 0, vocab)?;
+    let mut states = Vec::with_capacity(parts.len());
+    for mut part in parts {
+        states.push(part.capture(0)?);
+    }
+    group.append(states)?;
+    Ok(group)
+}
+
+/// The target forward over rows of equal length, with the hidden states at `taps`
+/// concatenated on the feature axis as the drafter's context.
+fn forward(model: &Gemma4, caches: &mut [LayerCache], rows: &[&[u32]], taps: &[usize]) -> Result<(Array, Option<Array>), GenerateError> {
+    let flat: Vec<i32> = rows.iter().flat_map(|r| r.iter().map(|&t| t as i32)).collect();
+    let ids = Array::from_slice(&flat, &[rows.len() as i32, rows.first().map_or(0, |r| r.len()) as i32]);
     if taps.is_empty() {
         return Ok((model.forward_hidden(&ids, caches, None)?, None));
     }
@@ -187,20 +334,6 @@ fn forward(model: &Gemma4, caches: &mut [LayerCache], ids: &[u32], taps: &[usize
     layers.dedup();
     let ordered: Vec<Array> = taps.iter().map(|l| t.captured[layers.binary_search(l).expect("every tap captured")].clone()).collect();
     Ok((hidden, Some(mlx_rs::ops::concatenate(&ordered, -1)?)))
-}
-
-/// Runs a drafter call; on failure the drafter is dropped for the rest of the request and
-/// the reason kept in the stats.
-fn drop_on_error<T>(rows: &mut Option<DraftRows>, stats: &mut Stats, call: impl FnOnce(&mut DraftRows) -> Result<T, DrafterError>) -> Option<T> {
-    let r = rows.as_mut()?;
-    match call(r) {
-        Ok(v) => Some(v),
-        Err(e) => {
-            stats.drafter_error = Some(e.to_string());
-            *rows = None;
-            None
-        }
-    }
 }
 
 /// One position of rejection sampling: accept draft `d` with probability min(1, p(d)/q(d)),

@@ -57,7 +57,10 @@ impl TargetView {
         Ok(DonorLayer {
             keys: OwnedArray::new(keys.clone()),
             values: OwnedArray::new(values.clone()),
-            slot_positions: OwnedArray::new(Array::from_slice(slots, &[1, slots.len() as i32])),
+            slot_positions: OwnedArray::new(Array::from_slice(
+                &slots.iter().flatten().copied().collect::<Vec<i32>>(),
+                &[slots.len() as i32, slots.first().map_or(0, Vec::len) as i32],
+            )),
             window: cache.window().unwrap_or(0) as u32,
         })
     }
@@ -81,9 +84,9 @@ impl TargetViewAbi for TargetView {
     }
 
     fn read_donors(&self) -> RResult<Donors, PluginError> {
-        let offset = self.caches.borrow().first().map_or(0, LayerCache::offset) as i32;
+        let positions: Vec<i32> = self.caches.borrow().first().map_or(Vec::new(), |c| c.offsets().iter().map(|&o| o as i32 - 1).collect());
         let donors = (|| {
-            Ok(Donors { positions: vec![offset - 1].into(), sliding: self.donor(LayerType::Sliding)?, full: self.donor(LayerType::Full)? })
+            Ok(Donors { positions: positions.into(), sliding: self.donor(LayerType::Sliding)?, full: self.donor(LayerType::Full)? })
         })();
         donors.into()
     }

@@ -38,7 +38,7 @@ fn oracle(dir: &Path) -> Oracle {
 }
 
 fn prompt_logits(model: &Gemma4, prompt: &[u32]) -> Array {
-    let mut caches = model.make_caches(4);
+    let mut caches = model.make_caches(1, 4);
     let ids = Array::from_slice(&prompt.iter().map(|&t| t as i32).collect::<Vec<_>>(), &[1, prompt.len() as i32]);
     let hidden = model.forward_hidden(&ids, &mut caches, None).unwrap();
     model.logits_from_hidden(&hidden).unwrap().reshape(&[prompt.len() as i32, -1]).unwrap()
@@ -46,7 +46,7 @@ fn prompt_logits(model: &Gemma4, prompt: &[u32]) -> Array {
 
 /// Greedy tokens and the logits that chose each, one forward per token as mlx-lm does.
 fn greedy(model: &Gemma4, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<Array>) {
-    let mut caches = model.make_caches(4);
+    let mut caches = model.make_caches(1, 4);
     let ids = Array::from_slice(&prompt.iter().map(|&t| t as i32).collect::<Vec<_>>(), &[1, prompt.len() as i32]);
     let mut logits = last_logits(model, &model.forward_hidden(&ids, &mut caches, None).unwrap()).unwrap();
     let (mut tokens, mut all) = (Vec::new(), Vec::new());
@@ -89,12 +89,12 @@ fn check(name: &str, tolerance: f32) {
     assert_eq!(generated.tokens, o.tokens, "{name}: the decoding loop differs from mlx-lm");
 }
 
-// Tolerances. The host computes what mlx-lm computes, op for op, and on these fixtures the
-// logits come out identical (difference 0, printed with --nocapture). The tolerances leave
-// room for summation order only: attention reads the cached keys in ring order, which may
-// differ from mlx-lm's, a last-bit effect in float32 and at most one bfloat16 step
-// (1/16 for logits between 8 and 16) that could then carry.
-const F32: f32 = 1e-4;
+// Tolerances. The host computes what mlx-lm computes, op for op. Measured largest logit
+// differences (printed with --nocapture): bfloat16 and 4-bit fixtures 0 (identical); float32
+// fixtures 4e-5 to 1.4e-4 (moe), from summation order: attention reads the cached keys in
+// ring order with a mask, mlx-lm in its own order, which moves float32 sums in the last bits.
+// Logits here reach about ±10, so 5e-4 is a relative 5e-5: rounding, not a different model.
+const F32: f32 = 5e-4;
 const BF16: f32 = 0.0625;
 
 #[test]

@@ -276,13 +276,20 @@ fn stats_count_what_happened() {
 
 // --- rejection sampling keeps the target's distribution --------------------------------
 
-/// Proposes one token from a fixed distribution q over the first 8 ids, returning q.
+/// Proposes one token per row from a fixed distribution q over `CANDIDATES`, returning q.
 struct Proposer;
 struct ProposerRows {
     vocab: u32,
+    candidates: Vec<u32>,
+    /// A different stream for every group, so that batches do not repeat each other's draws.
+    draws: u64,
 }
 
-const Q: [f32; 8] = [0.30, 0.05, 0.20, 0.05, 0.15, 0.05, 0.10, 0.10];
+/// Tokens the proposer draws from; the test sets them.
+static CANDIDATES: Mutex<Vec<u32>> = Mutex::new(Vec::new());
+static OPENED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// q over the candidates: unlike the target's p, and with mass on a token p never emits.
+const Q: [f32; 5] = [0.40, 0.10, 0.10, 0.15, 0.25];
 
 impl Drafter for Proposer {
     type Provider = Proposer;
@@ -307,7 +314,8 @@ impl DraftProvider for Proposer {
         }
     }
     fn open(&self, target: Target, _rows: usize) -> Result<ProposerRows, PluginError> {
-        Ok(ProposerRows { vocab: target.info().vocab_size })
+        let candidates = CANDIDATES.lock().unwrap().clone();
+        Ok(ProposerRows { vocab: target.info().vocab_size, draws: mix(candidates[0] as u64 + OPENED.fetch_add(1, std::sync::atomic::Ordering::Relaxed)), candidates })
     }
 }
 
@@ -315,16 +323,23 @@ impl DraftRows for ProposerRows {
     fn prefill(&mut self, _: TokenRows<'_>, _: Option<Array>) -> Result<(), PluginError> {
         Ok(())
     }
-    fn draft(&mut self, _: &[u32], _depth: usize, steps: &[u64]) -> Result<Vec<Proposal>, PluginError> {
-        let u = (mix(steps[0] ^ 0xABCD) >> 11) as f32 / (1u64 << 53) as f32;
-        let mut acc = 0.0;
-        let token = Q.iter().position(|&q| {
-            acc += q;
-            u < acc
-        });
+    fn draft(&mut self, pending: &[u32], _depth: usize, steps: &[u64]) -> Result<Vec<Proposal>, PluginError> {
         let mut probs = vec![0f32; self.vocab as usize];
-        probs[..8].copy_from_slice(&Q);
-        Ok(vec![Proposal { tokens: vec![token.unwrap_or(7) as u32], probabilities: Some(Array::from_slice(&probs, &[1, self.vocab as i32])) }])
+        for (&t, &q) in self.candidates.iter().zip(&Q) {
+            probs[t as usize] = q;
+        }
+        Ok((0..pending.len())
+            .map(|row| {
+                let u = (mix(steps[row] ^ mix(row as u64 ^ self.draws)) >> 11) as f32 / (1u64 << 53) as f32;
+                let mut acc = 0.0;
+                let pick = Q.iter().position(|&q| {
+                    acc += q;
+                    u < acc
+                });
+                let token = self.candidates[pick.unwrap_or(Q.len() - 1)];
+                Proposal { tokens: vec![token], probabilities: Some(Array::from_slice(&probs, &[1, self.vocab as i32])) }
+            })
+            .collect())
     }
     fn commit(&mut self, _: TokenRows<'_>, _: &[u32], _: Option<Array>) -> Result<(), PluginError> {
         Ok(())
@@ -336,37 +351,44 @@ impl DraftRows for ProposerRows {
         Ok(())
     }
     fn capture(&mut self, _: usize) -> Result<RowState, PluginError> {
-        Err(PluginError::unsupported("no state"))
+        Ok(RowState { namespace: "proposer".into(), processed: 0, ids: Default::default(), tensors: Default::default() })
     }
 }
 
 #[test]
 fn rejection_sampling_emits_the_targets_distribution() {
     let m = model("dense");
-    let drafter = HostDrafter::load_root(sdk::root_module::<Proposer>(), "proposer", None, "").unwrap();
-    // Temperature 1 over the top 4 tokens: p has 4 outcomes; q puts most mass elsewhere.
+    // Temperature 1 over the top 4 tokens: p has 4 outcomes.
     let params = |seed| SamplingParams { temperature: 1.0, top_k: 4, top_p: 1.0, min_p: 0.0, seed };
-    let logits = first_token_logits(&m);
-    let lp = filtered_logprobs(&logits, &params(0));
+    let lp = filtered_logprobs(&first_token_logits(&m), &params(0));
     let p: Vec<(usize, f64)> = lp.iter().enumerate().filter(|(_, x)| x.is_finite()).map(|(i, &x)| (i, (x as f64).exp())).collect();
     let total: f64 = p.iter().map(|(_, x)| x).sum();
     assert_eq!(p.len(), 4);
+    let outside = (0..m.config.vocab_size as usize).find(|t| !p.iter().any(|(i, _)| i == t)).unwrap();
+    *CANDIDATES.lock().unwrap() = p.iter().map(|&(t, _)| t as u32).chain([outside as u32]).collect();
+    let drafter = HostDrafter::load_root(sdk::root_module::<Proposer>(), "proposer", None, "").unwrap();
 
-    let runs = 3000u64;
+    // Batches of rows, one seed per row: the first token of each row is one draw.
+    let (batches, rows) = (8u64, 150u64);
     let mut counts = std::collections::BTreeMap::new();
     let (mut drafted, mut accepted) = (0, 0);
-    for seed in 0..runs {
-        let r = Request { prompt: PROMPT.to_vec(), max_tokens: 2, sampling: params(seed), eos: vec![] };
-        let g = generate_speculative(&m, &drafter, &r, SpecConfig { draft_tokens: 1, verify: Verify::Rejection }, |_| {}).unwrap();
-        *counts.entry(g.tokens[0] as usize).or_insert(0u64) += 1;
-        drafted += g.stats.drafted;
-        accepted += g.stats.accepted;
+    for batch in 0..batches {
+        let requests: Vec<Request> =
+            (0..rows).map(|r| Request { prompt: PROMPT.to_vec(), max_tokens: 2, sampling: params(batch * rows + r), eos: vec![] }).collect();
+        let config = SpecConfig { draft_tokens: 1, verify: Verify::Rejection };
+        for g in host::speculative::generate_speculative_rows(&m, &drafter, &requests, config, |_, _| {}).unwrap() {
+            *counts.entry(g.tokens[0] as usize).or_insert(0u64) += 1;
+            drafted += g.stats.drafted;
+            accepted += g.stats.accepted;
+            assert!(g.stats.drafter_error.is_none(), "{:?}", g.stats.drafter_error);
+        }
     }
-    assert!(accepted > 0 && accepted < drafted, "the test must exercise both acceptance and resampling");
-    // Chi-square goodness of fit, 3 degrees of freedom: at significance 0.001 the critical
-    // value is 16.27. Any token outside p's support is a failure by itself.
-    let outside: u64 = counts.iter().filter(|(t, _)| !p.iter().any(|(i, _)| i == *t)).map(|(_, c)| c).sum();
-    assert_eq!(outside, 0, "tokens outside the target's support: {counts:?}");
+    let runs = batches * rows;
+    assert!(accepted > 0 && accepted < drafted, "both acceptance and resampling must occur: {accepted} of {drafted}");
+    // Any token outside p's support is a failure by itself; then a chi-square goodness of fit
+    // with 3 degrees of freedom, whose critical value at significance 0.001 is 16.27.
+    let strays: u64 = counts.iter().filter(|(t, _)| !p.iter().any(|(i, _)| i == *t)).map(|(_, c)| c).sum();
+    assert_eq!(strays, 0, "tokens outside the target's support: {counts:?}");
     let chi2: f64 = p
         .iter()
         .map(|(t, w)| {
@@ -378,9 +400,31 @@ fn rejection_sampling_emits_the_targets_distribution() {
     assert!(chi2 < 16.27, "chi2 = {chi2:.2}: counts {counts:?}, p {p:?}");
 }
 
+#[test]
+fn four_rows_in_one_batch_equal_four_single_runs() {
+    let m = model("ple-kvshare");
+    let prompts: [Vec<u32>; 4] = [PROMPT.to_vec(), PROMPT[..5].to_vec(), vec![7, 7, 7, 7, 7, 7, 7, 7, 7, 9, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], vec![3]];
+    let requests: Vec<Request> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| Request { prompt: p.clone(), max_tokens: 30 + 17 * i, sampling: if i % 2 == 0 { greedy() } else { sampled(i as u64) }, eos: vec![] })
+        .collect();
+    for gamma in [2, 4] {
+        let drafter = ngram();
+        let config = SpecConfig { draft_tokens: gamma, verify: Verify::Match };
+        let batched = host::speculative::generate_speculative_rows(&m, &drafter, &requests, config, |_, _| {}).unwrap();
+        for (i, (request, together)) in requests.iter().zip(&batched).enumerate() {
+            let alone = spec(&m, &drafter, request, gamma);
+            assert_eq!(together.tokens, alone.tokens, "row {i}, γ = {gamma}");
+            assert_eq!(together.tokens, plain(&m, request), "row {i}, γ = {gamma}: and both equal plain decoding");
+            assert!(together.stats.drafter_error.is_none());
+        }
+    }
+}
+
 /// The target's logits for the first generated token of PROMPT.
 fn first_token_logits(m: &Gemma4) -> Vec<f32> {
-    let mut caches = m.make_caches(2);
+    let mut caches = m.make_caches(1, 2);
     let ids = Array::from_slice(&PROMPT.iter().map(|&t| t as i32).collect::<Vec<_>>(), &[1, PROMPT.len() as i32]);
     let hidden = m.forward_hidden(&ids, &mut caches, None).unwrap();
     let logits = host::generate::last_logits(m, &hidden).unwrap().as_dtype(mlx_rs::Dtype::Float32).unwrap();

@@ -20,174 +20,248 @@ pub struct LayerCache {
     window: Option<usize>,
     /// Extra ring slots beyond the window: the most rows that can be rolled back.
     slack: usize,
+    /// [B, H, slots, D].
     keys: Option<Array>,
     values: Option<Array>,
-    /// The position each slot holds, -1 when empty.
-    slot_positions: Vec<i32>,
-    /// The next position to write.
-    offset: usize,
+    /// Per row, the position each slot holds (-1 when empty).
+    slot_positions: Vec<Vec<i32>>,
+    /// Per row, the next position to write.
+    offsets: Vec<usize>,
 }
 
 /// What attention over the cache needs after a write.
 pub struct Fetched {
     pub keys: Array,
     pub values: Array,
-    /// [1, 1, L, S] true where a query may attend a key; `None` when every query sees every key.
+    /// [B, 1, L, S] true where a query may attend a key; `None` when every query sees every key.
     pub mask: Option<Array>,
 }
 
 impl LayerCache {
-    pub fn full() -> LayerCache {
-        LayerCache { window: None, slack: 0, keys: None, values: None, slot_positions: Vec::new(), offset: 0 }
+    /// A growing cache for a full-attention layer, for `rows` rows.
+    pub fn full(rows: usize) -> LayerCache {
+        LayerCache { window: None, slack: 0, keys: None, values: None, slot_positions: vec![Vec::new(); rows], offsets: vec![0; rows] }
     }
 
     /// A ring for a sliding window that can roll back up to `slack` rows.
-    pub fn sliding(window: usize, slack: usize) -> LayerCache {
-        LayerCache { window: Some(window), slack, keys: None, values: None, slot_positions: Vec::new(), offset: 0 }
+    pub fn sliding(rows: usize, window: usize, slack: usize) -> LayerCache {
+        LayerCache { window: Some(window), slack, keys: None, values: None, slot_positions: vec![Vec::new(); rows], offsets: vec![0; rows] }
     }
 
-    pub fn offset(&self) -> usize {
-        self.offset
+    pub fn rows(&self) -> usize {
+        self.offsets.len()
+    }
+
+    /// The next position of each row.
+    pub fn offsets(&self) -> &[usize] {
+        &self.offsets
     }
 
     pub fn window(&self) -> Option<usize> {
         self.window
     }
 
-    /// The keys, values and per-slot positions as stored (for read-only views).
-    pub fn storage(&self) -> Option<(&Array, &Array, &[i32])> {
+    /// The keys, values and per-row slot positions as stored (for read-only views).
+    pub fn storage(&self) -> Option<(&Array, &Array, &[Vec<i32>])> {
         Some((self.keys.as_ref()?, self.values.as_ref()?, &self.slot_positions))
     }
 
-    /// Writes keys/values [1, H, L, D] for the next L positions and returns what attention
-    /// of those L queries reads.
+    /// Writes keys/values [B, H, L, D], row r at positions offsets[r]..offsets[r]+L, and
+    /// returns what attention of those queries reads.
     pub fn write(&mut self, keys: &Array, values: &Array) -> Result<Fetched, Exception> {
         let new = keys.shape()[2] as usize;
-        let start = self.offset;
         match self.window {
-            None => self.write_full(keys, values, start, new),
-            Some(window) => self.write_ring(keys, values, start, new, window),
+            None => self.write_full(keys, values, new),
+            Some(window) => self.write_ring(keys, values, new, window),
         }
     }
 
-    /// Forgets the last `n` positions written.
-    pub fn rollback(&mut self, n: usize) -> Result<(), CacheError> {
-        if n > self.offset {
-            return Err(CacheError::Rollback { requested: n, limit: format!("only {} rows are cached", self.offset) });
-        }
-        if self.window.is_some() && n > self.slack && self.offset > self.capacity_of_ring() {
-            return Err(CacheError::Rollback { requested: n, limit: format!("the ring keeps {} rows beyond its window", self.slack) });
-        }
-        for position in self.offset - n..self.offset {
-            let slot = self.slot_of(position);
-            if self.slot_positions.get(slot) == Some(&(position as i32)) {
-                self.slot_positions[slot] = -1;
+    /// Forgets the last `n[r]` positions written to row r.
+    pub fn rollback(&mut self, n: &[usize]) -> Result<(), CacheError> {
+        for (r, &n) in n.iter().enumerate() {
+            let offset = self.offsets[r];
+            if n > offset {
+                return Err(CacheError::Rollback { requested: n, limit: format!("row {r} caches only {offset} rows") });
+            }
+            if self.window.is_some() && n > self.slack && offset > self.ring_capacity() {
+                return Err(CacheError::Rollback { requested: n, limit: format!("the ring keeps {} rows beyond its window", self.slack) });
             }
         }
-        self.offset -= n;
+        for (r, &n) in n.iter().enumerate() {
+            for position in self.offsets[r] - n..self.offsets[r] {
+                let slot = self.slot_of(position);
+                if self.slot_positions[r].get(slot) == Some(&(position as i32)) {
+                    self.slot_positions[r][slot] = -1;
+                }
+            }
+            self.offsets[r] -= n;
+        }
         Ok(())
     }
 
-    fn capacity_of_ring(&self) -> usize {
+    /// Keeps only the listed rows, in that order.
+    pub fn filter_rows(&mut self, keep: &[usize]) -> Result<(), Exception> {
+        let index = Array::from_slice(&keep.iter().map(|&r| r as i32).collect::<Vec<_>>(), &[keep.len() as i32]);
+        self.keys = self.keys.take().map(|k| k.take_axis(&index, 0)).transpose()?;
+        self.values = self.values.take().map(|v| v.take_axis(&index, 0)).transpose()?;
+        self.slot_positions = keep.iter().map(|&r| self.slot_positions[r].clone()).collect();
+        self.offsets = keep.iter().map(|&r| self.offsets[r]).collect();
+        Ok(())
+    }
+
+    /// One cache holding the rows of `parts` in order (all of the same kind). Parts with
+    /// nothing written yet (an empty prefill) join as empty rows.
+    pub fn stack(parts: Vec<LayerCache>) -> Result<LayerCache, Exception> {
+        let first = parts.first().expect("at least one cache");
+        let (window, slack) = (first.window, first.slack);
+        let slots = parts.iter().map(|p| p.slot_positions.first().map_or(0, Vec::len)).max().unwrap_or(0);
+        let template = parts.iter().find_map(|p| p.keys.as_ref().map(|k| (k.shape().to_vec(), k.dtype())));
+        let (mut keys, mut values, mut slot_positions, mut offsets) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for mut part in parts {
+            let rows = part.rows();
+            match (part.keys.take(), part.values.take(), &template) {
+                (Some(k), Some(v), _) => {
+                    let have = k.shape()[2] as usize;
+                    keys.push(pad_slots(&k, slots - have)?);
+                    values.push(pad_slots(&v, slots - have)?);
+                }
+                (_, _, Some((shape, dtype))) => {
+                    let empty = Array::zeros::<f32>(&[rows as i32, shape[1], slots as i32, shape[3]])?.as_dtype(*dtype)?;
+                    keys.push(empty.clone());
+                    values.push(empty);
+                }
+                _ => {}
+            }
+            for mut row in part.slot_positions {
+                row.resize(slots, -1);
+                slot_positions.push(row);
+            }
+            offsets.extend(part.offsets);
+        }
+        let cat = |a: &[Array]| if a.is_empty() { Ok(None) } else { mlx_rs::ops::concatenate(a, 0).map(Some) };
+        Ok(LayerCache { window, slack, keys: cat(&keys)?, values: cat(&values)?, slot_positions, offsets })
+    }
+
+    fn ring_capacity(&self) -> usize {
         self.window.map_or(usize::MAX, |w| w + self.slack)
     }
 
     fn slot_of(&self, position: usize) -> usize {
         match self.window {
             None => position,
-            Some(_) => position % self.capacity_of_ring(),
+            Some(_) => position % self.ring_capacity(),
         }
     }
 
-    fn write_full(&mut self, keys: &Array, values: &Array, start: usize, new: usize) -> Result<Fetched, Exception> {
-        let end = start + new;
+    fn write_full(&mut self, keys: &Array, values: &Array, new: usize) -> Result<Fetched, Exception> {
+        let end = self.offsets.iter().map(|o| o + new).max().unwrap_or(new);
         self.ensure_capacity(keys, values, end.div_ceil(GROWTH) * GROWTH)?;
-        let (k, v) = (self.keys.take().unwrap(), self.values.take().unwrap());
-        let (k, v) = (write_rows(&k, keys, start)?, write_rows(&v, values, start)?);
-        for p in start..end {
-            self.slot_positions[p] = p as i32;
+        let slots: Vec<Vec<usize>> = self.offsets.iter().map(|&o| (o..o + new).collect()).collect();
+        self.store(keys, values, &slots)?;
+        for (r, row) in slots.iter().enumerate() {
+            for &p in row {
+                self.slot_positions[r][p] = p as i32;
+            }
+            self.offsets[r] += new;
         }
-        let fetched_k = prefix(&k, end)?;
-        let fetched_v = prefix(&v, end)?;
-        self.keys = Some(k);
-        self.values = Some(v);
-        self.offset = end;
-        // Keys are in position order: the usual causal mask over the last `new` rows.
-        let mask = (new > 1).then(|| causal_mask(start, new, end, None)).transpose()?;
+        // Keys are in position order: attention reads the slots up to the furthest row.
+        let index = Array::from_iter(0..end as i32, &[end as i32]);
+        let fetched_k = self.keys.as_ref().unwrap().take_axis(&index, 2)?;
+        let fetched_v = self.values.as_ref().unwrap().take_axis(&index, 2)?;
+        let single_step = new == 1 && self.rows() == 1;
+        let mask = if single_step { None } else { Some(self.mask(new, end, None)?) };
         Ok(Fetched { keys: fetched_k, values: fetched_v, mask })
     }
 
-    fn write_ring(&mut self, keys: &Array, values: &Array, start: usize, new: usize, window: usize) -> Result<Fetched, Exception> {
+    fn write_ring(&mut self, keys: &Array, values: &Array, new: usize, window: usize) -> Result<Fetched, Exception> {
         let capacity = window + self.slack;
-        let end = start + new;
         self.ensure_capacity(keys, values, capacity)?;
         // Queries of this write read the window before their own position. When the write is
         // longer than the ring can hold alongside that window, attend over the ring as it was
         // followed by all new rows, then keep the newest rows in the ring.
         if new > self.slack + 1 {
-            let old_positions = self.slot_positions.clone();
-            let (ring_k, ring_v) = (self.keys.clone().unwrap(), self.values.clone().unwrap());
-            let all_k = mlx_rs::ops::concatenate(&[&ring_k, keys], 2)?;
-            let all_v = mlx_rs::ops::concatenate(&[&ring_v, values], 2)?;
-            let mut positions = old_positions;
-            positions.extend((start..end).map(|p| p as i32));
-            let mask = position_mask(&positions, start, new, Some(window))?;
-            self.store_ring(keys, values, start, new, capacity)?;
+            let mut positions = self.slot_positions.clone();
+            for (r, row) in positions.iter_mut().enumerate() {
+                row.extend((self.offsets[r]..self.offsets[r] + new).map(|p| p as i32));
+            }
+            let starts = self.offsets.clone();
+            let all_k = mlx_rs::ops::concatenate(&[self.keys.as_ref().unwrap(), keys], 2)?;
+            let all_v = mlx_rs::ops::concatenate(&[self.values.as_ref().unwrap(), values], 2)?;
+            let mask = position_mask(&positions, &starts, new, Some(window))?;
+            self.store_ring(keys, values, new, capacity)?;
             return Ok(Fetched { keys: all_k, values: all_v, mask: Some(mask) });
         }
-        self.store_ring(keys, values, start, new, capacity)?;
-        let mask = position_mask(&self.slot_positions, start, new, Some(window))?;
+        let starts = self.offsets.clone();
+        self.store_ring(keys, values, new, capacity)?;
+        let mask = position_mask(&self.slot_positions, &starts, new, Some(window))?;
         Ok(Fetched { keys: self.keys.clone().unwrap(), values: self.values.clone().unwrap(), mask: Some(mask) })
     }
 
-    /// Writes the newest min(new, capacity) rows into their ring slots.
-    fn store_ring(&mut self, keys: &Array, values: &Array, start: usize, new: usize, capacity: usize) -> Result<(), Exception> {
+    /// Writes the newest min(new, capacity) rows of each row into their ring slots.
+    fn store_ring(&mut self, keys: &Array, values: &Array, new: usize, capacity: usize) -> Result<(), Exception> {
         let kept = new.min(capacity);
-        let first = start + new - kept;
-        let slots: Vec<i32> = (first..start + new).map(|p| (p % capacity) as i32).collect();
-        let index = Array::from_slice(&slots, &[1, 1, kept as i32, 1]);
         let (keys, values) = if kept < new { (tail(keys, kept)?, tail(values, kept)?) } else { (keys.clone(), values.clone()) };
-        let k = self.keys.take().unwrap().put_along_axis(&index, &keys, 2)?;
-        let v = self.values.take().unwrap().put_along_axis(&index, &values, 2)?;
-        self.keys = Some(k);
-        self.values = Some(v);
-        for p in first..start + new {
-            self.slot_positions[p % capacity] = p as i32;
+        let positions: Vec<Vec<usize>> = self.offsets.iter().map(|&o| (o + new - kept..o + new).collect()).collect();
+        let slots: Vec<Vec<usize>> = positions.iter().map(|row| row.iter().map(|p| p % capacity).collect()).collect();
+        self.store(&keys, &values, &slots)?;
+        for (r, row) in positions.iter().enumerate() {
+            for &p in row {
+                self.slot_positions[r][p % capacity] = p as i32;
+            }
+            self.offsets[r] += new;
         }
-        self.offset = start + new;
         Ok(())
     }
 
-    /// Makes room for `slots` rows, keeping what is stored.
+    /// Scatters rows [B, H, n, D] into slots[r] of row r.
+    fn store(&mut self, keys: &Array, values: &Array, slots: &[Vec<usize>]) -> Result<(), Exception> {
+        let n = slots.first().map_or(0, Vec::len) as i32;
+        let flat: Vec<i32> = slots.iter().flatten().map(|&s| s as i32).collect();
+        let index = Array::from_slice(&flat, &[slots.len() as i32, 1, n, 1]);
+        self.keys = Some(self.keys.take().unwrap().put_along_axis(&index, keys, 2)?);
+        self.values = Some(self.values.take().unwrap().put_along_axis(&index, values, 2)?);
+        Ok(())
+    }
+
+    /// [B, 1, new, slots] mask of the queries just written over the first `slots` slots.
+    fn mask(&self, new: usize, slots: usize, window: Option<usize>) -> Result<Array, Exception> {
+        let positions: Vec<Vec<i32>> = self.slot_positions.iter().map(|row| row[..slots].to_vec()).collect();
+        let starts: Vec<usize> = self.offsets.iter().map(|&o| o - new).collect();
+        position_mask(&positions, &starts, new, window)
+    }
+
+    /// Makes room for `slots` slots per row, keeping what is stored.
     fn ensure_capacity(&mut self, keys: &Array, values: &Array, slots: usize) -> Result<(), Exception> {
-        let have = self.slot_positions.len();
-        if have >= slots {
+        let have = self.slot_positions.first().map_or(0, Vec::len);
+        if have >= slots && self.keys.is_some() {
             return Ok(());
         }
         let grow = |stored: Option<&Array>, like: &Array| -> Result<Array, Exception> {
-            let s = like.shape();
-            let extra = Array::zeros::<f32>(&[s[0], s[1], (slots - have) as i32, s[3]])?.as_dtype(like.dtype())?;
             match stored {
-                None => Ok(extra),
-                Some(old) => mlx_rs::ops::concatenate(&[old, &extra], 2),
+                None => {
+                    let s = like.shape();
+                    Array::zeros::<f32>(&[s[0], s[1], slots as i32, s[3]])?.as_dtype(like.dtype())
+                }
+                Some(old) => pad_slots(old, slots - have),
             }
         };
         self.keys = Some(grow(self.keys.as_ref(), keys)?);
         self.values = Some(grow(self.values.as_ref(), values)?);
-        self.slot_positions.resize(slots, -1);
+        for row in &mut self.slot_positions {
+            row.resize(slots, -1);
+        }
         Ok(())
     }
 }
 
-fn write_rows(stored: &Array, rows: &Array, start: usize) -> Result<Array, Exception> {
-    let new = rows.shape()[2] as usize;
-    let index: Vec<i32> = (start..start + new).map(|p| p as i32).collect();
-    stored.put_along_axis(Array::from_slice(&index, &[1, 1, new as i32, 1]), rows, 2)
-}
-
-fn prefix(a: &Array, len: usize) -> Result<Array, Exception> {
-    let index = Array::from_iter(0..len as i32, &[len as i32]);
-    a.take_axis(&index, 2)
+/// `a` [B, H, S, D] with `extra` empty slots appended.
+fn pad_slots(a: &Array, extra: usize) -> Result<Array, Exception> {
+    if extra == 0 {
+        return Ok(a.clone());
+    }
+    let s = a.shape();
+    let zeros = Array::zeros::<f32>(&[s[0], s[1], extra as i32, s[3]])?.as_dtype(a.dtype())?;
+    mlx_rs::ops::concatenate(&[a, &zeros], 2)
 }
 
 fn tail(a: &Array, len: usize) -> Result<Array, Exception> {
@@ -196,24 +270,21 @@ fn tail(a: &Array, len: usize) -> Result<Array, Exception> {
     a.take_axis(&index, 2)
 }
 
-/// [1, 1, new, keys] causal mask for queries at start..start+new over keys at 0..keys.
-fn causal_mask(start: usize, new: usize, keys: usize, window: Option<usize>) -> Result<Array, Exception> {
-    let positions: Vec<i32> = (0..keys as i32).collect();
-    position_mask(&positions, start, new, window)
-}
-
-/// [1, 1, new, slots]: query at position q sees a slot holding position p when 0 <= p <= q
-/// and, in a window w, q - p < w.
-fn position_mask(slot_positions: &[i32], start: usize, new: usize, window: Option<usize>) -> Result<Array, Exception> {
-    let mut mask = Vec::with_capacity(new * slot_positions.len());
-    for q in start..start + new {
-        let q = q as i64;
-        for &p in slot_positions {
-            let p = p as i64;
-            mask.push(p >= 0 && p <= q && window.is_none_or(|w| q - p < w as i64));
+/// [B, 1, new, slots]: in row r, the query at position starts[r] + j sees a slot holding
+/// position p when 0 <= p <= q and, in a window w, q - p < w.
+fn position_mask(slot_positions: &[Vec<i32>], starts: &[usize], new: usize, window: Option<usize>) -> Result<Array, Exception> {
+    let slots = slot_positions.first().map_or(0, Vec::len);
+    let mut mask = Vec::with_capacity(slot_positions.len() * new * slots);
+    for (row, &start) in slot_positions.iter().zip(starts) {
+        for q in start..start + new {
+            let q = q as i64;
+            for &p in row {
+                let p = p as i64;
+                mask.push(p >= 0 && p <= q && window.is_none_or(|w| q - p < w as i64));
+            }
         }
     }
-    Ok(Array::from_slice(&mask, &[1, 1, new as i32, slot_positions.len() as i32]))
+    Ok(Array::from_slice(&mask, &[slot_positions.len() as i32, 1, new as i32, slots as i32]))
 }
 
 #[cfg(test)]
@@ -227,11 +298,21 @@ mod tests {
         Array::from_slice(&data, &[1, 1, n as i32, 2])
     }
 
+    /// Keys for B rows, row r holding positions starts[r].. (each element its position).
+    fn batch(starts: &[usize], n: usize) -> Array {
+        let data: Vec<f32> = starts.iter().flat_map(|&s| (s..s + n).flat_map(|p| [p as f32, p as f32])).collect();
+        Array::from_slice(&data, &[starts.len() as i32, 1, n as i32, 2])
+    }
+
     /// The positions a query at `q` reads: the key values under the mask's true entries.
     fn visible(f: &Fetched, query: usize) -> Vec<i32> {
-        let keys = f.keys.index((0, 0)).as_slice::<f32>().to_vec();
+        visible_in(f, 0, query)
+    }
+
+    fn visible_in(f: &Fetched, row: i32, query: usize) -> Vec<i32> {
+        let keys = f.keys.index((row, 0)).as_slice::<f32>().to_vec();
         let slots = keys.len() / 2;
-        let mask = f.mask.as_ref().map(|m| m.index((0, 0, query as i32)).as_slice::<bool>().to_vec());
+        let mask = f.mask.as_ref().map(|m| m.index((row, 0, query as i32)).as_slice::<bool>().to_vec());
         let mut seen: Vec<i32> =
             (0..slots).filter(|&s| mask.as_ref().is_none_or(|m| m[s])).map(|s| keys[2 * s] as i32).collect();
         seen.sort();
@@ -259,42 +340,91 @@ mod tests {
             assert_eq!(visible(&f, q), expected(q, window), "prefill query {q}");
         }
         for _ in 0..200 {
-            let start = cache.offset();
+            let start = cache.offsets()[0];
             let written = 1 + next(slack + 1);
             let f = cache.write(&rows(start, written), &rows(start, written)).unwrap();
             for j in 0..written {
                 assert_eq!(visible(&f, j), expected(start + j, window), "query {} of a {written}-row write", start + j);
             }
             let keep = 1 + next(written);
-            cache.rollback(written - keep).unwrap();
-            assert_eq!(cache.offset(), start + keep);
+            cache.rollback(&[written - keep]).unwrap();
+            assert_eq!(cache.offsets()[0], start + keep);
         }
         // After all of that, a single decode step reads exactly its window.
-        let start = cache.offset();
+        let start = cache.offsets()[0];
         let f = cache.write(&rows(start, 1), &rows(start, 1)).unwrap();
         assert_eq!(visible(&f, 0), expected(start, window));
+    }
+
+    /// Rows that accept different lengths drift apart; each must still read its own window.
+    fn run_rows(mut cache: LayerCache, rows: usize, window: Option<usize>, slack: usize) {
+        let mut state = 99u64;
+        let mut next = |below: usize| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % below as u64) as usize
+        };
+        let f = cache.write(&batch(&vec![0; rows], 5), &batch(&vec![0; rows], 5)).unwrap();
+        for r in 0..rows {
+            assert_eq!(visible_in(&f, r as i32, 4), expected(4, window));
+        }
+        for _ in 0..150 {
+            let starts = cache.offsets().to_vec();
+            let written = 1 + next(slack + 1);
+            let f = cache.write(&batch(&starts, written), &batch(&starts, written)).unwrap();
+            for r in 0..rows {
+                for j in 0..written {
+                    assert_eq!(visible_in(&f, r as i32, j), expected(starts[r] + j, window), "row {r}, query {}", starts[r] + j);
+                }
+            }
+            let back: Vec<usize> = (0..rows).map(|_| next(written)).collect();
+            cache.rollback(&back).unwrap();
+        }
+    }
+
+    #[test]
+    fn rows_at_different_positions_keep_their_own_windows() {
+        run_rows(LayerCache::sliding(3, 6, 4), 3, Some(6), 4);
+        run_rows(LayerCache::full(3), 3, None, 4);
+    }
+
+    #[test]
+    fn filtering_and_stacking_rows_keeps_their_contents() {
+        let mut a = LayerCache::sliding(1, 4, 2);
+        a.write(&rows(0, 9), &rows(0, 9)).unwrap();
+        let mut b = LayerCache::sliding(1, 4, 2);
+        b.write(&rows(0, 3), &rows(0, 3)).unwrap();
+        let mut both = LayerCache::stack(vec![a, b]).unwrap();
+        assert_eq!(both.offsets(), &[9, 3]);
+        let f = both.write(&batch(&[9, 3], 1), &batch(&[9, 3], 1)).unwrap();
+        assert_eq!(visible_in(&f, 0, 0), expected(9, Some(4)));
+        assert_eq!(visible_in(&f, 1, 0), expected(3, Some(4)));
+        both.filter_rows(&[1]).unwrap();
+        let f = both.write(&batch(&[4], 1), &batch(&[4], 1)).unwrap();
+        assert_eq!(visible(&f, 0), expected(4, Some(4)));
     }
 
     #[test]
     fn ring_rollback_is_exact_across_many_wraps() {
         for seed in 1..6 {
-            run(LayerCache::sliding(8, 5), Some(8), 5, seed);
+            run(LayerCache::sliding(1, 8, 5), Some(8), 5, seed);
         }
     }
 
     #[test]
     fn ring_with_small_slack_still_exact() {
-        run(LayerCache::sliding(4, 1), Some(4), 1, 42);
+        run(LayerCache::sliding(1, 4, 1), Some(4), 1, 42);
     }
 
     #[test]
     fn full_cache_rollback_is_exact() {
-        run(LayerCache::full(), None, 7, 3);
+        run(LayerCache::full(1), None, 7, 3);
     }
 
     #[test]
     fn a_prefill_longer_than_the_ring_sees_its_window() {
-        let mut cache = LayerCache::sliding(4, 2);
+        let mut cache = LayerCache::sliding(1, 4, 2);
         let f = cache.write(&rows(0, 20), &rows(0, 20)).unwrap();
         for q in 0..20 {
             assert_eq!(visible(&f, q), expected(q, Some(4)));
@@ -305,9 +435,9 @@ mod tests {
 
     #[test]
     fn rolling_back_more_than_the_slack_is_refused_once_wrapped() {
-        let mut cache = LayerCache::sliding(4, 2);
+        let mut cache = LayerCache::sliding(1, 4, 2);
         cache.write(&rows(0, 10), &rows(0, 10)).unwrap();
-        assert!(cache.rollback(3).is_err());
-        assert!(cache.rollback(2).is_ok());
+        assert!(cache.rollback(&[3]).is_err());
+        assert!(cache.rollback(&[2]).is_ok());
     }
 }

@@ -108,13 +108,13 @@ struct SharedKv {
 }
 
 impl Gemma4 {
-    /// One cache per donor layer: a ring for sliding layers (rolling back up to `slack`
-    /// rows), a growing cache for full ones.
-    pub fn make_caches(&self, slack: usize) -> Vec<LayerCache> {
+    /// One cache per donor layer for `rows` rows: a ring for sliding layers (rolling back up
+    /// to `slack` rows), a growing cache for full ones.
+    pub fn make_caches(&self, rows: usize, slack: usize) -> Vec<LayerCache> {
         (0..self.config.first_kv_shared_layer())
             .map(|i| match self.config.layer_type(i) {
-                LayerType::Full => LayerCache::full(),
-                LayerType::Sliding => LayerCache::sliding(self.config.sliding_window, slack),
+                LayerType::Full => LayerCache::full(rows),
+                LayerType::Sliding => LayerCache::sliding(rows, self.config.sliding_window, slack),
             })
             .collect()
     }
@@ -154,11 +154,16 @@ impl Gemma4 {
         }
     }
 
-    /// The final-normed hidden states [B, L, H] of ids [B, L] written after what `caches`
-    /// hold. `taps` (layer index, or the layer count for the final norm) are captured.
+    /// The final-normed hidden states [B, L, H] of ids [B, L], row r written after what
+    /// `caches` hold for it. `taps` (layer index, or the layer count for the final norm) are
+    /// captured.
     pub fn forward_hidden(&self, ids: &Array, caches: &mut [LayerCache], mut taps: Option<&mut Taps>) -> Result<Array, ModelError> {
         let c = &self.config;
-        let offset = caches.first().map_or(0, LayerCache::offset) as i32;
+        let rows = ids.shape()[0] as usize;
+        let offsets: Vec<i32> = match caches.first() {
+            Some(cache) => cache.offsets().iter().map(|&o| o as i32).collect(),
+            None => vec![0; rows],
+        };
         let mut h = self.embed(ids, true)?;
         let per_layer = self.per_layer_inputs(ids, &h)?;
 
@@ -166,7 +171,7 @@ impl Gemma4 {
         for (i, layer) in self.layers.iter().enumerate() {
             let source = self.kv_source[i];
             let cache = caches.get_mut(i).filter(|_| source == i);
-            let (out, kv) = layer.forward(&h, offset, cache, shared[source].clone(), per_layer.as_ref().map(|p| (p, i)), c)?;
+            let (out, kv) = layer.forward(&h, &offsets, cache, shared[source].clone(), per_layer.as_ref().map(|p| (p, i)), c)?;
             h = out;
             if source == i {
                 shared[i] = Some(kv);
@@ -206,7 +211,7 @@ impl DecoderLayer {
     fn forward(
         &self,
         x: &Array,
-        offset: i32,
+        offsets: &[i32],
         cache: Option<&mut LayerCache>,
         shared: Option<SharedKv>,
         per_layer: Option<(&Array, usize)>,
@@ -214,7 +219,7 @@ impl DecoderLayer {
     ) -> Result<(Array, SharedKv), ModelError> {
         let eps = c.rms_norm_eps;
         let r = rms_norm(x, Some(&self.input_layernorm), eps)?;
-        let (attn, kv) = self.self_attn.forward(&r, offset, cache, shared, eps)?;
+        let (attn, kv) = self.self_attn.forward(&r, offsets, cache, shared, eps)?;
         let h = x.add(rms_norm(&attn, Some(&self.post_attention_layernorm), eps)?)?;
 
         let ff = match &self.moe {
@@ -245,7 +250,7 @@ impl Attention {
     fn forward(
         &self,
         x: &Array,
-        offset: i32,
+        offsets: &[i32],
         cache: Option<&mut LayerCache>,
         shared: Option<SharedKv>,
         eps: f32,
@@ -253,7 +258,7 @@ impl Attention {
         let [b, l] = [x.shape()[0], x.shape()[1]];
         let q = self.q_proj.forward(x)?.reshape(&[b, l, self.n_heads, self.head_dim])?;
         let q = rms_norm(&q, Some(&self.q_norm), eps)?.transpose_axes(&[0, 2, 1, 3])?;
-        let q = self.rope.apply(&q, offset)?;
+        let q = rope_rows(&self.rope, &q, offsets)?;
 
         let kv = match (shared, &self.k_proj, &self.k_norm) {
             (Some(kv), _, _) => kv,
@@ -263,7 +268,7 @@ impl Attention {
                     Some(v_proj) => v_proj.forward(x)?.reshape(&[b, l, self.n_kv_heads, self.head_dim])?,
                     None => k.clone(),
                 };
-                let k = self.rope.apply(&rms_norm(&k, Some(k_norm), eps)?.transpose_axes(&[0, 2, 1, 3])?, offset)?;
+                let k = rope_rows(&self.rope, &rms_norm(&k, Some(k_norm), eps)?.transpose_axes(&[0, 2, 1, 3])?, offsets)?;
                 let v = rms_norm(&v, None, eps)?.transpose_axes(&[0, 2, 1, 3])?;
                 match cache {
                     Some(cache) => {
@@ -279,6 +284,19 @@ impl Attention {
         let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, l, self.n_heads * self.head_dim])?;
         Ok((self.o_proj.forward(&out)?, kv))
     }
+}
+
+/// RoPE of x [B, H, L, D] whose row r starts at position offsets[r].
+fn rope_rows(rope: &Rope, x: &Array, offsets: &[i32]) -> Result<Array, Exception> {
+    if offsets.iter().all(|&o| o == offsets[0]) {
+        return rope.apply(x, offsets[0]);
+    }
+    let rows: Vec<Array> = offsets
+        .iter()
+        .enumerate()
+        .map(|(r, &o)| rope.apply(&x.take_axis(Array::from_slice(&[r as i32], &[1]), 0)?, o))
+        .collect::<Result<_, _>>()?;
+    mlx_rs::ops::concatenate(&rows, 0)
 }
 
 /// [1, 1, L, L] causal mask for a forward without a cache; none for a single token.

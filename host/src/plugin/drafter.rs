@@ -5,7 +5,7 @@ use std::path::Path;
 
 use abi_stable::std_types::{ROption, RVec};
 use mlx_rs::Array;
-use plugin_api::abi::{DrafterRootRef, ProviderBox, RowGroupBox, TokenRows};
+use plugin_api::abi::{DrafterRootRef, ProviderBox, RowGroupBox, RowState, TokenRows};
 use plugin_api::target::TargetViewBox;
 use plugin_api::{ArrayRef, PluginError, ProviderInfo};
 
@@ -108,6 +108,32 @@ impl DraftRows {
             .commit(TokenRows::new(window, self.rows), accepted.into(), context.map(ArrayRef::new).into())
             .into_result();
         self.checked("commit", answer)
+    }
+
+    /// Keeps only the listed rows, in that order.
+    pub fn filter_rows(&mut self, keep: &[u32]) -> Result<(), DrafterError> {
+        self.live()?;
+        let answer = self.group.filter_rows(keep.into()).into_result();
+        self.checked("filter_rows", answer)?;
+        self.rows = keep.len();
+        Ok(())
+    }
+
+    /// A snapshot of one row, which `append` restores (in this group or another).
+    pub fn capture(&mut self, row: usize) -> Result<RowState, DrafterError> {
+        self.live()?;
+        let answer = self.group.capture(row as u32).into_result();
+        self.checked("capture", answer)
+    }
+
+    /// Adds rows restored from captured states after the existing ones.
+    pub fn append(&mut self, states: Vec<RowState>) -> Result<(), DrafterError> {
+        self.live()?;
+        let added = states.len();
+        let answer = self.group.append(states.into()).into_result();
+        self.checked("append", answer)?;
+        self.rows += added;
+        Ok(())
     }
 
     fn live(&self) -> Result<(), DrafterError> {

@@ -14,7 +14,7 @@ pub enum WeightsError {
     File { file: PathBuf, reason: String },
     #[error("{file}: not a valid safetensors file: {reason}")]
     Corrupt { file: PathBuf, reason: String },
-    #[error("{dir}: no model.safetensors and no model.safetensors.index.json")]
+    #[error("{dir}: no model.safetensors, model.safetensors.index.json or model*.safetensors")]
     NoWeights { dir: PathBuf },
     #[error("{file}: tensor `{name}` has dtype {dtype}, which is not supported")]
     Dtype { file: PathBuf, name: String, dtype: String },
@@ -32,7 +32,7 @@ pub struct Weights {
 
 impl Weights {
     /// Loads `model.safetensors`, or the shards listed by `model.safetensors.index.json`, or
-    /// else every `*.safetensors` file of the directory.
+    /// else every `model*.safetensors` file of the directory.
     pub fn load_dir(dir: &Path) -> Result<Weights, WeightsError> {
         let index = dir.join("model.safetensors.index.json");
         let files: Vec<PathBuf> = if index.exists() {
@@ -43,7 +43,10 @@ impl Weights {
             let mut all: Vec<PathBuf> = std::fs::read_dir(dir)
                 .map_err(|e| WeightsError::File { file: dir.to_owned(), reason: e.to_string() })?
                 .filter_map(|e| e.ok().map(|e| e.path()))
-                .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+                .filter(|p| {
+                    let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+                    name.starts_with("model") && name.ends_with(".safetensors")
+                })
                 .collect();
             all.sort();
             all
