@@ -28,7 +28,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -555,7 +555,6 @@ class Fixture:
     min_token_margin: float = 0.02      # float32 logits: ~1e3x the expected f32 discrepancy
     min_prompt_margin: float = 0.005
     min_router_gap: float = 1e-3
-    extra: Dict[str, Any] = field(default_factory=dict)
 
     @property
     def dtype(self) -> str:
