@@ -4,6 +4,7 @@
 //! inside the window afterwards, and every slot records which position it holds.
 
 use mlx_rs::error::Exception;
+use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::Array;
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -164,10 +165,10 @@ impl LayerCache {
             }
             self.offsets[r] += new;
         }
-        // Keys are in position order: attention reads the slots up to the furthest row.
-        let index = Array::from_iter(0..end as i32, &[end as i32]);
-        let fetched_k = self.keys.as_ref().unwrap().take_axis(&index, 2)?;
-        let fetched_v = self.values.as_ref().unwrap().take_axis(&index, 2)?;
+        // Keys are in position order: attention reads the slots up to the furthest row (a
+        // slice, which MLX takes without copying).
+        let fetched_k = self.keys.as_ref().unwrap().try_index((.., .., ..end as i32))?;
+        let fetched_v = self.values.as_ref().unwrap().try_index((.., .., ..end as i32))?;
         let single_step = new == 1 && self.rows() == 1;
         let mask = if single_step { None } else { Some(self.mask(new, end, None)?) };
         Ok(Fetched { keys: fetched_k, values: fetched_v, mask })
@@ -193,8 +194,14 @@ impl LayerCache {
         }
         let starts = self.offsets.clone();
         self.store_ring(keys, values, new, capacity)?;
-        let mask = position_mask(&self.slot_positions, &starts, new, Some(window))?;
-        Ok(Fetched { keys: self.keys.clone().unwrap(), values: self.values.clone().unwrap(), mask: Some(mask) })
+        // A full ring of exactly the window, read by one query, needs no mask (the common
+        // decode step), and MLX's attention is faster without one.
+        let all_visible = new == 1
+            && self.slot_positions.iter().zip(&starts).all(|(row, &q)| {
+                row.iter().all(|&p| p >= 0 && (p as usize) <= q && q - (p as usize) < window)
+            });
+        let mask = if all_visible { None } else { Some(position_mask(&self.slot_positions, &starts, new, Some(window))?) };
+        Ok(Fetched { keys: self.keys.clone().unwrap(), values: self.values.clone().unwrap(), mask })
     }
 
     /// Writes the newest min(new, capacity) rows of each row into their ring slots.
@@ -265,9 +272,8 @@ fn pad_slots(a: &Array, extra: usize) -> Result<Array, Exception> {
 }
 
 fn tail(a: &Array, len: usize) -> Result<Array, Exception> {
-    let total = a.shape()[2] as usize;
-    let index = Array::from_iter((total - len) as i32..total as i32, &[len as i32]);
-    a.take_axis(&index, 2)
+    let total = a.shape()[2];
+    a.try_index((.., .., total - len as i32..))
 }
 
 /// [B, 1, new, slots]: in row r, the query at position starts[r] + j sees a slot holding
