@@ -43,3 +43,4 @@ bench: build
 	bash tests/oracle/setup-venv.sh
 	[ -e $(BENCH_MODEL)/config.json ] || $(ORACLE_PY) tests/oracle/gemma4_oracle.py --bench $(BENCH_MODEL)
 	./target/release/host bench --manifest manifests/bench.toml
+	./target/release/host bench --manifest manifests/bench-ngram.toml

@@ -130,3 +130,64 @@ pub fn summary(values: &[f64]) -> (f64, f64, f64) {
     let median = if v.is_empty() { 0.0 } else { v[v.len() / 2] };
     (median, v.first().copied().unwrap_or(0.0), v.last().copied().unwrap_or(0.0))
 }
+
+/// Plain against speculative decoding of one request, paired and interleaved.
+#[derive(Debug, serde::Serialize)]
+pub struct SpeculativeBench {
+    /// Seconds per generation (prefill and decode).
+    pub plain_s: Vec<f64>,
+    pub speculative_s: Vec<f64>,
+    /// plain time / speculative time per pair: above 1 is a speed-up.
+    pub speedups: Vec<f64>,
+    /// Whether every speculative output equalled the plain one.
+    pub identical: bool,
+    /// The statistics of the last speculative run.
+    pub stats: crate::generate::Stats,
+    pub plain_forwards: usize,
+}
+
+pub fn speculative(
+    model: &std::rc::Rc<Gemma4>,
+    drafter: &crate::plugin::Drafter,
+    request: &Request,
+    config: crate::speculative::SpecConfig,
+    pairs: usize,
+) -> Result<SpeculativeBench, GenerateError> {
+    let timed_plain = || -> Result<(f64, crate::generate::Generation), GenerateError> {
+        let start = Instant::now();
+        let g = generate(model, request, |_| {})?;
+        Ok((start.elapsed().as_secs_f64(), g))
+    };
+    let timed_spec = || -> Result<(f64, crate::generate::Generation), GenerateError> {
+        let start = Instant::now();
+        let g = crate::speculative::generate_speculative(model, drafter, request, config, |_| {})?;
+        Ok((start.elapsed().as_secs_f64(), g))
+    };
+    timed_plain()?;
+    timed_spec()?;
+    let (mut plain_s, mut speculative_s) = (Vec::new(), Vec::new());
+    let mut identical = true;
+    let mut last = None;
+    for pair in 0..pairs {
+        let ((p, plain), (s, spec)) = if pair % 2 == 0 {
+            let p = timed_plain()?;
+            (p, timed_spec()?)
+        } else {
+            let s = timed_spec()?;
+            (timed_plain()?, s)
+        };
+        identical &= plain.tokens == spec.tokens;
+        plain_s.push(p);
+        speculative_s.push(s);
+        last = Some((plain.stats.target_forwards, spec.stats));
+    }
+    let (plain_forwards, stats) = last.unwrap_or_default();
+    Ok(SpeculativeBench {
+        speedups: plain_s.iter().zip(&speculative_s).map(|(p, s)| p / s).collect(),
+        plain_s,
+        speculative_s,
+        identical,
+        stats,
+        plain_forwards,
+    })
+}

@@ -83,13 +83,16 @@ struct BenchArgs {
     mlx_lm_script: PathBuf,
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    dir: PluginsDir,
 }
 
 #[derive(Subcommand)]
 enum Command {
     /// Generate text for a manifest's prompt, streaming it as it comes.
     Run(RunArgs),
-    /// Time plain decoding against mlx-lm on the manifest's target, paired and interleaved.
+    /// Time plain decoding against mlx-lm on the manifest's target or, for a manifest with a
+    /// [drafter], plain against speculative decoding; paired and interleaved.
     Bench(BenchArgs),
     /// Show the MLX runtime, BLAS, device and plugins directory this process uses.
     Doctor {
@@ -291,12 +294,50 @@ fn run_manifest(args: RunArgs) -> Result<()> {
 fn bench(args: BenchArgs) -> Result<()> {
     use host::bench::{plain, summary, BenchConfig};
     let manifest = Manifest::load(&args.manifest)?;
-    let model = host::model::load(&manifest.target_model)?;
+    let model = std::rc::Rc::new(host::model::load(&manifest.target_model)?);
     let tokenizer = Tokenizer::load(&manifest.target_model)?;
     let overrides = Overrides { max_tokens: Some(args.max_tokens), temperature: Some(0.0), ..Overrides::default() };
     let mut request = resolve_request(&manifest, &overrides, &model, &tokenizer, &CheckpointDefaults::default())?;
     // Both sides generate exactly max_tokens: no EOS stop.
     request.eos.clear();
+    if let Some(spec) = &manifest.drafter {
+        let plugin = select(&plugins_dir::resolve(args.dir.plugins_dir.clone()), &spec.kind, spec.sha256.as_deref())?;
+        manifest.check_drafter(&plugin.descriptor)?;
+        let drafter = Drafter::load(&plugin, spec.artifact.as_deref(), &spec.options_toml())?;
+        host::speculative::probe_open(&model, &drafter)?;
+        let config = host::speculative::SpecConfig { draft_tokens: spec.draft_tokens as usize, verify: spec.verify };
+        let result = host::bench::speculative(&model, &drafter, &request, config, args.pairs)?;
+        if args.json {
+            println!("{}", serde_json::to_string_pretty(&result)?);
+            return Ok(());
+        }
+        let (speedup, lo, hi) = summary(&result.speedups);
+        let (p, _, _) = summary(&result.plain_s);
+        let (s_, _, _) = summary(&result.speculative_s);
+        let st = &result.stats;
+        let by_position: Vec<String> = st.accepted_by_position.iter().map(|r| format!("{r:.2}")).collect();
+        println!(
+            "speculative ({}, {} draft tokens) vs plain, {} prompt tokens, {} generated, {} pairs",
+            spec.kind, spec.draft_tokens, request.prompt.len(), request.max_tokens, args.pairs
+        );
+        println!("  wall clock   plain {:.3} s   speculative {:.3} s   speed-up {speedup:.3}x  [{lo:.3}, {hi:.3}]", p, s_);
+        println!(
+            "  tau {:.2} (mean tokens per round), acceptance {:.1}%, by position [{}]",
+            st.mean_accept_len,
+            100.0 * st.acceptance_rate,
+            by_position.join(", ")
+        );
+        println!(
+            "  target forwards: plain {}, speculative {} ({} rounds, {} drafted, {} accepted); outputs identical: {}",
+            result.plain_forwards,
+            st.target_forwards,
+            st.rounds,
+            st.drafted,
+            st.accepted,
+            if result.identical { "yes" } else { "NO" }
+        );
+        return Ok(());
+    }
     let config = BenchConfig { pairs: args.pairs, mlx_lm_python: args.mlx_lm_python, mlx_lm_script: args.mlx_lm_script };
     let result = plain(&model, &manifest.target_model, &request, &config)?;
     if args.json {
