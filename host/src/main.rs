@@ -8,9 +8,9 @@ use std::io::Write;
 
 use host::generate::generate;
 use host::manifest::Manifest;
-use host::run::{resolve_request, CheckpointDefaults, Overrides, RunOutput};
+use host::run::{load_drafter, resolve_request, CheckpointDefaults, Overrides, RunOutput};
 use host::tokenizer::{StreamDecoder, Tokenizer};
-use host::plugin::{load, report, select, Drafter, Registry};
+use host::plugin::{load, report, Registry};
 use host::{doctor, plugins_dir};
 
 /// Lossless speculative decoding of Gemma 4 with drafters loaded as plugins.
@@ -173,8 +173,7 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Command::Plugins { command: PluginsCommand::List { json, verbose, dir } } => {
-            let dir = plugins_dir::resolve(dir.plugins_dir);
-            let registry = Registry::scan(&dir).with_context(|| format!("reading plugins directory {}", dir.display()))?;
+            let (dir, registry) = scan(dir)?;
             if json {
                 let entries: Vec<_> = registry.entries.iter().map(|e| report::entry_json(e, verbose)).collect();
                 println!("{}", serde_json::to_string_pretty(&serde_json::json!({ "plugins_dir": dir, "plugins": entries }))?);
@@ -193,8 +192,7 @@ fn run(cli: Cli) -> Result<()> {
             let outcome = if path.is_file() {
                 load::load(&path, None).map_err(|e| (path.clone(), e))
             } else {
-                let dir = plugins_dir::resolve(dir.plugins_dir);
-                let registry = Registry::scan(&dir).with_context(|| format!("reading plugins directory {}", dir.display()))?;
+                let (dir, registry) = scan(dir)?;
                 match registry.find(&plugin) {
                     Some(p) => Ok(p.clone()),
                     None => bail!("no plugin of kind `{plugin}` in {} (and no such file)", dir.display()),
@@ -218,14 +216,11 @@ fn run(cli: Cli) -> Result<()> {
         Command::Manifest { command: ManifestCommand::Check { file, dir } } => {
             let manifest = Manifest::load(&file)?;
             println!("target    {}", manifest.target_model.display());
-            match &manifest.drafter {
+            match load_drafter(&manifest, &plugins_dir::resolve(dir.plugins_dir))? {
                 None => println!("drafter   none (plain decoding)"),
-                Some(spec) => {
-                    let dir = plugins_dir::resolve(dir.plugins_dir);
-                    let plugin = select(&dir, &spec.kind, spec.sha256.as_deref())?;
-                    manifest.check_drafter(&plugin.descriptor)?;
-                    let drafter = Drafter::load(&plugin, spec.artifact.as_deref(), &spec.options_toml())?;
-                    println!("drafter   {} {} ({}), {} draft tokens", spec.kind, plugin.descriptor.version, plugin.path.display(), spec.draft_tokens);
+                Some((drafter, config)) => {
+                    let kind = manifest.drafter.as_ref().map_or("", |d| d.kind.as_str());
+                    println!("drafter   {kind}, {} draft tokens, verify {:?}", config.draft_tokens, config.verify);
                     println!("artifact  {} ({} bytes of weights)", drafter.info.id, drafter.info.weights_bytes);
                 }
             }
@@ -235,23 +230,20 @@ fn run(cli: Cli) -> Result<()> {
     Ok(())
 }
 
+fn scan(dir: PluginsDir) -> Result<(PathBuf, Registry)> {
+    let dir = plugins_dir::resolve(dir.plugins_dir);
+    let registry = Registry::scan(&dir).with_context(|| format!("reading plugins directory {}", dir.display()))?;
+    Ok((dir, registry))
+}
+
 fn run_manifest(args: RunArgs) -> Result<()> {
     let manifest = Manifest::load(&args.manifest)?;
     let model = std::rc::Rc::new(host::model::load(&manifest.target_model)?);
-    let drafter = match &manifest.drafter {
-        None => None,
-        Some(spec) => {
-            let plugin = select(&plugins_dir::resolve(args.dir.plugins_dir.clone()), &spec.kind, spec.sha256.as_deref())?;
-            manifest.check_drafter(&plugin.descriptor)?;
-            let drafter = Drafter::load(&plugin, spec.artifact.as_deref(), &spec.options_toml())?;
-            host::speculative::probe_open(&model, &drafter)?;
-            let config = host::speculative::SpecConfig {
-                draft_tokens: args.draft_tokens.unwrap_or(spec.draft_tokens) as usize,
-                verify: spec.verify,
-            };
-            Some((drafter, config))
-        }
-    };
+    let mut drafter = load_drafter(&manifest, &plugins_dir::resolve(args.dir.plugins_dir.clone()))?;
+    if let Some((d, config)) = &mut drafter {
+        host::speculative::probe_open(&model, d)?;
+        config.draft_tokens = args.draft_tokens.map_or(config.draft_tokens, |n| n as usize);
+    }
     let tokenizer = Tokenizer::load(&manifest.target_model)?;
     let defaults = CheckpointDefaults::load(&manifest.target_model).map_err(anyhow::Error::msg)?;
     let overrides = Overrides {
@@ -300,12 +292,9 @@ fn bench(args: BenchArgs) -> Result<()> {
     let mut request = resolve_request(&manifest, &overrides, &model, &tokenizer, &CheckpointDefaults::default())?;
     // Both sides generate exactly max_tokens: no EOS stop.
     request.eos.clear();
-    if let Some(spec) = &manifest.drafter {
-        let plugin = select(&plugins_dir::resolve(args.dir.plugins_dir.clone()), &spec.kind, spec.sha256.as_deref())?;
-        manifest.check_drafter(&plugin.descriptor)?;
-        let drafter = Drafter::load(&plugin, spec.artifact.as_deref(), &spec.options_toml())?;
+    if let Some((drafter, config)) = load_drafter(&manifest, &plugins_dir::resolve(args.dir.plugins_dir.clone()))? {
         host::speculative::probe_open(&model, &drafter)?;
-        let config = host::speculative::SpecConfig { draft_tokens: spec.draft_tokens as usize, verify: spec.verify };
+        let kind = manifest.drafter.as_ref().map_or("", |d| d.kind.as_str());
         let result = host::bench::speculative(&model, &drafter, &request, config, args.pairs)?;
         if args.json {
             println!("{}", serde_json::to_string_pretty(&result)?);
@@ -318,7 +307,7 @@ fn bench(args: BenchArgs) -> Result<()> {
         let by_position: Vec<String> = st.accepted_by_position.iter().map(|r| format!("{r:.2}")).collect();
         println!(
             "speculative ({}, {} draft tokens) vs plain, {} prompt tokens, {} generated, {} pairs",
-            spec.kind, spec.draft_tokens, request.prompt.len(), request.max_tokens, args.pairs
+            kind, config.draft_tokens, request.prompt.len(), request.max_tokens, args.pairs
         );
         println!("  wall clock   plain {:.3} s   speculative {:.3} s   speed-up {speedup:.3}x  [{lo:.3}, {hi:.3}]", p, s_);
         println!(

@@ -8,6 +8,8 @@ use serde::Serialize;
 use crate::generate::{Request, Stats};
 use crate::manifest::Manifest;
 use crate::model::Gemma4;
+use crate::plugin::Drafter;
+use crate::speculative::SpecConfig;
 use crate::sampling::SamplingParams;
 use crate::tokenizer::Tokenizer;
 
@@ -94,6 +96,26 @@ pub fn resolve_request(
     eos.sort_unstable();
     eos.dedup();
     Ok(Request { prompt, max_tokens: overrides.max_tokens.unwrap_or(g.max_tokens) as usize, sampling, eos })
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DrafterSetupError {
+    #[error(transparent)]
+    Select(#[from] crate::plugin::SelectError),
+    #[error(transparent)]
+    Manifest(#[from] crate::manifest::ManifestError),
+    #[error(transparent)]
+    Drafter(#[from] crate::plugin::DrafterError),
+}
+
+/// The manifest's drafter: its plugin found in `plugins_dir` (by pin or kind), the manifest
+/// checked against its descriptor, its artifact loaded with the manifest's options.
+pub fn load_drafter(manifest: &Manifest, plugins_dir: &Path) -> Result<Option<(Drafter, SpecConfig)>, DrafterSetupError> {
+    let Some(spec) = &manifest.drafter else { return Ok(None) };
+    let plugin = crate::plugin::select(plugins_dir, &spec.kind, spec.sha256.as_deref())?;
+    manifest.check_drafter(&plugin.descriptor)?;
+    let drafter = Drafter::load(&plugin, spec.artifact.as_deref(), &spec.options_toml())?;
+    Ok(Some((drafter, SpecConfig { draft_tokens: spec.draft_tokens as usize, verify: spec.verify })))
 }
 
 /// The object `host run --json` prints.

@@ -32,16 +32,11 @@ impl Linear {
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array, Exception> {
-        match (&self.scales, self.quantization) {
-            (Some(scales), Some(q)) => {
-                mlx_rs::ops::quantized_matmul(x, &self.weight, scales, self.biases.as_ref(), true, q.group_size, q.bits)
-            }
-            _ => x.matmul(self.weight.t()),
-        }
+        times_transposed(x, &self.weight, self.scales.as_ref(), self.biases.as_ref(), self.quantization)
     }
 
     pub fn nbytes(&self) -> usize {
-        self.weight.nbytes() + self.scales.as_ref().map_or(0, Array::nbytes) + self.biases.as_ref().map_or(0, Array::nbytes)
+        nbytes(&self.weight, self.scales.as_ref(), self.biases.as_ref())
     }
 }
 
@@ -75,22 +70,29 @@ impl Embedding {
 
     /// `x · tableᵀ`: logits over the vocabulary from hidden states.
     pub fn as_linear(&self, x: &Array) -> Result<Array, Exception> {
-        match (&self.scales, self.quantization) {
-            (Some(scales), Some(q)) => {
-                mlx_rs::ops::quantized_matmul(x, &self.weight, scales, self.biases.as_ref(), true, q.group_size, q.bits)
-            }
-            _ => x.matmul(self.weight.t()),
-        }
+        times_transposed(x, &self.weight, self.scales.as_ref(), self.biases.as_ref(), self.quantization)
     }
 
     pub fn nbytes(&self) -> usize {
-        self.weight.nbytes() + self.scales.as_ref().map_or(0, Array::nbytes) + self.biases.as_ref().map_or(0, Array::nbytes)
+        nbytes(&self.weight, self.scales.as_ref(), self.biases.as_ref())
     }
 
     /// The activation dtype the table produces.
     pub fn dtype(&self) -> Dtype {
         self.scales.as_ref().map_or(self.weight.dtype(), Array::dtype)
     }
+}
+
+/// `x · wᵀ` for a plain or quantized w [out, in].
+fn times_transposed(x: &Array, w: &Array, scales: Option<&Array>, biases: Option<&Array>, q: Option<Quantization>) -> Result<Array, Exception> {
+    match (scales, q) {
+        (Some(scales), Some(q)) => mlx_rs::ops::quantized_matmul(x, w, scales, biases, true, q.group_size, q.bits),
+        _ => x.matmul(w.t()),
+    }
+}
+
+fn nbytes(w: &Array, scales: Option<&Array>, biases: Option<&Array>) -> usize {
+    w.nbytes() + scales.map_or(0, Array::nbytes) + biases.map_or(0, Array::nbytes)
 }
 
 fn load_matrix(
