@@ -100,3 +100,73 @@ fn manifest_check_loads_and_configures_the_drafter() {
     let missing_kind = check("[target]\nmodel = \"model\"\n[drafter]\nkind = \"dflash\"\n");
     assert!(stderr(&missing_kind).contains("no plugin of kind `dflash`"), "{}", stderr(&missing_kind));
 }
+
+fn dense_manifest(dir: &std::path::Path, drafter: &str) -> std::path::PathBuf {
+    let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/gemma4/dense").canonicalize().unwrap();
+    let file = dir.join("m.toml");
+    fs::write(
+        &file,
+        format!("[target]\nmodel = \"{}\"\n{drafter}[generation]\nprompt = \"So she was considering\"\nmax_tokens = 40\n", model.display()),
+    )
+    .unwrap();
+    file
+}
+
+fn run_json(args: &[&str]) -> serde_json::Value {
+    let out = host(args);
+    assert!(out.status.success(), "{}", stderr(&out));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn run_prints_the_contracts_json_and_speculation_changes_nothing_but_speed() {
+    let work = tempfile::tempdir().unwrap();
+    let plain = dense_manifest(work.path(), "");
+    let plain = run_json(&["run", "--manifest", plain.to_str().unwrap(), "--temperature", "0", "--json"]);
+    let tokens = plain["tokens"].as_array().unwrap();
+    assert!(!tokens.is_empty() && tokens.len() <= 40);
+    for key in [
+        "generated_tokens",
+        "drafted",
+        "accepted",
+        "rounds",
+        "target_forwards",
+        "mean_accept_len",
+        "acceptance_rate",
+        "accepted_by_position",
+        "prefill_ms",
+        "decode_ms",
+        "decode_tokens_per_s",
+    ] {
+        assert!(plain["stats"].get(key).is_some(), "stats lack `{key}`: {}", plain["stats"]);
+    }
+    assert!(plain["text"].is_string());
+
+    let spec_dir = tempfile::tempdir().unwrap();
+    let spec = dense_manifest(spec_dir.path(), "[drafter]\nkind = \"ngram\"\ndraft_tokens = 3\n");
+    let spec = run_json(&["run", "--manifest", spec.to_str().unwrap(), "--temperature", "0", "--json"]);
+    assert_eq!(spec["tokens"], plain["tokens"]);
+    assert_eq!(spec["text"], plain["text"]);
+    assert!(spec["stats"]["rounds"].as_u64().unwrap() > 0);
+
+    // Prompt ids on the command line override the manifest's prompt; sampling with a seed is
+    // reproducible.
+    let spec_file = spec_dir.path().join("m.toml");
+    let ids = ["run", "--manifest", spec_file.to_str().unwrap(), "--prompt-ids", "2,40,41,42", "--temperature", "0.8", "--seed", "4", "--json"];
+    assert_eq!(run_json(&ids)["tokens"], run_json(&ids)["tokens"]);
+}
+
+#[test]
+fn run_refuses_bad_input_in_one_line() {
+    let work = tempfile::tempdir().unwrap();
+    let file = dense_manifest(work.path(), "[drafter]\nkind = \"nope\"\n");
+    let out = host(&["run", "--manifest", file.to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("no plugin of kind `nope`"), "{}", stderr(&out));
+
+    let file = dense_manifest(work.path(), "");
+    let out = host(&["run", "--manifest", file.to_str().unwrap(), "--prompt-ids", "2,99999"]);
+    assert!(stderr(&out).contains("prompt token id 99999 (at position 1) is outside the vocabulary of 512"), "{}", stderr(&out));
+    let out = host(&["run", "--manifest", file.to_str().unwrap(), "--top-p", "1.5"]);
+    assert!(stderr(&out).contains("top_p must be in [0, 1], got 1.5"), "{}", stderr(&out));
+}
