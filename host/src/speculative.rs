@@ -101,7 +101,7 @@ pub fn generate_speculative_rows(
         .map(|r| Row {
             tokens: Vec::new(),
             pending: *r.prompt.last().expect("checked non-empty"),
-            stop: None,
+            stop: (r.max_tokens == 0).then_some(StopReason::MaxTokens),
             stats: Stats { prompt_tokens: r.prompt.len(), ..Stats::default() },
             by_position: vec![(0, 0); config.draft_tokens],
         })
@@ -153,6 +153,7 @@ pub fn generate_speculative_rows(
     let decoding = Instant::now();
     // Rows still generating, in the order of the caches and the drafter group.
     let mut active: Vec<usize> = (0..rows.len()).collect();
+    drop_finished(&mut active, &rows, &caches, &mut group, &mut drafter_error)?;
     while !active.is_empty() {
         let depths: Vec<usize> = active
             .iter()
@@ -213,19 +214,7 @@ pub fn generate_speculative_rows(
             }
         }
 
-        let still: Vec<usize> = (0..active.len()).filter(|&b| rows[active[b]].stop.is_none()).collect();
-        if still.len() < active.len() && !still.is_empty() {
-            for cache in caches.borrow_mut().iter_mut() {
-                cache.filter_rows(&still)?;
-            }
-            if let Some(g) = group.as_mut() {
-                if let Err(e) = g.filter_rows(&still.iter().map(|&b| b as u32).collect::<Vec<_>>()) {
-                    drafter_error = Some(e.to_string());
-                    group = None;
-                }
-            }
-        }
-        active = still.iter().map(|&b| active[b]).collect();
+        drop_finished(&mut active, &rows, &caches, &mut group, &mut drafter_error)?;
     }
     let decode_ms = decoding.elapsed().as_secs_f64() * 1e3;
 
@@ -245,6 +234,30 @@ pub fn generate_speculative_rows(
             Generation { tokens: row.tokens, stop: row.stop.unwrap_or(StopReason::MaxTokens), stats: s }
         })
         .collect())
+}
+
+/// Removes finished rows from the batch: from `active`, the caches and the drafter group.
+fn drop_finished(
+    active: &mut Vec<usize>,
+    rows: &[Row],
+    caches: &RefCell<Vec<LayerCache>>,
+    group: &mut Option<DraftRows>,
+    drafter_error: &mut Option<String>,
+) -> Result<(), GenerateError> {
+    let still: Vec<usize> = (0..active.len()).filter(|&b| rows[active[b]].stop.is_none()).collect();
+    if still.len() < active.len() && !still.is_empty() {
+        for cache in caches.borrow_mut().iter_mut() {
+            cache.filter_rows(&still)?;
+        }
+        if let Some(g) = group.as_mut() {
+            if let Err(e) = g.filter_rows(&still.iter().map(|&b| b as u32).collect::<Vec<_>>()) {
+                *drafter_error = Some(e.to_string());
+                *group = None;
+            }
+        }
+    }
+    *active = still.iter().map(|&b| active[b]).collect();
+    Ok(())
 }
 
 /// The accept walk of one row over its window's logits [W, V]: the target's own token at

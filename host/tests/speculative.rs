@@ -219,7 +219,7 @@ fn eos_is_never_content_even_as_an_accepted_draft() {
 #[test]
 fn max_tokens_is_exact() {
     let m = model("dense");
-    for max in [1, 2, 3, 9, 17] {
+    for max in [0, 1, 2, 3, 9, 17] {
         let r = request(max, greedy());
         let expected = plain(&m, &r);
         assert_eq!(expected.len(), max);

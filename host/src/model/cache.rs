@@ -6,6 +6,7 @@
 use mlx_rs::error::Exception;
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::Array;
+use plugin_api::nn::ops::Mask;
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum CacheError {
@@ -34,8 +35,7 @@ pub struct LayerCache {
 pub struct Fetched {
     pub keys: Array,
     pub values: Array,
-    /// [B, 1, L, S] true where a query may attend a key; `None` when every query sees every key.
-    pub mask: Option<Array>,
+    pub mask: Mask,
 }
 
 impl LayerCache {
@@ -169,8 +169,12 @@ impl LayerCache {
         // slice, which MLX takes without copying).
         let fetched_k = self.keys.as_ref().unwrap().try_index((.., .., ..end as i32))?;
         let fetched_v = self.values.as_ref().unwrap().try_index((.., .., ..end as i32))?;
-        let single_step = new == 1 && self.rows() == 1;
-        let mask = if single_step { None } else { Some(self.mask(new, end, None)?) };
+        // One row's keys are exactly positions 0..end: the usual causal mask.
+        let mask = match (self.rows(), new) {
+            (1, 1) => Mask::All,
+            (1, _) => Mask::Causal,
+            _ => Mask::Array(self.mask(new, end, None)?),
+        };
         Ok(Fetched { keys: fetched_k, values: fetched_v, mask })
     }
 
@@ -180,7 +184,21 @@ impl LayerCache {
         // Queries of this write read the window before their own position. When the write is
         // longer than the ring can hold alongside that window, attend over the ring as it was
         // followed by all new rows, then keep the newest rows in the ring.
-        if new > self.slack + 1 {
+        let empty = self.slot_positions.iter().all(|row| row.iter().all(|&p| p < 0));
+        if empty && self.rows() == 1 && new <= window {
+            // A first write that fits the window: plain causal attention over the new keys.
+            let mask = if new == 1 { Mask::All } else { Mask::Causal };
+            self.store_ring(keys, values, new, capacity)?;
+            return Ok(Fetched { keys: keys.clone(), values: values.clone(), mask });
+        }
+        if new > self.slack + 1 || empty {
+            if empty {
+                let starts = self.offsets.clone();
+                let positions: Vec<Vec<i32>> = starts.iter().map(|&o| (o..o + new).map(|p| p as i32).collect()).collect();
+                let mask = position_mask(&positions, &starts, new, Some(window))?;
+                self.store_ring(keys, values, new, capacity)?;
+                return Ok(Fetched { keys: keys.clone(), values: values.clone(), mask: Mask::Array(mask) });
+            }
             let mut positions = self.slot_positions.clone();
             for (r, row) in positions.iter_mut().enumerate() {
                 row.extend((self.offsets[r]..self.offsets[r] + new).map(|p| p as i32));
@@ -190,7 +208,7 @@ impl LayerCache {
             let all_v = mlx_rs::ops::concatenate(&[self.values.as_ref().unwrap(), values], 2)?;
             let mask = position_mask(&positions, &starts, new, Some(window))?;
             self.store_ring(keys, values, new, capacity)?;
-            return Ok(Fetched { keys: all_k, values: all_v, mask: Some(mask) });
+            return Ok(Fetched { keys: all_k, values: all_v, mask: Mask::Array(mask) });
         }
         let starts = self.offsets.clone();
         self.store_ring(keys, values, new, capacity)?;
@@ -200,7 +218,7 @@ impl LayerCache {
             && self.slot_positions.iter().zip(&starts).all(|(row, &q)| {
                 row.iter().all(|&p| p >= 0 && (p as usize) <= q && q - (p as usize) < window)
             });
-        let mask = if all_visible { None } else { Some(position_mask(&self.slot_positions, &starts, new, Some(window))?) };
+        let mask = if all_visible { Mask::All } else { Mask::Array(position_mask(&self.slot_positions, &starts, new, Some(window))?) };
         Ok(Fetched { keys: self.keys.clone().unwrap(), values: self.values.clone().unwrap(), mask })
     }
 
@@ -310,15 +328,21 @@ mod tests {
         Array::from_slice(&data, &[starts.len() as i32, 1, n as i32, 2])
     }
 
-    /// The positions a query at `q` reads: the key values under the mask's true entries.
-    fn visible(f: &Fetched, query: usize) -> Vec<i32> {
-        visible_in(f, 0, query)
+    /// The positions query `query` of a `new`-row write reads: the key values under the
+    /// mask's true entries.
+    fn visible(f: &Fetched, query: usize, new: usize) -> Vec<i32> {
+        visible_in(f, 0, query, new)
     }
 
-    fn visible_in(f: &Fetched, row: i32, query: usize) -> Vec<i32> {
+    fn visible_in(f: &Fetched, row: i32, query: usize, new: usize) -> Vec<i32> {
         let keys = f.keys.index((row, 0)).as_slice::<f32>().to_vec();
         let slots = keys.len() / 2;
-        let mask = f.mask.as_ref().map(|m| m.index((row, 0, query as i32)).as_slice::<bool>().to_vec());
+        let mask: Option<Vec<bool>> = match &f.mask {
+            Mask::All => None,
+            // The queries are the last `new` slots; each reads up to itself.
+            Mask::Causal => Some((0..slots).map(|s| s + new <= slots + query).collect()),
+            Mask::Array(m) => Some(m.index((row, 0, query as i32)).as_slice::<bool>().to_vec()),
+        };
         let mut seen: Vec<i32> =
             (0..slots).filter(|&s| mask.as_ref().is_none_or(|m| m[s])).map(|s| keys[2 * s] as i32).collect();
         seen.sort();
@@ -343,14 +367,14 @@ mod tests {
         let prompt = 1 + next(3 * window.unwrap_or(8));
         let f = cache.write(&rows(0, prompt), &rows(0, prompt)).unwrap();
         for q in 0..prompt {
-            assert_eq!(visible(&f, q), expected(q, window), "prefill query {q}");
+            assert_eq!(visible(&f, q, prompt), expected(q, window), "prefill query {q}");
         }
         for _ in 0..200 {
             let start = cache.offsets()[0];
             let written = 1 + next(slack + 1);
             let f = cache.write(&rows(start, written), &rows(start, written)).unwrap();
             for j in 0..written {
-                assert_eq!(visible(&f, j), expected(start + j, window), "query {} of a {written}-row write", start + j);
+                assert_eq!(visible(&f, j, written), expected(start + j, window), "query {} of a {written}-row write", start + j);
             }
             let keep = 1 + next(written);
             cache.rollback(&[written - keep]).unwrap();
@@ -359,7 +383,7 @@ mod tests {
         // After all of that, a single decode step reads exactly its window.
         let start = cache.offsets()[0];
         let f = cache.write(&rows(start, 1), &rows(start, 1)).unwrap();
-        assert_eq!(visible(&f, 0), expected(start, window));
+        assert_eq!(visible(&f, 0, 1), expected(start, window));
     }
 
     /// Rows that accept different lengths drift apart; each must still read its own window.
@@ -373,7 +397,7 @@ mod tests {
         };
         let f = cache.write(&batch(&vec![0; rows], 5), &batch(&vec![0; rows], 5)).unwrap();
         for r in 0..rows {
-            assert_eq!(visible_in(&f, r as i32, 4), expected(4, window));
+            assert_eq!(visible_in(&f, r as i32, 4, 5), expected(4, window));
         }
         for _ in 0..150 {
             let starts = cache.offsets().to_vec();
@@ -381,7 +405,7 @@ mod tests {
             let f = cache.write(&batch(&starts, written), &batch(&starts, written)).unwrap();
             for r in 0..rows {
                 for j in 0..written {
-                    assert_eq!(visible_in(&f, r as i32, j), expected(starts[r] + j, window), "row {r}, query {}", starts[r] + j);
+                    assert_eq!(visible_in(&f, r as i32, j, written), expected(starts[r] + j, window), "row {r}, query {}", starts[r] + j);
                 }
             }
             let back: Vec<usize> = (0..rows).map(|_| next(written)).collect();
@@ -404,11 +428,11 @@ mod tests {
         let mut both = LayerCache::stack(vec![a, b]).unwrap();
         assert_eq!(both.offsets(), &[9, 3]);
         let f = both.write(&batch(&[9, 3], 1), &batch(&[9, 3], 1)).unwrap();
-        assert_eq!(visible_in(&f, 0, 0), expected(9, Some(4)));
-        assert_eq!(visible_in(&f, 1, 0), expected(3, Some(4)));
+        assert_eq!(visible_in(&f, 0, 0, 1), expected(9, Some(4)));
+        assert_eq!(visible_in(&f, 1, 0, 1), expected(3, Some(4)));
         both.filter_rows(&[1]).unwrap();
         let f = both.write(&batch(&[4], 1), &batch(&[4], 1)).unwrap();
-        assert_eq!(visible(&f, 0), expected(4, Some(4)));
+        assert_eq!(visible(&f, 0, 1), expected(4, Some(4)));
     }
 
     #[test]
@@ -433,10 +457,10 @@ mod tests {
         let mut cache = LayerCache::sliding(1, 4, 2);
         let f = cache.write(&rows(0, 20), &rows(0, 20)).unwrap();
         for q in 0..20 {
-            assert_eq!(visible(&f, q), expected(q, Some(4)));
+            assert_eq!(visible(&f, q, 20), expected(q, Some(4)));
         }
         let f = cache.write(&rows(20, 1), &rows(20, 1)).unwrap();
-        assert_eq!(visible(&f, 0), expected(20, Some(4)));
+        assert_eq!(visible(&f, 0, 1), expected(20, Some(4)));
     }
 
     #[test]

@@ -3,7 +3,7 @@
 
 use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype};
-use plugin_api::nn::ops::{attention, gelu_approx, geglu, rms_norm, scalar, softcap};
+use plugin_api::nn::ops::{attention, gelu_approx, geglu, rms_norm, scalar, softcap, Mask};
 use plugin_api::nn::{Embedding, Linear, Rope};
 
 use super::cache::LayerCache;
@@ -104,7 +104,7 @@ pub struct Taps {
 struct SharedKv {
     keys: Array,
     values: Array,
-    mask: Option<Array>,
+    mask: Mask,
 }
 
 impl Gemma4 {
@@ -275,12 +275,12 @@ impl Attention {
                         let f = cache.write(&k, &v)?;
                         SharedKv { keys: f.keys, values: f.values, mask: f.mask }
                     }
-                    None => SharedKv { mask: causal(l)?, keys: k, values: v },
+                    None => SharedKv { mask: if l == 1 { Mask::All } else { Mask::Causal }, keys: k, values: v },
                 }
             }
             _ => return Err(ModelError::Internal("a KV-sharing layer ran before its donor".into())),
         };
-        let out = attention(&q, &kv.keys, &kv.values, 1.0, kv.mask.as_ref())?;
+        let out = attention(&q, &kv.keys, &kv.values, 1.0, &kv.mask)?;
         let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, l, self.n_heads * self.head_dim])?;
         Ok((self.o_proj.forward(&out)?, kv))
     }
@@ -297,15 +297,6 @@ fn rope_rows(rope: &Rope, x: &Array, offsets: &[i32]) -> Result<Array, Exception
         .map(|(r, &o)| rope.apply(&x.take_axis(Array::from_slice(&[r as i32], &[1]), 0)?, o))
         .collect::<Result<_, _>>()?;
     mlx_rs::ops::concatenate(&rows, 0)
-}
-
-/// [1, 1, L, L] causal mask for a forward without a cache; none for a single token.
-fn causal(l: i32) -> Result<Option<Array>, Exception> {
-    if l == 1 {
-        return Ok(None);
-    }
-    let mask: Vec<bool> = (0..l).flat_map(|q| (0..l).map(move |k| k <= q)).collect();
-    Ok(Some(Array::from_slice(&mask, &[1, 1, l, l])))
 }
 
 impl Mlp {

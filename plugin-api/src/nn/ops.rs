@@ -35,12 +35,30 @@ pub fn softcap(x: &Array, cap: f32) -> Result<Array, Exception> {
 /// A scalar in `dtype`, so that it does not promote the array it meets (Python floats are
 /// weakly typed in MLX; a Rust f32 array is not).
 pub fn scalar(value: f32, dtype: Dtype) -> Result<Array, Exception> {
-    Array::from_f32(value).as_dtype(dtype)
+    let x = Array::from_f32(value);
+    if dtype == Dtype::Float32 {
+        return Ok(x);
+    }
+    x.as_dtype(dtype)
 }
 
-/// Attention of queries [B, Hq, L, D] over keys/values [B, Hkv, S, D] with a boolean mask
-/// broadcastable to [B, Hq, L, S] (true = attend), or none.
-pub fn attention(q: &Array, k: &Array, v: &Array, scale: f32, mask: Option<&Array>) -> Result<Array, Exception> {
-    let mask = mask.map(ScaledDotProductAttentionMask::Array);
+/// Which keys each query of an attention may read.
+#[derive(Clone)]
+pub enum Mask {
+    /// Every key.
+    All,
+    /// The L queries are the last L positions of the S keys, each reading itself and before.
+    Causal,
+    /// Boolean, broadcastable to [B, Hq, L, S]; true = attend.
+    Array(Array),
+}
+
+/// Attention of queries [B, Hq, L, D] over keys/values [B, Hkv, S, D].
+pub fn attention(q: &Array, k: &Array, v: &Array, scale: f32, mask: &Mask) -> Result<Array, Exception> {
+    let mask = match mask {
+        Mask::All => None,
+        Mask::Causal => Some(ScaledDotProductAttentionMask::Causal),
+        Mask::Array(m) => Some(ScaledDotProductAttentionMask::Array(m)),
+    };
     mlx_rs::fast::scaled_dot_product_attention(q, k, v, scale, mask, None)
 }
