@@ -106,41 +106,32 @@ pub fn generate(model: &Gemma4, request: &Request, mut on_token: impl FnMut(u32)
         stats.target_forwards += 1;
         logits = Some(last_logits(model, &hidden)?);
     }
-    let logits = logits.expect("a non-empty prompt has a chunk");
+    let mut logits = logits.expect("a non-empty prompt has a chunk");
     // MLX is lazy: the prefill is computed here, inside the prefill's time.
     logits.eval()?;
-    let stop = if request.sampling.is_greedy() {
-        stats.prefill_ms = ms(started);
-        let decoding = Instant::now();
-        let stop = decode_greedy(model, request, &mut caches, &logits, &mut tokens, &mut stats, &mut on_token)?;
-        stats.decode_ms = ms(decoding);
-        stop
-    } else {
-        let mut logits = logits;
-        let mut next = sample(&logits, &request.sampling, 0)?;
-        stats.prefill_ms = ms(started);
-        let decoding = Instant::now();
-        let stop = loop {
-            if request.eos.contains(&next) {
-                break StopReason::Eos;
-            }
-            if tokens.len() == request.max_tokens {
-                break StopReason::MaxTokens;
-            }
-            tokens.push(next);
-            on_token(next);
-            if tokens.len() == request.max_tokens {
-                break StopReason::MaxTokens;
-            }
-            let ids = Array::from_slice(&[next as i32], &[1, 1]);
-            let hidden = model.forward_hidden(&ids, &mut caches, None)?;
-            stats.target_forwards += 1;
-            logits = last_logits(model, &hidden)?;
-            next = sample(&logits, &request.sampling, tokens.len() as u64)?;
-        };
-        stats.decode_ms = ms(decoding);
-        stop
+    stats.prefill_ms = ms(started);
+
+    let decoding = Instant::now();
+    let mut next = sample(&logits, &request.sampling, 0)?;
+    let stop = loop {
+        if request.eos.contains(&next) {
+            break StopReason::Eos;
+        }
+        if tokens.len() == request.max_tokens {
+            break StopReason::MaxTokens;
+        }
+        tokens.push(next);
+        on_token(next);
+        if tokens.len() == request.max_tokens {
+            break StopReason::MaxTokens;
+        }
+        let ids = Array::from_slice(&[next as i32], &[1, 1]);
+        let hidden = model.forward_hidden(&ids, &mut caches, None)?;
+        stats.target_forwards += 1;
+        logits = last_logits(model, &hidden)?;
+        next = sample(&logits, &request.sampling, tokens.len() as u64)?;
     };
+    stats.decode_ms = ms(decoding);
     stats.generated_tokens = tokens.len();
     stats.rounds = tokens.len();
     stats.mean_accept_len = if tokens.is_empty() { 0.0 } else { 1.0 };
@@ -148,47 +139,6 @@ pub fn generate(model: &Gemma4, request: &Request, mut on_token: impl FnMut(u32)
     // The first token comes from the prefill; decode time covers the rest.
     stats.decode_tokens_per_s = per_second(tokens.len().saturating_sub(1), stats.decode_ms);
     Ok(Generation { tokens, stop, stats })
-}
-
-/// Greedy decoding, pipelined: the forward for token n+1 is queued from token n while it is
-/// still being computed (MLX evaluates asynchronously), so building one step's graph overlaps
-/// computing the previous one. The step after the last token may be computed and discarded.
-fn decode_greedy(
-    model: &Gemma4,
-    request: &Request,
-    caches: &mut [crate::model::LayerCache],
-    logits: &Array,
-    tokens: &mut Vec<u32>,
-    stats: &mut Stats,
-    on_token: &mut impl FnMut(u32),
-) -> Result<StopReason, GenerateError> {
-    let argmax = |logits: &Array| mlx_rs::ops::indexing::argmax_axis(&logits.reshape(&[-1])?, 0, None);
-    let mut current = argmax(logits)?;
-    loop {
-        let following = if tokens.len() + 1 < request.max_tokens {
-            let ids = current.as_dtype(mlx_rs::Dtype::Int32)?.reshape(&[1, 1])?;
-            let hidden = model.forward_hidden(&ids, caches, None)?;
-            stats.target_forwards += 1;
-            let next = argmax(&last_logits(model, &hidden)?)?;
-            mlx_rs::transforms::async_eval([&next])?;
-            Some(next)
-        } else {
-            None
-        };
-        let token = current.item_exact::<u32>();
-        if request.eos.contains(&token) {
-            return Ok(StopReason::Eos);
-        }
-        if tokens.len() == request.max_tokens {
-            return Ok(StopReason::MaxTokens);
-        }
-        tokens.push(token);
-        on_token(token);
-        match following {
-            Some(next) => current = next,
-            None => return Ok(StopReason::MaxTokens),
-        }
-    }
 }
 
 /// Logits [V] of the last position of hidden [1, L, H].
