@@ -44,7 +44,12 @@ pub struct PlainBench {
     pub bandwidth_bound_tokens_per_s: f64,
 }
 
-pub fn plain(model: &Gemma4, model_dir: &std::path::Path, request: &Request, config: &BenchConfig) -> Result<PlainBench, BenchError> {
+pub fn plain(
+    model: &Gemma4,
+    model_dir: &std::path::Path,
+    request: &Request,
+    config: &BenchConfig,
+) -> Result<PlainBench, BenchError> {
     // One unmeasured run of each, so that neither side pays first-touch costs in the sample.
     run_host(model, request)?;
     run_mlx_lm(model_dir, request, config)?;
@@ -74,7 +79,10 @@ pub fn plain(model: &Gemma4, model_dir: &std::path::Path, request: &Request, con
 
 fn run_host(model: &Gemma4, request: &Request) -> Result<Throughput, BenchError> {
     let g = generate(model, request, |_| {})?;
-    Ok(Throughput { prefill_tokens_per_s: g.stats.prefill_tokens_per_s, decode_tokens_per_s: g.stats.decode_tokens_per_s })
+    Ok(Throughput {
+        prefill_tokens_per_s: g.stats.prefill_tokens_per_s,
+        decode_tokens_per_s: g.stats.decode_tokens_per_s,
+    })
 }
 
 fn run_mlx_lm(model_dir: &std::path::Path, request: &Request, config: &BenchConfig) -> Result<Throughput, BenchError> {
@@ -101,7 +109,10 @@ fn run_mlx_lm(model_dir: &std::path::Path, request: &Request, config: &BenchConf
         .find_map(|l| serde_json::from_str(l).ok())
         .ok_or_else(|| failed(format!("no JSON in its output: {stdout}")))?;
     let field = |k: &str| json[k].as_f64().ok_or_else(|| failed(format!("no `{k}` in {json}")));
-    Ok(Throughput { prefill_tokens_per_s: field("prefill_tokens_per_s")?, decode_tokens_per_s: field("decode_tokens_per_s")? })
+    Ok(Throughput {
+        prefill_tokens_per_s: field("prefill_tokens_per_s")?,
+        decode_tokens_per_s: field("decode_tokens_per_s")?,
+    })
 }
 
 /// Single-thread read bandwidth of this machine: the best of three sums over 256 MiB.

@@ -153,5 +153,9 @@ fn ms(since: Instant) -> f64 {
 }
 
 fn per_second(tokens: usize, ms: f64) -> f64 {
-    if ms > 0.0 { tokens as f64 / (ms / 1e3) } else { 0.0 }
+    if ms > 0.0 {
+        tokens as f64 / (ms / 1e3)
+    } else {
+        0.0
+    }
 }

@@ -8,9 +8,9 @@ use std::io::Write;
 
 use host::generate::generate;
 use host::manifest::Manifest;
+use host::plugin::{load, report, Registry};
 use host::run::{load_drafter, resolve_request, CheckpointDefaults, Overrides, RunOutput};
 use host::tokenizer::{StreamDecoder, Tokenizer};
-use host::plugin::{load, report, Registry};
 use host::{doctor, plugins_dir};
 
 /// Lossless speculative decoding of Gemma 4 with drafters loaded as plugins.
@@ -176,7 +176,10 @@ fn run(cli: Cli) -> Result<()> {
             let (dir, registry) = scan(dir)?;
             if json {
                 let entries: Vec<_> = registry.entries.iter().map(|e| report::entry_json(e, verbose)).collect();
-                println!("{}", serde_json::to_string_pretty(&serde_json::json!({ "plugins_dir": dir, "plugins": entries }))?);
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&serde_json::json!({ "plugins_dir": dir, "plugins": entries }))?
+                );
             } else {
                 println!("plugins in {}", dir.display());
                 if registry.entries.is_empty() {
@@ -271,10 +274,17 @@ fn run_manifest(args: RunArgs) -> Result<()> {
     };
     let generation = match &drafter {
         None => generate(&model, &request, on_token)?,
-        Some((drafter, config)) => host::speculative::generate_speculative(&model, drafter, &request, *config, on_token)?,
+        Some((drafter, config)) => {
+            host::speculative::generate_speculative(&model, drafter, &request, *config, on_token)?
+        }
     };
     if args.json {
-        let output = RunOutput { text: stream.text(), tokens: generation.tokens, stop: generation.stop, stats: generation.stats };
+        let output = RunOutput {
+            text: stream.text(),
+            tokens: generation.tokens,
+            stop: generation.stop,
+            stats: generation.stats,
+        };
         writeln!(stdout, "{}", serde_json::to_string(&output)?)?;
     } else {
         writeln!(stdout)?;
@@ -307,9 +317,16 @@ fn bench(args: BenchArgs) -> Result<()> {
         let by_position: Vec<String> = st.accepted_by_position.iter().map(|r| format!("{r:.2}")).collect();
         println!(
             "speculative ({}, {} draft tokens) vs plain, {} prompt tokens, {} generated, {} pairs",
-            kind, config.draft_tokens, request.prompt.len(), request.max_tokens, args.pairs
+            kind,
+            config.draft_tokens,
+            request.prompt.len(),
+            request.max_tokens,
+            args.pairs
         );
-        println!("  wall clock   plain {:.3} s   speculative {:.3} s   speed-up {speedup:.3}x  [{lo:.3}, {hi:.3}]", p, s_);
+        println!(
+            "  wall clock   plain {:.3} s   speculative {:.3} s   speed-up {speedup:.3}x  [{lo:.3}, {hi:.3}]",
+            p, s_
+        );
         println!(
             "  tau {:.2} (mean tokens per round), acceptance {:.1}%, by position [{}]",
             st.mean_accept_len,
@@ -327,7 +344,8 @@ fn bench(args: BenchArgs) -> Result<()> {
         );
         return Ok(());
     }
-    let config = BenchConfig { pairs: args.pairs, mlx_lm_python: args.mlx_lm_python, mlx_lm_script: args.mlx_lm_script };
+    let config =
+        BenchConfig { pairs: args.pairs, mlx_lm_python: args.mlx_lm_python, mlx_lm_script: args.mlx_lm_script };
     let result = plain(&model, &manifest.target_model, &request, &config)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&result)?);
@@ -340,7 +358,12 @@ fn bench(args: BenchArgs) -> Result<()> {
     let (mp, _, _) = stat(result.mlx_lm.iter().map(|t| t.prefill_tokens_per_s).collect());
     let (dr, dr_lo, dr_hi) = stat(result.decode_ratios.clone());
     let (pr, pr_lo, pr_hi) = stat(result.prefill_ratios.clone());
-    println!("plain decoding, {} prompt tokens, {} generated, {} pairs (median; ratio range)", request.prompt.len(), request.max_tokens, args.pairs);
+    println!(
+        "plain decoding, {} prompt tokens, {} generated, {} pairs (median; ratio range)",
+        request.prompt.len(),
+        request.max_tokens,
+        args.pairs
+    );
     println!("  decode   host {hd:8.1} tok/s   mlx-lm {md:8.1} tok/s   ratio {dr:.3}x  [{dr_lo:.3}, {dr_hi:.3}]");
     println!("  prefill  host {hp:8.1} tok/s   mlx-lm {mp:8.1} tok/s   ratio {pr:.3}x  [{pr_lo:.3}, {pr_hi:.3}]");
     println!(

@@ -144,8 +144,11 @@ pub struct DrafterSpec {
 
 impl Manifest {
     pub fn load(file: &Path) -> Result<Manifest, ManifestError> {
-        let text = std::fs::read_to_string(file)
-            .map_err(|e| ManifestError { file: file.to_owned(), line: None, message: format!("cannot read: {e}") })?;
+        let text = std::fs::read_to_string(file).map_err(|e| ManifestError {
+            file: file.to_owned(),
+            line: None,
+            message: format!("cannot read: {e}"),
+        })?;
         Manifest::parse(file, &text)
     }
 
@@ -196,7 +199,15 @@ impl Manifest {
                         (table, lines)
                     }
                 };
-                Some(DrafterSpec { kind: d.kind, artifact, sha256, draft_tokens: d.draft_tokens, verify: d.verify, options, option_lines })
+                Some(DrafterSpec {
+                    kind: d.kind,
+                    artifact,
+                    sha256,
+                    draft_tokens: d.draft_tokens,
+                    verify: d.verify,
+                    options,
+                    option_lines,
+                })
             }
         };
         Ok(Manifest { file: file.to_owned(), target_model, drafter, generation: parsed.generation })
@@ -208,10 +219,19 @@ impl Manifest {
         let Some(drafter) = &self.drafter else { return Ok(()) };
         let error = |line, message| ManifestError { file: self.file.clone(), line, message };
         if drafter.verify == Verify::Rejection && !descriptor.capabilities.draft_probabilities {
-            return Err(error(None, format!("drafter.verify: `rejection` needs draft probabilities, which drafter `{}` does not return", drafter.kind)));
+            return Err(error(
+                None,
+                format!(
+                    "drafter.verify: `rejection` needs draft probabilities, which drafter `{}` does not return",
+                    drafter.kind
+                ),
+            ));
         }
         if descriptor.needs_artifact && drafter.artifact.is_none() {
-            return Err(error(None, format!("drafter.artifact: drafter `{}` needs an artifact directory", drafter.kind)));
+            return Err(error(
+                None,
+                format!("drafter.artifact: drafter `{}` needs an artifact directory", drafter.kind),
+            ));
         }
         let known: Vec<&str> = descriptor.options.iter().map(|o| o.key.as_str()).collect();
         for (key, line) in &drafter.option_lines {
@@ -245,7 +265,9 @@ fn key_line(text: &str, span: Range<usize>, key: &str) -> usize {
     let mut offset = start;
     for line in region.split_inclusive('\n') {
         let trimmed = line.trim_start().trim_start_matches(['"', '\'']);
-        if trimmed.starts_with(key) && trimmed[key.len()..].trim_start_matches(['"', '\'']).trim_start().starts_with('=') {
+        if trimmed.starts_with(key)
+            && trimmed[key.len()..].trim_start_matches(['"', '\'']).trim_start().starts_with('=')
+        {
             return line_of(text, offset);
         }
         offset += line.len();
@@ -273,7 +295,11 @@ mod tests {
     #[test]
     fn paths_resolve_relative_to_the_manifest() {
         let dir = temp("relative");
-        let m = manifest_in(&dir, "[target]\nmodel = \"model\"\n[drafter]\nkind = \"ngram\"\n[drafter.options]\nmax_ngram = 4\n").unwrap();
+        let m = manifest_in(
+            &dir,
+            "[target]\nmodel = \"model\"\n[drafter]\nkind = \"ngram\"\n[drafter.options]\nmax_ngram = 4\n",
+        )
+        .unwrap();
         assert_eq!(m.target_model, dir.join("model"));
         let d = m.drafter.unwrap();
         assert_eq!((d.kind.as_str(), d.draft_tokens), ("ngram", 4));
@@ -301,7 +327,8 @@ mod tests {
     #[test]
     fn missing_file_names_key_and_resolved_path() {
         let dir = temp("missing");
-        let e = manifest_in(&dir, "[target]\nmodel = \"model\"\n[drafter]\nkind = \"x\"\nartifact = \"nope\"\n").unwrap_err();
+        let e = manifest_in(&dir, "[target]\nmodel = \"model\"\n[drafter]\nkind = \"x\"\nartifact = \"nope\"\n")
+            .unwrap_err();
         assert_eq!(e.line, Some(5));
         assert!(e.message.starts_with("drafter.artifact: "), "{e}");
         assert!(e.message.contains("nope does not exist"), "{e}");
@@ -328,7 +355,8 @@ mod tests {
     #[test]
     fn bad_pin_is_refused() {
         let dir = temp("pin");
-        let e = manifest_in(&dir, "[target]\nmodel = \"model\"\n[drafter]\nkind = \"x\"\nsha256 = \"abc\"\n").unwrap_err();
+        let e =
+            manifest_in(&dir, "[target]\nmodel = \"model\"\n[drafter]\nkind = \"x\"\nsha256 = \"abc\"\n").unwrap_err();
         assert_eq!(e.line, Some(5));
     }
 }

@@ -9,8 +9,8 @@ use crate::generate::{Request, Stats};
 use crate::manifest::Manifest;
 use crate::model::Gemma4;
 use crate::plugin::Drafter;
-use crate::speculative::SpecConfig;
 use crate::sampling::SamplingParams;
+use crate::speculative::SpecConfig;
 use crate::tokenizer::Tokenizer;
 
 /// Values given on the command line; each overrides the manifest's.
@@ -41,7 +41,8 @@ impl CheckpointDefaults {
     pub fn load(model_dir: &Path) -> Result<CheckpointDefaults, String> {
         let file = model_dir.join("generation_config.json");
         let Ok(text) = std::fs::read_to_string(&file) else { return Ok(Self::default()) };
-        let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("{}: not valid JSON: {e}", file.display()))?;
+        let json: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| format!("{}: not valid JSON: {e}", file.display()))?;
         let sampling = json.get("do_sample").and_then(|v| v.as_bool()).unwrap_or(true);
         let eos = match json.get("eos_token_id") {
             Some(serde_json::Value::Number(n)) => n.as_u64().map(|n| vec![n as u32]).unwrap_or_default(),
@@ -49,7 +50,11 @@ impl CheckpointDefaults {
             _ => Vec::new(),
         };
         Ok(CheckpointDefaults {
-            temperature: if sampling { json.get("temperature").and_then(|v| v.as_f64()).map(|t| t as f32) } else { Some(0.0) },
+            temperature: if sampling {
+                json.get("temperature").and_then(|v| v.as_f64()).map(|t| t as f32)
+            } else {
+                Some(0.0)
+            },
             top_p: json.get("top_p").and_then(|v| v.as_f64()).map(|v| v as f32),
             top_k: json.get("top_k").and_then(|v| v.as_u64()).map(|v| v as u32),
             eos,
@@ -110,7 +115,10 @@ pub enum DrafterSetupError {
 
 /// The manifest's drafter: its plugin found in `plugins_dir` (by pin or kind), the manifest
 /// checked against its descriptor, its artifact loaded with the manifest's options.
-pub fn load_drafter(manifest: &Manifest, plugins_dir: &Path) -> Result<Option<(Drafter, SpecConfig)>, DrafterSetupError> {
+pub fn load_drafter(
+    manifest: &Manifest,
+    plugins_dir: &Path,
+) -> Result<Option<(Drafter, SpecConfig)>, DrafterSetupError> {
     let Some(spec) = &manifest.drafter else { return Ok(None) };
     let plugin = crate::plugin::select(plugins_dir, &spec.kind, spec.sha256.as_deref())?;
     manifest.check_drafter(&plugin.descriptor)?;

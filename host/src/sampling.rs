@@ -163,7 +163,8 @@ mod tests {
         let again: Vec<u32> = (0..20).map(|s| sample(&logits, &p, s).unwrap()).collect();
         assert_eq!(first, again);
         assert!(first.iter().any(|&t| t != first[0]), "steps must draw differently: {first:?}");
-        let other_seed: Vec<u32> = (0..20).map(|s| sample(&logits, &SamplingParams { seed: 10, ..p }, s).unwrap()).collect();
+        let other_seed: Vec<u32> =
+            (0..20).map(|s| sample(&logits, &SamplingParams { seed: 10, ..p }, s).unwrap()).collect();
         assert_ne!(first, other_seed);
     }
 

@@ -40,19 +40,23 @@ pub struct SpecConfig {
 pub fn probe_open(model: &Rc<Gemma4>, drafter: &Drafter) -> Result<(), DrafterError> {
     let caches = Rc::new(RefCell::new(Vec::new()));
     let view = TargetView::new(model.clone(), caches);
-    let rows = drafter.open(view.boxed(), 1, model.config.vocab_size as u32)?;
-    check_pairing(model, drafter, &rows)
+    drafter.open(view.boxed(), 1, model.config.vocab_size as u32)?;
+    check_pairing(model, drafter)
 }
 
-fn check_pairing(model: &Gemma4, drafter: &Drafter, _rows: &DraftRows) -> Result<(), DrafterError> {
+/// What the host itself needs of a drafter: taps inside the target, a prefill it performs.
+fn check_pairing(model: &Gemma4, drafter: &Drafter) -> Result<(), DrafterError> {
     let caps = &drafter.info.capabilities;
     let layers = model.config.num_hidden_layers as u32;
-    let refuse = |reason: String| DrafterError::InvalidAnswer { kind: drafter.info.id.to_string(), call: "open", reason };
+    let refuse = |reason: String| DrafterError::InvalidAnswer { kind: drafter.kind().to_owned(), call: "open", reason };
     if let Some(bad) = caps.tap_layers.iter().find(|&&l| l > layers) {
         return Err(refuse(format!("tap layer {bad} is beyond the target's {layers} layers (valid: 0..={layers})")));
     }
     if caps.prefill_mode != PrefillMode::TAIL_SPLIT {
-        return Err(refuse(format!("prefill mode `{}` is not supported by this host (only tail-split)", caps.prefill_mode.name())));
+        return Err(refuse(format!(
+            "prefill mode `{}` is not supported by this host (only tail-split)",
+            caps.prefill_mode.name()
+        )));
     }
     Ok(())
 }
@@ -127,7 +131,7 @@ pub fn generate_speculative_rows(
         row_caches.push(own);
         if drafter_error.is_none() {
             let mut one = drafter.open(view.boxed(), 1, vocab).map_err(GenerateError::Drafter)?;
-            check_pairing(model, drafter, &one).map_err(GenerateError::Drafter)?;
+            check_pairing(model, drafter).map_err(GenerateError::Drafter)?;
             let context = if contexts.is_empty() { None } else { Some(mlx_rs::ops::concatenate(&contexts, 1)?) };
             let prefilled = if prefix.is_empty() { Ok(()) } else { one.prefill(prefix, context.as_ref()) };
             match prefilled {
@@ -175,7 +179,11 @@ pub fn generate_speculative_rows(
         for (p, &d) in proposals.iter_mut().zip(&depths) {
             if p.tokens.len() > d {
                 p.tokens.truncate(d);
-                p.probabilities = p.probabilities.take().map(|q| q.take_axis(Array::from_iter(0..d as i32, &[d as i32]), 0)).transpose()?;
+                p.probabilities = p
+                    .probabilities
+                    .take()
+                    .map(|q| q.take_axis(Array::from_iter(0..d as i32, &[d as i32]), 0))
+                    .transpose()?;
             }
         }
 
@@ -191,7 +199,12 @@ pub fn generate_speculative_rows(
                 w
             })
             .collect();
-        let (hidden, context) = forward(model, &mut caches.borrow_mut(), &windows.iter().map(Vec::as_slice).collect::<Vec<_>>(), &tap_layers)?;
+        let (hidden, context) = forward(
+            model,
+            &mut caches.borrow_mut(),
+            &windows.iter().map(Vec::as_slice).collect::<Vec<_>>(),
+            &tap_layers,
+        )?;
         let logits = model.logits_from_hidden(&hidden)?;
 
         let mut accepted = Vec::with_capacity(active.len());
@@ -228,7 +241,8 @@ pub fn generate_speculative_rows(
             s.drafter_error = drafter_error.clone();
             s.mean_accept_len = if s.rounds == 0 { 0.0 } else { (s.accepted + s.rounds) as f64 / s.rounds as f64 };
             s.acceptance_rate = if s.drafted == 0 { 0.0 } else { s.accepted as f64 / s.drafted as f64 };
-            s.accepted_by_position = row.by_position.iter().take_while(|(d, _)| *d > 0).map(|&(d, a)| a as f64 / d as f64).collect();
+            s.accepted_by_position =
+                row.by_position.iter().take_while(|(d, _)| *d > 0).map(|&(d, a)| a as f64 / d as f64).collect();
             s.prefill_tokens_per_s = per_second(s.prompt_tokens, prefill_ms);
             s.decode_tokens_per_s = per_second(row.tokens.len(), decode_ms);
             Generation { tokens: row.tokens, stop: row.stop.unwrap_or(StopReason::MaxTokens), stats: s }
@@ -262,7 +276,14 @@ fn drop_finished(
 
 /// The accept walk of one row over its window's logits [W, V]: the target's own token at
 /// each position, accepting drafts while they agree. Returns the accepted draft count.
-fn walk(row: &mut Row, request: &Request, proposal: &Proposal, logits: &Array, verify: Verify, mut emit: impl FnMut(u32)) -> Result<usize, GenerateError> {
+fn walk(
+    row: &mut Row,
+    request: &Request,
+    proposal: &Proposal,
+    logits: &Array,
+    verify: Verify,
+    mut emit: impl FnMut(u32),
+) -> Result<usize, GenerateError> {
     let drafts = &proposal.tokens;
     let step = row.tokens.len() as u64;
     let verify = if request.sampling.is_greedy() { Verify::Match } else { verify };
@@ -321,7 +342,12 @@ fn join_caches(rows: Vec<Vec<LayerCache>>) -> Result<Vec<LayerCache>, GenerateEr
 }
 
 /// One drafter group holding the rows prefilled apart: each captured and appended in order.
-fn join_rows(drafter: &Drafter, view: &TargetView, parts: Vec<DraftRows>, vocab: u32) -> Result<DraftRows, DrafterError> {
+fn join_rows(
+    drafter: &Drafter,
+    view: &TargetView,
+    parts: Vec<DraftRows>,
+    vocab: u32,
+) -> Result<DraftRows, DrafterError> {
     let mut group = drafter.open(view.boxed(), 0, vocab)?;
     let mut states = Vec::with_capacity(parts.len());
     for mut part in parts {
@@ -333,7 +359,12 @@ fn join_rows(drafter: &Drafter, view: &TargetView, parts: Vec<DraftRows>, vocab:
 
 /// The target forward over rows of equal length, with the hidden states at `taps`
 /// concatenated on the feature axis as the drafter's context.
-fn forward(model: &Gemma4, caches: &mut [LayerCache], rows: &[&[u32]], taps: &[usize]) -> Result<(Array, Option<Array>), GenerateError> {
+fn forward(
+    model: &Gemma4,
+    caches: &mut [LayerCache],
+    rows: &[&[u32]],
+    taps: &[usize],
+) -> Result<(Array, Option<Array>), GenerateError> {
     let flat: Vec<i32> = rows.iter().flat_map(|r| r.iter().map(|&t| t as i32)).collect();
     let ids = Array::from_slice(&flat, &[rows.len() as i32, rows.first().map_or(0, |r| r.len()) as i32]);
     if taps.is_empty() {
@@ -345,14 +376,22 @@ fn forward(model: &Gemma4, caches: &mut [LayerCache], rows: &[&[u32]], taps: &[u
     let mut layers = taps.to_vec();
     layers.sort_unstable();
     layers.dedup();
-    let ordered: Vec<Array> = taps.iter().map(|l| t.captured[layers.binary_search(l).expect("every tap captured")].clone()).collect();
+    let ordered: Vec<Array> =
+        taps.iter().map(|l| t.captured[layers.binary_search(l).expect("every tap captured")].clone()).collect();
     Ok((hidden, Some(mlx_rs::ops::concatenate(&ordered, -1)?)))
 }
 
 /// One position of rejection sampling: accept draft `d` with probability min(1, p(d)/q(d)),
 /// else draw from the residual max(p − q, 0). p is the target's distribution after the
 /// request's filters and temperature; q is the drafter's row `i`.
-fn rejection_step(target_logits: &Array, q: &Array, i: usize, d: u32, request: &Request, step: u64) -> Result<(u32, bool), GenerateError> {
+fn rejection_step(
+    target_logits: &Array,
+    q: &Array,
+    i: usize,
+    d: u32,
+    request: &Request,
+    step: u64,
+) -> Result<(u32, bool), GenerateError> {
     let params = &request.sampling;
     let logits = target_logits.as_dtype(Dtype::Float32)?;
     let lp = filtered_logprobs(logits.as_slice::<f32>(), params);
@@ -391,5 +430,9 @@ fn softmax_at_temperature(logprobs: &[f32], temperature: f32) -> Vec<f32> {
 }
 
 fn per_second(tokens: usize, ms: f64) -> f64 {
-    if ms > 0.0 { tokens as f64 / (ms / 1e3) } else { 0.0 }
+    if ms > 0.0 {
+        tokens as f64 / (ms / 1e3)
+    } else {
+        0.0
+    }
 }

@@ -84,9 +84,14 @@ impl TargetViewAbi for TargetView {
     }
 
     fn read_donors(&self) -> RResult<Donors, PluginError> {
-        let positions: Vec<i32> = self.caches.borrow().first().map_or(Vec::new(), |c| c.offsets().iter().map(|&o| o as i32 - 1).collect());
+        let positions: Vec<i32> =
+            self.caches.borrow().first().map_or(Vec::new(), |c| c.offsets().iter().map(|&o| o as i32 - 1).collect());
         let donors = (|| {
-            Ok(Donors { positions: positions.into(), sliding: self.donor(LayerType::Sliding)?, full: self.donor(LayerType::Full)? })
+            Ok(Donors {
+                positions: positions.into(),
+                sliding: self.donor(LayerType::Sliding)?,
+                full: self.donor(LayerType::Full)?,
+            })
         })();
         donors.into()
     }

@@ -19,7 +19,8 @@ pub struct Tokenizer {
 impl Tokenizer {
     pub fn load(model_dir: &Path) -> Result<Tokenizer, TokenizerError> {
         let file = model_dir.join("tokenizer.json");
-        let inner = tokenizers::Tokenizer::from_file(&file).map_err(|e| TokenizerError::Load { file, reason: e.to_string() })?;
+        let inner = tokenizers::Tokenizer::from_file(&file)
+            .map_err(|e| TokenizerError::Load { file, reason: e.to_string() })?;
         Ok(Tokenizer { inner })
     }
 

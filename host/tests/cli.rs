@@ -45,7 +45,11 @@ fn a_plugin_copied_into_a_directory_shows_up_in_the_list() {
 
 #[test]
 fn the_workspace_plugins_are_found_next_to_the_host_by_default() {
-    let out = Command::new(env!("CARGO_BIN_EXE_host")).args(["plugins", "list"]).env_remove("HOST_PLUGINS_DIR").output().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_host"))
+        .args(["plugins", "list"])
+        .env_remove("HOST_PLUGINS_DIR")
+        .output()
+        .unwrap();
     assert!(stdout(&out).lines().any(|l| l.contains("libngram.so") && l.contains("loaded")), "{}", stdout(&out));
 }
 
@@ -87,26 +91,41 @@ fn manifest_check_loads_and_configures_the_drafter() {
     assert!(ok.status.success(), "{}", stderr(&ok));
     assert!(stdout(&ok).contains("drafter   ngram"), "{}", stdout(&ok));
 
-    let unknown = check("[target]\nmodel = \"model\"\n[drafter]\nkind = \"ngram\"\n[drafter.options]\nmax_ngramm = 4\n");
+    let unknown =
+        check("[target]\nmodel = \"model\"\n[drafter]\nkind = \"ngram\"\n[drafter.options]\nmax_ngramm = 4\n");
     let err = stderr(&unknown);
-    assert!(err.contains("m.toml:6: drafter.options.max_ngramm: unknown option for drafter `ngram` (known: max_ngram, min_ngram)"), "{err}");
+    assert!(
+        err.contains(
+            "m.toml:6: drafter.options.max_ngramm: unknown option for drafter `ngram` (known: max_ngram, min_ngram)"
+        ),
+        "{err}"
+    );
 
-    let bad_value = check("[target]\nmodel = \"model\"\n[drafter]\nkind = \"ngram\"\n[drafter.options]\nmax_ngram = \"four\"\n");
+    let bad_value =
+        check("[target]\nmodel = \"model\"\n[drafter]\nkind = \"ngram\"\n[drafter.options]\nmax_ngram = \"four\"\n");
     assert!(stderr(&bad_value).contains("invalid options: option `max_ngram`"), "{}", stderr(&bad_value));
 
     let pinned = check("[target]\nmodel = \"model\"\n[drafter]\nkind = \"ngram\"\nsha256 = \"0000000000000000000000000000000000000000000000000000000000000000\"\n");
-    assert!(stderr(&pinned).contains("no library in") && stderr(&pinned).contains("has the pinned sha256"), "{}", stderr(&pinned));
+    assert!(
+        stderr(&pinned).contains("no library in") && stderr(&pinned).contains("has the pinned sha256"),
+        "{}",
+        stderr(&pinned)
+    );
 
     let missing_kind = check("[target]\nmodel = \"model\"\n[drafter]\nkind = \"dflash\"\n");
     assert!(stderr(&missing_kind).contains("no plugin of kind `dflash`"), "{}", stderr(&missing_kind));
 }
 
 fn dense_manifest(dir: &std::path::Path, drafter: &str) -> std::path::PathBuf {
-    let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/gemma4/dense").canonicalize().unwrap();
+    let model =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/gemma4/dense").canonicalize().unwrap();
     let file = dir.join("m.toml");
     fs::write(
         &file,
-        format!("[target]\nmodel = \"{}\"\n{drafter}[generation]\nprompt = \"So she was considering\"\nmax_tokens = 40\n", model.display()),
+        format!(
+            "[target]\nmodel = \"{}\"\n{drafter}[generation]\nprompt = \"So she was considering\"\nmax_tokens = 40\n",
+            model.display()
+        ),
     )
     .unwrap();
     file
@@ -152,7 +171,18 @@ fn run_prints_the_contracts_json_and_speculation_changes_nothing_but_speed() {
     // Prompt ids on the command line override the manifest's prompt; sampling with a seed is
     // reproducible.
     let spec_file = spec_dir.path().join("m.toml");
-    let ids = ["run", "--manifest", spec_file.to_str().unwrap(), "--prompt-ids", "2,40,41,42", "--temperature", "0.8", "--seed", "4", "--json"];
+    let ids = [
+        "run",
+        "--manifest",
+        spec_file.to_str().unwrap(),
+        "--prompt-ids",
+        "2,40,41,42",
+        "--temperature",
+        "0.8",
+        "--seed",
+        "4",
+        "--json",
+    ];
     assert_eq!(run_json(&ids)["tokens"], run_json(&ids)["tokens"]);
 }
 
@@ -166,7 +196,11 @@ fn run_refuses_bad_input_in_one_line() {
 
     let file = dense_manifest(work.path(), "");
     let out = host(&["run", "--manifest", file.to_str().unwrap(), "--prompt-ids", "2,99999"]);
-    assert!(stderr(&out).contains("prompt token id 99999 (at position 1) is outside the vocabulary of 512"), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("prompt token id 99999 (at position 1) is outside the vocabulary of 512"),
+        "{}",
+        stderr(&out)
+    );
     let out = host(&["run", "--manifest", file.to_str().unwrap(), "--top-p", "1.5"]);
     assert!(stderr(&out).contains("top_p must be in [0, 1], got 1.5"), "{}", stderr(&out));
 }

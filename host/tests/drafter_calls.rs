@@ -55,7 +55,9 @@ fn out_of_vocabulary_tokens_are_rejected() {
     let error = rows.draft(&[5, 6], 3, &[2, 2]).unwrap_err();
     assert_eq!(
         error.to_string(),
-        format!("drafter `misbehaving` answered draft wrongly: row 0: token id {VOCAB} outside the vocabulary of {VOCAB}")
+        format!(
+            "drafter `misbehaving` answered draft wrongly: row 0: token id {VOCAB} outside the vocabulary of {VOCAB}"
+        )
     );
 }
 

@@ -33,8 +33,15 @@ struct Oracle {
 
 fn oracle(dir: &Path) -> Oracle {
     let w = Weights::load_file(&dir.join("oracle.safetensors")).unwrap();
-    let ids = |name: &str| w.get(name).unwrap().as_dtype(Dtype::Int32).unwrap().as_slice::<i32>().iter().map(|&t| t as u32).collect();
-    Oracle { prompt: ids("prompt_ids"), prompt_logits: w.get("prompt_logits").unwrap(), tokens: ids("tokens"), token_logits: w.get("token_logits").unwrap() }
+    let ids = |name: &str| {
+        w.get(name).unwrap().as_dtype(Dtype::Int32).unwrap().as_slice::<i32>().iter().map(|&t| t as u32).collect()
+    };
+    Oracle {
+        prompt: ids("prompt_ids"),
+        prompt_logits: w.get("prompt_logits").unwrap(),
+        tokens: ids("tokens"),
+        token_logits: w.get("token_logits").unwrap(),
+    }
 }
 
 fn prompt_logits(model: &Gemma4, prompt: &[u32]) -> Array {
@@ -51,7 +58,8 @@ fn greedy(model: &Gemma4, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<Array>) {
     let mut logits = last_logits(model, &model.forward_hidden(&ids, &mut caches, None).unwrap()).unwrap();
     let (mut tokens, mut all) = (Vec::new(), Vec::new());
     for _ in 0..n {
-        let next = mlx_rs::ops::indexing::argmax_axis(&logits.reshape(&[-1]).unwrap(), 0, None).unwrap().item_exact::<u32>();
+        let next =
+            mlx_rs::ops::indexing::argmax_axis(logits.reshape(&[-1]).unwrap(), 0, None).unwrap().item_exact::<u32>();
         all.push(logits.reshape(&[-1]).unwrap());
         tokens.push(next);
         let ids = Array::from_slice(&[next as i32], &[1, 1]);
@@ -68,7 +76,10 @@ fn check(name: &str, tolerance: f32) {
     let model = load(&dir).unwrap_or_else(|e| panic!("{name}: {e}"));
     let o = oracle(&dir);
     assert!(o.tokens.len() >= 64, "{name}: the oracle holds only {} tokens", o.tokens.len());
-    assert!(o.prompt.len() + o.tokens.len() > 3 * model.config.sliding_window, "{name}: the generation must wrap the window");
+    assert!(
+        o.prompt.len() + o.tokens.len() > 3 * model.config.sliding_window,
+        "{name}: the generation must wrap the window"
+    );
 
     let diff = max_abs_diff(&prompt_logits(&model, &o.prompt), &o.prompt_logits);
     assert!(diff <= tolerance, "{name}: prompt logits differ by {diff} > {tolerance}");
@@ -84,7 +95,12 @@ fn check(name: &str, tolerance: f32) {
     eprintln!("{name}: largest logit difference from mlx-lm {worst:e} (tolerance {tolerance:e})");
     assert_eq!(tokens, o.tokens, "{name}: greedy tokens differ from mlx-lm");
 
-    let request = Request { prompt: o.prompt.clone(), max_tokens: o.tokens.len(), sampling: SamplingParams::default(), eos: vec![] };
+    let request = Request {
+        prompt: o.prompt.clone(),
+        max_tokens: o.tokens.len(),
+        sampling: SamplingParams::default(),
+        eos: vec![],
+    };
     let generated = generate(&model, &request, |_| {}).unwrap();
     assert_eq!(generated.tokens, o.tokens, "{name}: the decoding loop differs from mlx-lm");
 }

@@ -71,7 +71,10 @@ fn a_library_or_directory_writable_by_others() {
     let lib = dir.path().join("libngram.so");
     fs::set_permissions(&lib, fs::Permissions::from_mode(0o666)).unwrap();
     let message = refusal(&lib, None);
-    assert!(message.starts_with("the library ") && message.contains("is writable by group or others (mode 666)"), "{message}");
+    assert!(
+        message.starts_with("the library ") && message.contains("is writable by group or others (mode 666)"),
+        "{message}"
+    );
 
     fs::set_permissions(&lib, fs::Permissions::from_mode(0o755)).unwrap();
     fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o777)).unwrap();
@@ -112,7 +115,10 @@ fn selecting_by_kind_and_by_pin() {
     assert!(message.contains("libfuture_api.so: built for plugin API 2.0.0"), "{message}");
 
     let pin = sha256_file(&dir.path().join("libngram.so")).unwrap();
-    assert_eq!(select(dir.path(), "ngram", Some(&pin)).unwrap().path, dir.path().join("libngram.so").canonicalize().unwrap());
+    assert_eq!(
+        select(dir.path(), "ngram", Some(&pin)).unwrap().path,
+        dir.path().join("libngram.so").canonicalize().unwrap()
+    );
     let wrong = select(dir.path(), "ngram", Some(&"a".repeat(64))).unwrap_err();
     assert!(matches!(wrong, SelectError::NoPinnedLibrary { .. }), "{wrong}");
     let wrong_kind = select(dir.path(), "assistant", Some(&pin)).unwrap_err();

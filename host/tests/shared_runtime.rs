@@ -20,7 +20,8 @@ fn probe() -> (MutexGuard<'static, ()>, &'static Library) {
     static PROBE: std::sync::OnceLock<Library> = std::sync::OnceLock::new();
     let turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
     host::runtime::init();
-    let library = PROBE.get_or_init(|| unsafe { Library::new(common::fixture("runtime_probe")) }.expect("the runtime probe loads"));
+    let library = PROBE
+        .get_or_init(|| unsafe { Library::new(common::fixture("runtime_probe")) }.expect("the runtime probe loads"));
     (turn, library)
 }
 

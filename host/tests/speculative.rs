@@ -64,9 +64,11 @@ struct AdversaryRows {
 impl Drafter for Adversary {
     type Provider = AdversaryProvider;
     fn descriptor() -> Descriptor {
-        Descriptor::new("adversary", "adversarial test drafter", "0.0.0")
-            .option("seed", "0", "")
-            .option("max_token", "0", "largest id proposed, 0 = the vocabulary's")
+        Descriptor::new("adversary", "adversarial test drafter", "0.0.0").option("seed", "0", "").option(
+            "max_token",
+            "0",
+            "largest id proposed, 0 = the vocabulary's",
+        )
     }
     fn load(_: Option<&Path>, o: &Options) -> Result<AdversaryProvider, PluginError> {
         Ok(AdversaryProvider { seed: o.get_or("seed", 0)?, vocab_guard: o.get_or("max_token", 0)? })
@@ -76,7 +78,13 @@ impl Drafter for Adversary {
 impl DraftProvider for AdversaryProvider {
     type Rows = AdversaryRows;
     fn info(&self) -> ProviderInfo {
-        ProviderInfo { id: "adversary".into(), weights_bytes: 0, namespace: "adversary".into(), trained_depth: 0, capabilities: Capabilities::default() }
+        ProviderInfo {
+            id: "adversary".into(),
+            weights_bytes: 0,
+            namespace: "adversary".into(),
+            trained_depth: 0,
+            capabilities: Capabilities::default(),
+        }
     }
     fn open(&self, target: Target, rows: usize) -> Result<AdversaryRows, PluginError> {
         let vocab = if self.vocab_guard > 0 { self.vocab_guard } else { target.info().vocab_size };
@@ -125,7 +133,12 @@ impl DraftRows for AdversaryRows {
         Ok(())
     }
     fn capture(&mut self, _: usize) -> Result<RowState, PluginError> {
-        Ok(RowState { namespace: "adversary".into(), processed: 0, ids: Default::default(), tensors: Default::default() })
+        Ok(RowState {
+            namespace: "adversary".into(),
+            processed: 0,
+            ids: Default::default(),
+            tensors: Default::default(),
+        })
     }
 }
 
@@ -177,7 +190,10 @@ fn greedy_with_an_adversary_equals_plain_greedy() {
                 let g = spec(&m, &adversary(seed, &expected), &r, gamma);
                 assert_eq!(g.tokens, expected, "{fixture}, γ = {gamma}, seed {seed}");
                 let s = &g.stats;
-                assert!(s.accepted > 0 && s.accepted < s.drafted, "{fixture} γ {gamma}: the adversary must be partly right: {s:?}");
+                assert!(
+                    s.accepted > 0 && s.accepted < s.drafted,
+                    "{fixture} γ {gamma}: the adversary must be partly right: {s:?}"
+                );
                 assert_eq!(s.target_forwards, s.rounds + 1, "one forward per round after the prefill");
             }
         }
@@ -192,7 +208,11 @@ fn sampled_speculation_equals_plain_sampling_for_the_same_seed() {
         let expected = plain(&m, &r);
         for gamma in GAMMAS {
             assert_eq!(spec(&m, &ngram(), &r, gamma).tokens, expected, "ngram, seed {seed}, γ = {gamma}");
-            assert_eq!(spec(&m, &adversary(seed, &expected), &r, gamma).tokens, expected, "adversary, seed {seed}, γ = {gamma}");
+            assert_eq!(
+                spec(&m, &adversary(seed, &expected), &r, gamma).tokens,
+                expected,
+                "adversary, seed {seed}, γ = {gamma}"
+            );
         }
     }
 }
@@ -271,7 +291,11 @@ fn stats_count_what_happened() {
     assert!((s.mean_accept_len - LONG as f64 / s.rounds as f64).abs() < 1e-9);
     assert!((s.acceptance_rate - s.accepted as f64 / s.drafted as f64).abs() < 1e-9);
     assert_eq!(s.accepted_by_position.len(), 4);
-    assert!(s.accepted_by_position.windows(2).all(|w| w[0] >= w[1] - 1e-9), "acceptance cannot rise with position: {:?}", s.accepted_by_position);
+    assert!(
+        s.accepted_by_position.windows(2).all(|w| w[0] >= w[1] - 1e-9),
+        "acceptance cannot rise with position: {:?}",
+        s.accepted_by_position
+    );
 }
 
 // --- rejection sampling keeps the target's distribution --------------------------------
@@ -315,7 +339,11 @@ impl DraftProvider for Proposer {
     }
     fn open(&self, target: Target, _rows: usize) -> Result<ProposerRows, PluginError> {
         let candidates = CANDIDATES.lock().unwrap().clone();
-        Ok(ProposerRows { vocab: target.info().vocab_size, draws: mix(candidates[0] as u64 + OPENED.fetch_add(1, std::sync::atomic::Ordering::Relaxed)), candidates })
+        Ok(ProposerRows {
+            vocab: target.info().vocab_size,
+            draws: mix(candidates[0] as u64 + OPENED.fetch_add(1, std::sync::atomic::Ordering::Relaxed)),
+            candidates,
+        })
     }
 }
 
@@ -337,7 +365,10 @@ impl DraftRows for ProposerRows {
                     u < acc
                 });
                 let token = self.candidates[pick.unwrap_or(Q.len() - 1)];
-                Proposal { tokens: vec![token], probabilities: Some(Array::from_slice(&probs, &[1, self.vocab as i32])) }
+                Proposal {
+                    tokens: vec![token],
+                    probabilities: Some(Array::from_slice(&probs, &[1, self.vocab as i32])),
+                }
             })
             .collect())
     }
@@ -351,7 +382,12 @@ impl DraftRows for ProposerRows {
         Ok(())
     }
     fn capture(&mut self, _: usize) -> Result<RowState, PluginError> {
-        Ok(RowState { namespace: "proposer".into(), processed: 0, ids: Default::default(), tensors: Default::default() })
+        Ok(RowState {
+            namespace: "proposer".into(),
+            processed: 0,
+            ids: Default::default(),
+            tensors: Default::default(),
+        })
     }
 }
 
@@ -361,7 +397,8 @@ fn rejection_sampling_emits_the_targets_distribution() {
     // Temperature 1 over the top 4 tokens: p has 4 outcomes.
     let params = |seed| SamplingParams { temperature: 1.0, top_k: 4, top_p: 1.0, min_p: 0.0, seed };
     let lp = filtered_logprobs(&first_token_logits(&m), &params(0));
-    let p: Vec<(usize, f64)> = lp.iter().enumerate().filter(|(_, x)| x.is_finite()).map(|(i, &x)| (i, (x as f64).exp())).collect();
+    let p: Vec<(usize, f64)> =
+        lp.iter().enumerate().filter(|(_, x)| x.is_finite()).map(|(i, &x)| (i, (x as f64).exp())).collect();
     let total: f64 = p.iter().map(|(_, x)| x).sum();
     assert_eq!(p.len(), 4);
     let outside = (0..m.config.vocab_size as usize).find(|t| !p.iter().any(|(i, _)| i == t)).unwrap();
@@ -373,8 +410,14 @@ fn rejection_sampling_emits_the_targets_distribution() {
     let mut counts = std::collections::BTreeMap::new();
     let (mut drafted, mut accepted) = (0, 0);
     for batch in 0..batches {
-        let requests: Vec<Request> =
-            (0..rows).map(|r| Request { prompt: PROMPT.to_vec(), max_tokens: 2, sampling: params(batch * rows + r), eos: vec![] }).collect();
+        let requests: Vec<Request> = (0..rows)
+            .map(|r| Request {
+                prompt: PROMPT.to_vec(),
+                max_tokens: 2,
+                sampling: params(batch * rows + r),
+                eos: vec![],
+            })
+            .collect();
         let config = SpecConfig { draft_tokens: 1, verify: Verify::Rejection };
         for g in host::speculative::generate_speculative_rows(&m, &drafter, &requests, config, |_, _| {}).unwrap() {
             *counts.entry(g.tokens[0] as usize).or_insert(0u64) += 1;
@@ -403,11 +446,21 @@ fn rejection_sampling_emits_the_targets_distribution() {
 #[test]
 fn four_rows_in_one_batch_equal_four_single_runs() {
     let m = model("ple-kvshare");
-    let prompts: [Vec<u32>; 4] = [PROMPT.to_vec(), PROMPT[..5].to_vec(), vec![7, 7, 7, 7, 7, 7, 7, 7, 7, 9, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], vec![3]];
+    let prompts: [Vec<u32>; 4] = [
+        PROMPT.to_vec(),
+        PROMPT[..5].to_vec(),
+        vec![7, 7, 7, 7, 7, 7, 7, 7, 7, 9, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11],
+        vec![3],
+    ];
     let requests: Vec<Request> = prompts
         .iter()
         .enumerate()
-        .map(|(i, p)| Request { prompt: p.clone(), max_tokens: 30 + 17 * i, sampling: if i % 2 == 0 { greedy() } else { sampled(i as u64) }, eos: vec![] })
+        .map(|(i, p)| Request {
+            prompt: p.clone(),
+            max_tokens: 30 + 17 * i,
+            sampling: if i % 2 == 0 { greedy() } else { sampled(i as u64) },
+            eos: vec![],
+        })
         .collect();
     for gamma in [2, 4] {
         let drafter = ngram();

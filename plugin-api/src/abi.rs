@@ -66,7 +66,7 @@ pub struct TokenRows<'a> {
 
 impl<'a> TokenRows<'a> {
     pub fn new(ids: &'a [u32], rows: usize) -> Self {
-        let len = if rows == 0 { 0 } else { ids.len() / rows };
+        let len = ids.len().checked_div(rows).unwrap_or(0);
         assert_eq!(len * rows, ids.len(), "token rows must have equal length");
         TokenRows { ids: ids.into(), rows: rows as u32, len: len as u32 }
     }
@@ -118,13 +118,21 @@ pub trait RowGroupAbi {
 
     /// Proposes 0..=depth tokens per row after each row's `pending` token; `steps[r]` is the
     /// index of the token row r emits next (for per-step random keys).
-    fn draft(&mut self, pending: RSlice<'_, u32>, depth: u32, steps: RSlice<'_, u64>)
-        -> RResult<RVec<DraftRow>, PluginError>;
+    fn draft(
+        &mut self,
+        pending: RSlice<'_, u32>,
+        depth: u32,
+        steps: RSlice<'_, u64>,
+    ) -> RResult<RVec<DraftRow>, PluginError>;
 
     /// The verify window [B, W] = [pending, drafts…] (right-padded) was checked: row r keeps
     /// window positions 0..=accepted[r]. `context` is that window's tapped hidden states.
-    fn commit(&mut self, window: TokenRows<'_>, accepted: RSlice<'_, u32>, context: ROption<ArrayRef<'_>>)
-        -> RResult<(), PluginError>;
+    fn commit(
+        &mut self,
+        window: TokenRows<'_>,
+        accepted: RSlice<'_, u32>,
+        context: ROption<ArrayRef<'_>>,
+    ) -> RResult<(), PluginError>;
 
     /// Keeps only the listed rows, in that order.
     fn filter_rows(&mut self, keep: RSlice<'_, u32>) -> RResult<(), PluginError>;

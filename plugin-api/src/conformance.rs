@@ -224,7 +224,8 @@ fn run(root: DrafterRootRef, config: &Config, report: &mut Report) -> Option<()>
     let alphabet = config.vocab_size.min(8);
     let prompt: Vec<u32> = (0..config.rows * config.prompt_len).map(|_| stream.next(alphabet)).collect();
     let prefix_len = config.prompt_len - 1;
-    let prefix: Vec<u32> = (0..config.rows).flat_map(|r| prompt[r * config.prompt_len..][..prefix_len].to_vec()).collect();
+    let prefix: Vec<u32> =
+        (0..config.rows).flat_map(|r| prompt[r * config.prompt_len..][..prefix_len].to_vec()).collect();
     let mut pending: Vec<u32> = (0..config.rows).map(|r| prompt[r * config.prompt_len + prefix_len]).collect();
 
     let context = |rows: usize, len: usize, key: u64| -> Option<Array> {
@@ -266,7 +267,11 @@ fn run(root: DrafterRootRef, config: &Config, report: &mut Report) -> Option<()>
         let same = token_lists(&drafted_a) == token_lists(&drafted_b);
         report.record(
             &format!("determinism (round {round})"),
-            if same { Ok(()) } else { Err(format!("{:?} then {:?} for the same inputs", token_lists(&drafted_a), token_lists(&drafted_b))) },
+            if same {
+                Ok(())
+            } else {
+                Err(format!("{:?} then {:?} for the same inputs", token_lists(&drafted_a), token_lists(&drafted_b)))
+            },
         );
 
         // Simulate verification: accept a random prefix of each row's draft, then a new token.
@@ -278,14 +283,18 @@ fn run(root: DrafterRootRef, config: &Config, report: &mut Report) -> Option<()>
         for (r, d) in drafts.iter().enumerate() {
             window.push(pending[r]);
             window.extend_from_slice(d);
-            window.extend(std::iter::repeat(0).take(width - 1 - d.len()));
+            window.extend(std::iter::repeat_n(0, width - 1 - d.len()));
             accepted.push(stream.next(d.len() as u32 + 1));
         }
         let commit_context = context(config.rows, width, config.seed + 10 + round as u64);
         let commit = |g: &mut RowGroupBox| {
-            g.commit(TokenRows::new(&window, config.rows), accepted.as_slice().into(), commit_context.as_ref().map(ArrayRef::new).into())
-                .into_result()
-                .map_err(err)
+            g.commit(
+                TokenRows::new(&window, config.rows),
+                accepted.as_slice().into(),
+                commit_context.as_ref().map(ArrayRef::new).into(),
+            )
+            .into_result()
+            .map_err(err)
         };
         if !report.record(&format!("commit (round {round})"), commit(&mut a).and_then(|_| commit(&mut b))) {
             return None;
@@ -294,7 +303,10 @@ fn run(root: DrafterRootRef, config: &Config, report: &mut Report) -> Option<()>
         step += 1 + accepted.iter().copied().max().unwrap_or(0) as u64;
     }
 
-    report.record("capture and append", check_capture_append(&provider_open(&provider, &target), &mut a, &pending, config, step));
+    report.record(
+        "capture and append",
+        check_capture_append(&provider_open(&provider, &target), &mut a, &pending, config, step),
+    );
     report.record("filter rows", check_filter(&mut a, &mut b, &pending, config, step));
     Some(())
 }
@@ -351,7 +363,10 @@ fn check_draft(rows: &RVec<DraftRow>, expected_rows: usize, depth: usize, vocab:
 
 fn draft_tokens(g: &mut RowGroupBox, pending: &[u32], depth: usize, step: u64) -> Result<Vec<Vec<u32>>, String> {
     let steps = vec![step; pending.len()];
-    g.draft(pending.into(), depth as u32, steps.as_slice().into()).into_result().map(|rows| token_lists(&rows)).map_err(err)
+    g.draft(pending.into(), depth as u32, steps.as_slice().into())
+        .into_result()
+        .map(|rows| token_lists(&rows))
+        .map_err(err)
 }
 
 /// A row captured from one group and appended to an empty one drafts as it did.
@@ -375,7 +390,13 @@ fn check_capture_append(
 }
 
 /// After keeping rows [last, 0], the group drafts what those rows drafted before.
-fn check_filter(a: &mut RowGroupBox, b: &mut RowGroupBox, pending: &[u32], config: &Config, step: u64) -> Result<(), String> {
+fn check_filter(
+    a: &mut RowGroupBox,
+    b: &mut RowGroupBox,
+    pending: &[u32],
+    config: &Config,
+    step: u64,
+) -> Result<(), String> {
     let last = config.rows - 1;
     let before = draft_tokens(b, pending, config.depth, step)?;
     a.filter_rows([last as u32, 0].as_slice().into()).into_result().map_err(err)?;

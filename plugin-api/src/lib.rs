@@ -4,6 +4,8 @@
 //! host's target model then verifies. Host and plugins are built apart, possibly by different
 //! people, so what crosses between them is ABI-stable (`abi_stable`) and described here once.
 //! Authors write plain Rust against [`sdk`]; the [`abi`] and [`target`] modules are the wire.
+//! [`nn`] holds the MLX building blocks host and drafters share (weights, linear layers,
+//! norms, RoPE, attention), so that a drafter computes exactly as the target does.
 //!
 //! ## Ownership
 //! Host and plugins link the same `libmlx.so` and each keep their own static copy of mlx-c and

@@ -84,11 +84,7 @@ impl Options {
     pub fn get<T: DeserializeOwned>(&self, key: &str) -> Result<Option<T>, PluginError> {
         self.table
             .get(key)
-            .map(|v| {
-                v.clone()
-                    .try_into()
-                    .map_err(|e| PluginError::invalid_options(format!("option `{key}`: {e}")))
-            })
+            .map(|v| v.clone().try_into().map_err(|e| PluginError::invalid_options(format!("option `{key}`: {e}"))))
             .transpose()
     }
 
@@ -185,17 +181,30 @@ impl<R: DraftRows> RowGroupAbi for RowsAdapter<R> {
         guard("prefill", || self.0.prefill(tokens, owned(context)))
     }
 
-    fn draft(&mut self, pending: RSlice<'_, u32>, depth: u32, steps: RSlice<'_, u64>) -> RResult<RVec<DraftRow>, PluginError> {
+    fn draft(
+        &mut self,
+        pending: RSlice<'_, u32>,
+        depth: u32,
+        steps: RSlice<'_, u64>,
+    ) -> RResult<RVec<DraftRow>, PluginError> {
         guard("draft", || {
             let proposals = self.0.draft(pending.as_slice(), depth as usize, steps.as_slice())?;
             Ok(proposals
                 .into_iter()
-                .map(|p| DraftRow { tokens: p.tokens.into(), probabilities: p.probabilities.map(OwnedArray::new).into() })
+                .map(|p| DraftRow {
+                    tokens: p.tokens.into(),
+                    probabilities: p.probabilities.map(OwnedArray::new).into(),
+                })
                 .collect())
         })
     }
 
-    fn commit(&mut self, window: TokenRows<'_>, accepted: RSlice<'_, u32>, context: ROption<ArrayRef<'_>>) -> RResult<(), PluginError> {
+    fn commit(
+        &mut self,
+        window: TokenRows<'_>,
+        accepted: RSlice<'_, u32>,
+        context: ROption<ArrayRef<'_>>,
+    ) -> RResult<(), PluginError> {
         guard("commit", || self.0.commit(window, accepted.as_slice(), owned(context)))
     }
 
@@ -232,7 +241,8 @@ extern "C" fn extension_entry<D: Drafter>(id: RStr<'_>) -> ROption<Extension> {
 
 /// The root module for drafter `D`; [`export_drafter!`](crate::export_drafter) exports it.
 pub fn root_module<D: Drafter>() -> DrafterRootRef {
-    let root = DrafterRoot { descriptor: descriptor_entry::<D>, load: load_entry::<D>, extension: extension_entry::<D> };
+    let root =
+        DrafterRoot { descriptor: descriptor_entry::<D>, load: load_entry::<D>, extension: extension_entry::<D> };
     root.leak_into_prefix()
 }
 

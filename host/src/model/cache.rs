@@ -41,12 +41,26 @@ pub struct Fetched {
 impl LayerCache {
     /// A growing cache for a full-attention layer, for `rows` rows.
     pub fn full(rows: usize) -> LayerCache {
-        LayerCache { window: None, slack: 0, keys: None, values: None, slot_positions: vec![Vec::new(); rows], offsets: vec![0; rows] }
+        LayerCache {
+            window: None,
+            slack: 0,
+            keys: None,
+            values: None,
+            slot_positions: vec![Vec::new(); rows],
+            offsets: vec![0; rows],
+        }
     }
 
     /// A ring for a sliding window that can roll back up to `slack` rows.
     pub fn sliding(rows: usize, window: usize, slack: usize) -> LayerCache {
-        LayerCache { window: Some(window), slack, keys: None, values: None, slot_positions: vec![Vec::new(); rows], offsets: vec![0; rows] }
+        LayerCache {
+            window: Some(window),
+            slack,
+            keys: None,
+            values: None,
+            slot_positions: vec![Vec::new(); rows],
+            offsets: vec![0; rows],
+        }
     }
 
     pub fn rows(&self) -> usize {
@@ -85,7 +99,10 @@ impl LayerCache {
                 return Err(CacheError::Rollback { requested: n, limit: format!("row {r} caches only {offset} rows") });
             }
             if self.window.is_some() && n > self.slack && offset > self.ring_capacity() {
-                return Err(CacheError::Rollback { requested: n, limit: format!("the ring keeps {} rows beyond its window", self.slack) });
+                return Err(CacheError::Rollback {
+                    requested: n,
+                    limit: format!("the ring keeps {} rows beyond its window", self.slack),
+                });
             }
         }
         for (r, &n) in n.iter().enumerate() {
@@ -127,7 +144,8 @@ impl LayerCache {
                     values.push(pad_slots(&v, slots - have)?);
                 }
                 (_, _, Some((shape, dtype))) => {
-                    let empty = Array::zeros::<f32>(&[rows as i32, shape[1], slots as i32, shape[3]])?.as_dtype(*dtype)?;
+                    let empty =
+                        Array::zeros::<f32>(&[rows as i32, shape[1], slots as i32, shape[3]])?.as_dtype(*dtype)?;
                     keys.push(empty.clone());
                     values.push(empty);
                 }
@@ -194,7 +212,8 @@ impl LayerCache {
         if new > self.slack + 1 || empty {
             if empty {
                 let starts = self.offsets.clone();
-                let positions: Vec<Vec<i32>> = starts.iter().map(|&o| (o..o + new).map(|p| p as i32).collect()).collect();
+                let positions: Vec<Vec<i32>> =
+                    starts.iter().map(|&o| (o..o + new).map(|p| p as i32).collect()).collect();
                 let mask = position_mask(&positions, &starts, new, Some(window))?;
                 self.store_ring(keys, values, new, capacity)?;
                 return Ok(Fetched { keys: keys.clone(), values: values.clone(), mask: Mask::Array(mask) });
@@ -215,17 +234,24 @@ impl LayerCache {
         // A full ring of exactly the window, read by one query, needs no mask (the common
         // decode step), and MLX's attention is faster without one.
         let all_visible = new == 1
-            && self.slot_positions.iter().zip(&starts).all(|(row, &q)| {
-                row.iter().all(|&p| p >= 0 && (p as usize) <= q && q - (p as usize) < window)
-            });
-        let mask = if all_visible { Mask::All } else { Mask::Array(position_mask(&self.slot_positions, &starts, new, Some(window))?) };
+            && self
+                .slot_positions
+                .iter()
+                .zip(&starts)
+                .all(|(row, &q)| row.iter().all(|&p| p >= 0 && (p as usize) <= q && q - (p as usize) < window));
+        let mask = if all_visible {
+            Mask::All
+        } else {
+            Mask::Array(position_mask(&self.slot_positions, &starts, new, Some(window))?)
+        };
         Ok(Fetched { keys: self.keys.clone().unwrap(), values: self.values.clone().unwrap(), mask })
     }
 
     /// Writes the newest min(new, capacity) rows of each row into their ring slots.
     fn store_ring(&mut self, keys: &Array, values: &Array, new: usize, capacity: usize) -> Result<(), Exception> {
         let kept = new.min(capacity);
-        let (keys, values) = if kept < new { (tail(keys, kept)?, tail(values, kept)?) } else { (keys.clone(), values.clone()) };
+        let (keys, values) =
+            if kept < new { (tail(keys, kept)?, tail(values, kept)?) } else { (keys.clone(), values.clone()) };
         let positions: Vec<Vec<usize>> = self.offsets.iter().map(|&o| (o + new - kept..o + new).collect()).collect();
         let slots: Vec<Vec<usize>> = positions.iter().map(|row| row.iter().map(|p| p % capacity).collect()).collect();
         self.store(&keys, &values, &slots)?;
@@ -296,7 +322,12 @@ fn tail(a: &Array, len: usize) -> Result<Array, Exception> {
 
 /// [B, 1, new, slots]: in row r, the query at position starts[r] + j sees a slot holding
 /// position p when 0 <= p <= q and, in a window w, q - p < w.
-fn position_mask(slot_positions: &[Vec<i32>], starts: &[usize], new: usize, window: Option<usize>) -> Result<Array, Exception> {
+fn position_mask(
+    slot_positions: &[Vec<i32>],
+    starts: &[usize],
+    new: usize,
+    window: Option<usize>,
+) -> Result<Array, Exception> {
     let slots = slot_positions.first().map_or(0, Vec::len);
     let mut mask = Vec::with_capacity(slot_positions.len() * new * slots);
     for (row, &start) in slot_positions.iter().zip(starts) {
@@ -374,7 +405,12 @@ mod tests {
             let written = 1 + next(slack + 1);
             let f = cache.write(&rows(start, written), &rows(start, written)).unwrap();
             for j in 0..written {
-                assert_eq!(visible(&f, j, written), expected(start + j, window), "query {} of a {written}-row write", start + j);
+                assert_eq!(
+                    visible(&f, j, written),
+                    expected(start + j, window),
+                    "query {} of a {written}-row write",
+                    start + j
+                );
             }
             let keep = 1 + next(written);
             cache.rollback(&[written - keep]).unwrap();
@@ -403,9 +439,14 @@ mod tests {
             let starts = cache.offsets().to_vec();
             let written = 1 + next(slack + 1);
             let f = cache.write(&batch(&starts, written), &batch(&starts, written)).unwrap();
-            for r in 0..rows {
+            for (r, &start) in starts.iter().enumerate() {
                 for j in 0..written {
-                    assert_eq!(visible_in(&f, r as i32, j, written), expected(starts[r] + j, window), "row {r}, query {}", starts[r] + j);
+                    assert_eq!(
+                        visible_in(&f, r as i32, j, written),
+                        expected(start + j, window),
+                        "row {r}, query {}",
+                        start + j
+                    );
                 }
             }
             let back: Vec<usize> = (0..rows).map(|_| next(written)).collect();

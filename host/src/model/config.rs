@@ -88,7 +88,8 @@ impl QuantizationConfig {
 impl Gemma4Config {
     pub fn load(dir: &Path) -> Result<Gemma4Config, ConfigError> {
         let file = dir.join("config.json");
-        let text = std::fs::read_to_string(&file).map_err(|e| ConfigError::File { file: file.clone(), reason: e.to_string() })?;
+        let text = std::fs::read_to_string(&file)
+            .map_err(|e| ConfigError::File { file: file.clone(), reason: e.to_string() })?;
         let root: Value = serde_json::from_str(&text)
             .map_err(|e| ConfigError::File { file: file.clone(), reason: format!("not valid JSON: {e}") })?;
         parse(&file, &root)
@@ -126,7 +127,9 @@ impl Gemma4Config {
 const SUPPORTED_MODEL_TYPES: [&str; 4] = ["gemma4_text", "gemma4", "gemma4_unified", "gemma4_unified_text"];
 
 fn parse(file: &Path, root: &Value) -> Result<Gemma4Config, ConfigError> {
-    let root = root.as_object().ok_or_else(|| ConfigError::File { file: file.to_owned(), reason: "not a JSON object".into() })?;
+    let root = root
+        .as_object()
+        .ok_or_else(|| ConfigError::File { file: file.to_owned(), reason: "not a JSON object".into() })?;
     let model_type = root.get("model_type").and_then(Value::as_str).unwrap_or("").to_owned();
     if !SUPPORTED_MODEL_TYPES.contains(&model_type.as_str()) {
         return Err(ConfigError::Unsupported {
@@ -165,7 +168,9 @@ fn parse(file: &Path, root: &Value) -> Result<Gemma4Config, ConfigError> {
             .map(|v| match v.as_str() {
                 Some("sliding_attention") => Ok(LayerType::Sliding),
                 Some("full_attention") => Ok(LayerType::Full),
-                _ => Err(c.unsupported("layer_types", &v.to_string(), " (expected sliding_attention or full_attention)")),
+                _ => {
+                    Err(c.unsupported("layer_types", &v.to_string(), " (expected sliding_attention or full_attention)"))
+                }
             })
             .collect::<Result<Vec<_>, _>>()?,
         Some(other) => return Err(c.invalid("layer_types", &format!("expected a list, found {other}"))),
@@ -181,7 +186,10 @@ fn parse(file: &Path, root: &Value) -> Result<Gemma4Config, ConfigError> {
     };
     let num_kv_shared_layers = c.int("num_kv_shared_layers", 20)? as usize;
     if num_kv_shared_layers >= num_hidden_layers {
-        return Err(c.invalid("num_kv_shared_layers", &format!("{num_kv_shared_layers} of {num_hidden_layers} layers leaves no donor")));
+        return Err(c.invalid(
+            "num_kv_shared_layers",
+            &format!("{num_kv_shared_layers} of {num_hidden_layers} layers leaves no donor"),
+        ));
     }
     let eos_token_ids = token_ids(text.get("eos_token_id").or_else(|| root.get("eos_token_id")));
     let head_dim = c.int("head_dim", 256)?;
@@ -224,7 +232,9 @@ fn parse(file: &Path, root: &Value) -> Result<Gemma4Config, ConfigError> {
         bos_token_id: token_ids(text.get("bos_token_id").or_else(|| root.get("bos_token_id"))).first().copied(),
         quantization,
     };
-    if config.enable_moe_block && (config.num_experts <= 0 || config.top_k_experts <= 0 || config.moe_intermediate_size <= 0) {
+    if config.enable_moe_block
+        && (config.num_experts <= 0 || config.top_k_experts <= 0 || config.moe_intermediate_size <= 0)
+    {
         return Err(c.invalid("enable_moe_block", "needs num_experts, top_k_experts and moe_intermediate_size"));
     }
     Ok(config)
@@ -246,7 +256,11 @@ fn rope_configs(c: &Reader, text: &Map<String, Value>) -> Result<(RopeConfig, Ro
         match rope_type {
             "default" => {
                 if partial != 1.0 {
-                    return Err(c.unsupported(&key("partial_rotary_factor"), &partial.to_string(), " with rope_type default"));
+                    return Err(c.unsupported(
+                        &key("partial_rotary_factor"),
+                        &partial.to_string(),
+                        " with rope_type default",
+                    ));
                 }
                 Ok(RopeConfig { theta, partial_rotary_factor: None, factor: 1.0 })
             }
@@ -305,10 +319,19 @@ struct Reader<'a> {
 
 impl Reader<'_> {
     fn unsupported(&self, key: &str, value: &str, why: &str) -> ConfigError {
-        ConfigError::Unsupported { file: self.file.to_owned(), key: format!("{}{key}", self.prefix), value: value.to_owned(), why: why.to_owned() }
+        ConfigError::Unsupported {
+            file: self.file.to_owned(),
+            key: format!("{}{key}", self.prefix),
+            value: value.to_owned(),
+            why: why.to_owned(),
+        }
     }
     fn invalid(&self, key: &str, reason: &str) -> ConfigError {
-        ConfigError::Invalid { file: self.file.to_owned(), key: format!("{}{key}", self.prefix), reason: reason.to_owned() }
+        ConfigError::Invalid {
+            file: self.file.to_owned(),
+            key: format!("{}{key}", self.prefix),
+            reason: reason.to_owned(),
+        }
     }
     fn int(&self, key: &str, default: i64) -> Result<i32, ConfigError> {
         Ok(self.optional_int(key)?.unwrap_or(default as i32))
@@ -326,7 +349,9 @@ impl Reader<'_> {
     fn float(&self, key: &str, default: f64) -> Result<f32, ConfigError> {
         match self.map.get(key) {
             None | Some(Value::Null) => Ok(default as f32),
-            Some(v) => v.as_f64().map(|f| f as f32).ok_or_else(|| self.invalid(key, &format!("expected a number, found {v}"))),
+            Some(v) => {
+                v.as_f64().map(|f| f as f32).ok_or_else(|| self.invalid(key, &format!("expected a number, found {v}")))
+            }
         }
     }
     fn boolean(&self, key: &str, default: bool) -> Result<bool, ConfigError> {

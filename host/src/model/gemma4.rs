@@ -3,7 +3,7 @@
 
 use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype};
-use plugin_api::nn::ops::{attention, gelu_approx, geglu, rms_norm, scalar, softcap, Mask};
+use plugin_api::nn::ops::{attention, geglu, gelu_approx, rms_norm, scalar, softcap, Mask};
 use plugin_api::nn::{Embedding, Linear, Rope};
 
 use super::cache::LayerCache;
@@ -157,7 +157,12 @@ impl Gemma4 {
     /// The final-normed hidden states [B, L, H] of ids [B, L], row r written after what
     /// `caches` hold for it. `taps` (layer index, or the layer count for the final norm) are
     /// captured.
-    pub fn forward_hidden(&self, ids: &Array, caches: &mut [LayerCache], mut taps: Option<&mut Taps>) -> Result<Array, ModelError> {
+    pub fn forward_hidden(
+        &self,
+        ids: &Array,
+        caches: &mut [LayerCache],
+        mut taps: Option<&mut Taps>,
+    ) -> Result<Array, ModelError> {
         let c = &self.config;
         let rows = ids.shape()[0] as usize;
         let offsets: Vec<i32> = match caches.first() {
@@ -171,7 +176,8 @@ impl Gemma4 {
         for (i, layer) in self.layers.iter().enumerate() {
             let source = self.kv_source[i];
             let cache = caches.get_mut(i).filter(|_| source == i);
-            let (out, kv) = layer.forward(&h, &offsets, cache, shared[source].clone(), per_layer.as_ref().map(|p| (p, i)), c)?;
+            let (out, kv) =
+                layer.forward(&h, &offsets, cache, shared[source].clone(), per_layer.as_ref().map(|p| (p, i)), c)?;
             h = out;
             if source == i {
                 shared[i] = Some(kv);
@@ -198,10 +204,12 @@ impl Gemma4 {
         let layers = c.num_hidden_layers as i32;
         let [b, l] = [ids.shape()[0], ids.shape()[1]];
         let tokens = p.embed_tokens_per_layer.embed(ids)?;
-        let tokens = tokens.multiply(scalar((width as f32).sqrt(), tokens.dtype())?)?.reshape(&[b, l, layers, width])?;
+        let tokens =
+            tokens.multiply(scalar((width as f32).sqrt(), tokens.dtype())?)?.reshape(&[b, l, layers, width])?;
         let projected = p.per_layer_model_projection.forward(h)?;
         let projected = projected.multiply(scalar((c.hidden_size as f32).powf(-0.5), projected.dtype())?)?;
-        let projected = rms_norm(&projected.reshape(&[b, l, layers, width])?, Some(&p.per_layer_projection_norm), c.rms_norm_eps)?;
+        let projected =
+            rms_norm(&projected.reshape(&[b, l, layers, width])?, Some(&p.per_layer_projection_norm), c.rms_norm_eps)?;
         let combined = projected.add(&tokens)?;
         Ok(Some(combined.multiply(scalar(0.5f32.sqrt(), combined.dtype())?)?))
     }
@@ -268,7 +276,8 @@ impl Attention {
                     Some(v_proj) => v_proj.forward(x)?.reshape(&[b, l, self.n_kv_heads, self.head_dim])?,
                     None => k.clone(),
                 };
-                let k = rope_rows(&self.rope, &rms_norm(&k, Some(k_norm), eps)?.transpose_axes(&[0, 2, 1, 3])?, offsets)?;
+                let k =
+                    rope_rows(&self.rope, &rms_norm(&k, Some(k_norm), eps)?.transpose_axes(&[0, 2, 1, 3])?, offsets)?;
                 let v = rms_norm(&v, None, eps)?.transpose_axes(&[0, 2, 1, 3])?;
                 match cache {
                     Some(cache) => {
@@ -318,7 +327,8 @@ impl Moe {
         let top: Vec<i32> = (experts - self.top_k..experts).collect();
         let indices = order.take_axis(Array::from_slice(&top, &[self.top_k]), -1)?;
         let weights = scores.take_along_axis(&indices, -1)?;
-        let weights = mlx_rs::ops::softmax_axis(&weights, -1, None)?.multiply(r.per_expert_scale.take_axis(&indices, 0)?)?;
+        let weights =
+            mlx_rs::ops::softmax_axis(&weights, -1, None)?.multiply(r.per_expert_scale.take_axis(&indices, 0)?)?;
 
         let x = rms_norm(h, Some(&self.pre_feedforward_layernorm_2), eps)?.expand_dims_axes(&[-2, -3])?;
         let up = switch_linear(&self.experts.up_proj, &x, &indices)?;

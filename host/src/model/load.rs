@@ -34,11 +34,7 @@ pub fn load(dir: &Path) -> Result<Gemma4, ModelError> {
 
 /// Renames tensors to the text model's own names (`embed_tokens.weight`, `layers.0.…`).
 fn normalize_names(w: &mut Weights) {
-    let prefix = PREFIXES
-        .iter()
-        .find(|p| w.contains(&format!("{p}embed_tokens.weight")))
-        .copied()
-        .unwrap_or("");
+    let prefix = PREFIXES.iter().find(|p| w.contains(&format!("{p}embed_tokens.weight"))).copied().unwrap_or("");
     if !prefix.is_empty() {
         w.rename_prefix(prefix, "");
     }
@@ -111,7 +107,9 @@ fn build(config: Gemma4Config, w: &Weights) -> Result<Gemma4, WeightsError> {
         let head_dim = c.layer_head_dim(i);
         let n_kv = c.layer_kv_heads(i);
         let has_kv = i < first_shared;
-        let lin = |name: &str, out: i32, inp: i32| Linear::load(w, &format!("{p}.{name}"), out, inp, q(&format!("{p}.{name}")));
+        let lin = |name: &str, out: i32, inp: i32| {
+            Linear::load(w, &format!("{p}.{name}"), out, inp, q(&format!("{p}.{name}")))
+        };
         let self_attn = Attention {
             q_proj: lin("self_attn.q_proj", c.num_attention_heads * head_dim, hidden)?,
             k_proj: has_kv.then(|| lin("self_attn.k_proj", n_kv * head_dim, hidden)).transpose()?,
@@ -122,7 +120,8 @@ fn build(config: Gemma4Config, w: &Weights) -> Result<Gemma4, WeightsError> {
             n_heads: c.num_attention_heads,
             n_kv_heads: n_kv,
             head_dim,
-            rope: rope_for(c, i, head_dim).map_err(|e| WeightsError::File { file: c.file.clone(), reason: e.to_string() })?,
+            rope: rope_for(c, i, head_dim)
+                .map_err(|e| WeightsError::File { file: c.file.clone(), reason: e.to_string() })?,
         };
         let wide = c.use_double_wide_mlp && i >= first_shared && first_shared > 0;
         let inter = c.intermediate_size * if wide { 2 } else { 1 };
@@ -178,7 +177,11 @@ fn build(config: Gemma4Config, w: &Weights) -> Result<Gemma4, WeightsError> {
             layer_scalar: w.optional(&format!("{p}.layer_scalar")),
         });
     }
-    let lm_head = if c.tie_word_embeddings { None } else { Some(Linear::load(w, "lm_head", c.vocab_size, hidden, q("lm_head"))?) };
+    let lm_head = if c.tie_word_embeddings {
+        None
+    } else {
+        Some(Linear::load(w, "lm_head", c.vocab_size, hidden, q("lm_head"))?)
+    };
     let dtype = embed_tokens.dtype();
     let expert_bytes = layers
         .iter()
@@ -186,14 +189,34 @@ fn build(config: Gemma4Config, w: &Weights) -> Result<Gemma4, WeightsError> {
         .map(|m| m.experts.gate_proj.nbytes() + m.experts.up_proj.nbytes() + m.experts.down_proj.nbytes())
         .sum();
     let weight_bytes = w.nbytes();
-    Ok(Gemma4 { norm: norm("norm", hidden)?, config, embed_tokens, per_layer_inputs, layers, lm_head, kv_source, dtype, weight_bytes, expert_bytes })
+    Ok(Gemma4 {
+        norm: norm("norm", hidden)?,
+        config,
+        embed_tokens,
+        per_layer_inputs,
+        layers,
+        lm_head,
+        kv_source,
+        dtype,
+        weight_bytes,
+        expert_bytes,
+    })
 }
 
 /// Stacked expert weights [E, out, in] (or their quantized form) at `path`.
-fn load_experts(w: &Weights, path: &str, experts: i32, out: i32, inp: i32, q: Option<Quantization>) -> Result<Linear, WeightsError> {
+fn load_experts(
+    w: &Weights,
+    path: &str,
+    experts: i32,
+    out: i32,
+    inp: i32,
+    q: Option<Quantization>,
+) -> Result<Linear, WeightsError> {
     let name = format!("{path}.weight");
     Ok(match q {
-        None => Linear { weight: w.shaped(&name, &[experts, out, inp])?, scales: None, biases: None, quantization: None },
+        None => {
+            Linear { weight: w.shaped(&name, &[experts, out, inp])?, scales: None, biases: None, quantization: None }
+        }
         Some(q) => {
             let weight = w.shaped(&name, &[experts, out, inp * q.bits / 32])?;
             let groups = inp / q.group_size;

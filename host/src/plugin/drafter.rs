@@ -35,7 +35,12 @@ impl Drafter {
     }
 
     /// As [`Drafter::load`], from a root module already at hand (e.g. one linked in-process).
-    pub fn load_root(root: DrafterRootRef, kind: &str, artifact: Option<&Path>, options: &str) -> Result<Drafter, DrafterError> {
+    pub fn load_root(
+        root: DrafterRootRef,
+        kind: &str,
+        artifact: Option<&Path>,
+        options: &str,
+    ) -> Result<Drafter, DrafterError> {
         let kind = kind.to_owned();
         let artifact = artifact.map(|p| p.to_string_lossy().into_owned()).unwrap_or_default();
         let provider = (root.load())(artifact.as_str().into(), options.into())
@@ -45,14 +50,19 @@ impl Drafter {
         Ok(Drafter { kind, provider, info })
     }
 
+    /// The plugin kind this drafter comes from.
+    pub fn kind(&self) -> &str {
+        &self.kind
+    }
+
     /// Opens `rows` rows against a target of `vocab_size` tokens; an incompatible pairing is
     /// refused here.
     pub fn open(&self, target: TargetViewBox, rows: usize, vocab_size: u32) -> Result<DraftRows, DrafterError> {
-        let group = self
-            .provider
-            .open(target, rows as u32)
-            .into_result()
-            .map_err(|error| DrafterError::Plugin { kind: self.kind.clone(), call: "open", error })?;
+        let group = self.provider.open(target, rows as u32).into_result().map_err(|error| DrafterError::Plugin {
+            kind: self.kind.clone(),
+            call: "open",
+            error,
+        })?;
         Ok(DraftRows { kind: self.kind.clone(), group, rows, vocab_size, poisoned: false })
     }
 }
@@ -84,7 +94,8 @@ impl DraftRows {
 
     pub fn prefill(&mut self, tokens: &[u32], context: Option<&Array>) -> Result<(), DrafterError> {
         self.live()?;
-        let answer = self.group.prefill(TokenRows::new(tokens, self.rows), context.map(ArrayRef::new).into()).into_result();
+        let answer =
+            self.group.prefill(TokenRows::new(tokens, self.rows), context.map(ArrayRef::new).into()).into_result();
         self.checked("prefill", answer)
     }
 

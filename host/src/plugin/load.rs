@@ -30,7 +30,9 @@ pub enum LoadError {
     Open(String),
     #[error("not a drafter plugin (no plugin root symbol; was it built with plugin_api::export_drafter!?)")]
     NotAPlugin,
-    #[error("built for plugin API {found}, this host speaks {expected}; rebuild it against plugin-api {expected_major}.x")]
+    #[error(
+        "built for plugin API {found}, this host speaks {expected}; rebuild it against plugin-api {expected_major}.x"
+    )]
     ApiMajor { found: String, expected: String, expected_major: u32 },
     #[error("ABI layout mismatch with plugin API {API_VERSION}: {summary}")]
     AbiMismatch { summary: String, detail: String },
@@ -129,7 +131,10 @@ fn check_permissions(path: &Path) -> Result<(), LoadError> {
     for (what, target) in [("the library", path), ("its directory", dir)] {
         let mode = fs::metadata(target).map_err(|e| unreadable(target, e))?.permissions().mode();
         if mode & 0o022 != 0 {
-            return Err(LoadError::UnsafePermissions { what: format!("{what} {}", target.display()), mode: mode & 0o7777 });
+            return Err(LoadError::UnsafePermissions {
+                what: format!("{what} {}", target.display()),
+                mode: mode & 0o7777,
+            });
         }
     }
     Ok(())
@@ -138,7 +143,11 @@ fn check_permissions(path: &Path) -> Result<(), LoadError> {
 fn check_api_major(version: &str) -> Result<(), LoadError> {
     let major = version.split('.').next().and_then(|m| m.parse::<u32>().ok());
     if major != Some(API_MAJOR) {
-        return Err(LoadError::ApiMajor { found: version.to_owned(), expected: API_VERSION.to_owned(), expected_major: API_MAJOR });
+        return Err(LoadError::ApiMajor {
+            found: version.to_owned(),
+            expected: API_VERSION.to_owned(),
+            expected_major: API_MAJOR,
+        });
     }
     Ok(())
 }
@@ -150,7 +159,9 @@ fn init_root(header: &'static LibHeader) -> Result<DrafterRootRef, LoadError> {
             LoadError::AbiMismatch { summary: summarize_layout_report(&detail), detail }
         }
         LibraryError::RootModule { err: RootModuleError::Unwound, .. } => LoadError::PanicAtLoad,
-        LibraryError::RootModule { err: RootModuleError::Returned(inner), .. } => LoadError::InitFailed(inner.to_string()),
+        LibraryError::RootModule { err: RootModuleError::Returned(inner), .. } => {
+            LoadError::InitFailed(inner.to_string())
+        }
         LibraryError::IncompatibleVersionNumber { expected_version, actual_version, .. } => LoadError::ApiMajor {
             found: actual_version.to_string(),
             expected: expected_version.to_string(),
@@ -181,13 +192,14 @@ fn summarize_layout_report(report: &str) -> String {
     };
     let error = lines[at].trim_start_matches("Error:").trim();
     let value = |label: &str| {
-        lines[at + 1..]
-            .iter()
-            .position(|l| l.starts_with(label))
-            .map(|i| {
-                let rest = lines[at + 1 + i].trim_start_matches(label).trim();
-                if rest.is_empty() { lines.get(at + 2 + i).copied().unwrap_or("").to_owned() } else { rest.to_owned() }
-            })
+        lines[at + 1..].iter().position(|l| l.starts_with(label)).map(|i| {
+            let rest = lines[at + 1 + i].trim_start_matches(label).trim();
+            if rest.is_empty() {
+                lines.get(at + 2 + i).copied().unwrap_or("").to_owned()
+            } else {
+                rest.to_owned()
+            }
+        })
     };
     match (value("Expected:"), value("Found:")) {
         (Some(expected), Some(found)) => format!("{error} (expected {expected}, found {found})"),

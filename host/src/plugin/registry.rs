@@ -26,7 +26,9 @@ impl Registry {
         let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)?
             .filter_map(|e| e.ok())
             .map(|e| e.path())
-            .filter(|p| p.is_file() && p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.ends_with(LIBRARY_SUFFIX)))
+            .filter(|p| {
+                p.is_file() && p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.ends_with(LIBRARY_SUFFIX))
+            })
             .collect();
         paths.sort();
         let entries = paths.into_iter().map(|path| RegistryEntry { outcome: load(&path, None), path }).collect();
@@ -81,7 +83,11 @@ pub fn select(dir: &Path, kind: &str, pin: Option<&str>) -> Result<Plugin, Selec
         let path = pinned.ok_or_else(|| SelectError::NoPinnedLibrary { dir: dir.to_owned(), pin: pin.to_owned() })?;
         let plugin = load(&path, Some(pin)).map_err(|error| SelectError::Refused { path: path.clone(), error })?;
         if plugin.descriptor.kind.as_str() != kind {
-            return Err(SelectError::WrongKind { path, kind: kind.to_owned(), found: plugin.descriptor.kind.to_string() });
+            return Err(SelectError::WrongKind {
+                path,
+                kind: kind.to_owned(),
+                found: plugin.descriptor.kind.to_string(),
+            });
         }
         return Ok(plugin);
     }

@@ -26,7 +26,13 @@ pub struct Linear {
 impl Linear {
     /// Loads `{prefix}.weight` of logical shape [out, in] (plus `.scales`/`.biases` when
     /// quantized).
-    pub fn load(w: &Weights, prefix: &str, out_dims: i32, in_dims: i32, q: Option<Quantization>) -> Result<Linear, WeightsError> {
+    pub fn load(
+        w: &Weights,
+        prefix: &str,
+        out_dims: i32,
+        in_dims: i32,
+        q: Option<Quantization>,
+    ) -> Result<Linear, WeightsError> {
         let (weight, scales, biases) = load_matrix(w, prefix, out_dims, in_dims, q)?;
         Ok(Linear { weight, scales, biases, quantization: q })
     }
@@ -50,7 +56,13 @@ pub struct Embedding {
 }
 
 impl Embedding {
-    pub fn load(w: &Weights, prefix: &str, vocab: i32, dims: i32, q: Option<Quantization>) -> Result<Embedding, WeightsError> {
+    pub fn load(
+        w: &Weights,
+        prefix: &str,
+        vocab: i32,
+        dims: i32,
+        q: Option<Quantization>,
+    ) -> Result<Embedding, WeightsError> {
         let (weight, scales, biases) = load_matrix(w, prefix, vocab, dims, q)?;
         Ok(Embedding { weight, scales, biases, quantization: q })
     }
@@ -84,7 +96,13 @@ impl Embedding {
 }
 
 /// `x · wᵀ` for a plain or quantized w [out, in].
-fn times_transposed(x: &Array, w: &Array, scales: Option<&Array>, biases: Option<&Array>, q: Option<Quantization>) -> Result<Array, Exception> {
+fn times_transposed(
+    x: &Array,
+    w: &Array,
+    scales: Option<&Array>,
+    biases: Option<&Array>,
+    q: Option<Quantization>,
+) -> Result<Array, Exception> {
     match (scales, q) {
         (Some(scales), Some(q)) => mlx_rs::ops::quantized_matmul(x, w, scales, biases, true, q.group_size, q.bits),
         _ => x.matmul(w.t()),

@@ -81,7 +81,10 @@ impl Weights {
     }
 
     pub fn get(&self, name: &str) -> Result<Array, WeightsError> {
-        self.tensors.get(name).cloned().ok_or_else(|| WeightsError::Missing { name: name.to_owned(), dir: self.dir.clone() })
+        self.tensors
+            .get(name)
+            .cloned()
+            .ok_or_else(|| WeightsError::Missing { name: name.to_owned(), dir: self.dir.clone() })
     }
 
     pub fn optional(&self, name: &str) -> Option<Array> {
@@ -123,15 +126,20 @@ impl Weights {
 
 pub fn check_shape(name: &str, array: &Array, expected: &[i32]) -> Result<(), WeightsError> {
     if array.shape() != expected {
-        return Err(WeightsError::Shape { name: name.to_owned(), expected: expected.to_vec(), found: array.shape().to_vec() });
+        return Err(WeightsError::Shape {
+            name: name.to_owned(),
+            expected: expected.to_vec(),
+            found: array.shape().to_vec(),
+        });
     }
     Ok(())
 }
 
 fn shard_files(index: &Path) -> Result<Vec<String>, WeightsError> {
-    let text = std::fs::read_to_string(index).map_err(|e| WeightsError::File { file: index.to_owned(), reason: e.to_string() })?;
-    let json: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| WeightsError::Corrupt { file: index.to_owned(), reason: e.to_string() })?;
+    let text = std::fs::read_to_string(index)
+        .map_err(|e| WeightsError::File { file: index.to_owned(), reason: e.to_string() })?;
+    let json: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| WeightsError::Corrupt { file: index.to_owned(), reason: e.to_string() })?;
     let map = json["weight_map"]
         .as_object()
         .ok_or_else(|| WeightsError::Corrupt { file: index.to_owned(), reason: "no `weight_map` object".into() })?;
@@ -145,8 +153,10 @@ fn load_file(file: &Path, into: &mut BTreeMap<String, Array>) -> Result<(), Weig
     let handle = File::open(file).map_err(|e| WeightsError::File { file: file.to_owned(), reason: e.to_string() })?;
     // SAFETY: the map is read-only and dropped before this function returns; every tensor is
     // copied into MLX-owned memory first.
-    let bytes = unsafe { memmap2::Mmap::map(&handle) }.map_err(|e| WeightsError::File { file: file.to_owned(), reason: e.to_string() })?;
-    let tensors = SafeTensors::deserialize(&bytes).map_err(|e| WeightsError::Corrupt { file: file.to_owned(), reason: e.to_string() })?;
+    let bytes = unsafe { memmap2::Mmap::map(&handle) }
+        .map_err(|e| WeightsError::File { file: file.to_owned(), reason: e.to_string() })?;
+    let tensors = SafeTensors::deserialize(&bytes)
+        .map_err(|e| WeightsError::Corrupt { file: file.to_owned(), reason: e.to_string() })?;
     for (name, view) in tensors.tensors() {
         let dtype = match view.dtype() {
             safetensors::Dtype::F32 => Dtype::Float32,

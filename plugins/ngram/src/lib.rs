@@ -54,7 +54,12 @@ impl DraftProvider for NgramProvider {
     }
 
     fn open(&self, _target: Target, rows: usize) -> Result<NgramRows, PluginError> {
-        Ok(NgramRows { max_ngram: self.max_ngram, min_ngram: self.min_ngram, history: vec![Vec::new(); rows], drafts: Vec::new() })
+        Ok(NgramRows {
+            max_ngram: self.max_ngram,
+            min_ngram: self.min_ngram,
+            history: vec![Vec::new(); rows],
+            drafts: Vec::new(),
+        })
     }
 }
 
@@ -87,7 +92,10 @@ pub fn lookup(text: &[u32], min: usize, max: usize, depth: usize) -> &[u32] {
 impl NgramRows {
     fn check_rows(&self, what: &str, got: usize) -> Result<(), PluginError> {
         if got != self.history.len() {
-            return Err(PluginError::invalid_argument(format!("{what} has {got} rows, the group has {}", self.history.len())));
+            return Err(PluginError::invalid_argument(format!(
+                "{what} has {got} rows, the group has {}",
+                self.history.len()
+            )));
         }
         Ok(())
     }
@@ -210,7 +218,13 @@ mod conformance {
 
     #[test]
     fn passes_with_options_batches_and_deep_drafts() {
-        let config = Config { options: "max_ngram = 5\nmin_ngram = 2\n".into(), rows: 5, depth: 7, rounds: 12, ..Config::default() };
+        let config = Config {
+            options: "max_ngram = 5\nmin_ngram = 2\n".into(),
+            rows: 5,
+            depth: 7,
+            rounds: 12,
+            ..Config::default()
+        };
         check::<super::Ngram>(&config).assert_passed();
     }
 
@@ -225,7 +239,8 @@ mod conformance {
 
     #[test]
     fn refuses_bad_options() {
-        let report = check::<super::Ngram>(&Config { options: "min_ngram = 4\nmax_ngram = 2\n".into(), ..Config::default() });
+        let report =
+            check::<super::Ngram>(&Config { options: "min_ngram = 4\nmax_ngram = 2\n".into(), ..Config::default() });
         let failure = &report.failures()[0];
         assert_eq!(failure.0, "load");
         assert!(failure.1.as_ref().unwrap_err().contains("min_ngram = 4, max_ngram = 2"), "{report}");
