@@ -357,8 +357,8 @@ fn join_rows(
     Ok(group)
 }
 
-/// The target forward over rows of equal length, with the hidden states at `taps`
-/// concatenated on the feature axis as the drafter's context.
+/// The target forward over rows of equal length, with the drafter's context: the hidden
+/// states at `taps` concatenated on the feature axis, or the final hidden states.
 fn forward(
     model: &Gemma4,
     caches: &mut [LayerCache],
@@ -368,7 +368,8 @@ fn forward(
     let flat: Vec<i32> = rows.iter().flat_map(|r| r.iter().map(|&t| t as i32)).collect();
     let ids = Array::from_slice(&flat, &[rows.len() as i32, rows.first().map_or(0, |r| r.len()) as i32]);
     if taps.is_empty() {
-        return Ok((model.forward_hidden(&ids, caches, None)?, None));
+        let hidden = model.forward_hidden(&ids, caches, None)?;
+        return Ok((hidden.clone(), Some(hidden)));
     }
     let mut t = Taps { layers: taps.to_vec(), captured: Vec::new() };
     let hidden = model.forward_hidden(&ids, caches, Some(&mut t))?;

@@ -112,8 +112,9 @@ pub trait ProviderAbi {
 /// B rows of drafter state, driven by the host's verify loop. **ABI-frozen.**
 #[sabi_trait]
 pub trait RowGroupAbi {
-    /// New prompt tokens of every row (equal length), with their tapped `context`
-    /// [B, N, taps·H] when the drafter declared taps.
+    /// New prompt tokens of every row (equal length) with their `context`: the target's hidden
+    /// states at the drafter's tap layers, concatenated [B, N, taps·H], or, when it declared
+    /// none, the target's final (normed) hidden states [B, N, H].
     fn prefill(&mut self, tokens: TokenRows<'_>, context: ROption<ArrayRef<'_>>) -> RResult<(), PluginError>;
 
     /// Proposes 0..=depth tokens per row after each row's `pending` token; `steps[r]` is the
@@ -126,7 +127,7 @@ pub trait RowGroupAbi {
     ) -> RResult<RVec<DraftRow>, PluginError>;
 
     /// The verify window [B, W] = [pending, drafts…] (right-padded) was checked: row r keeps
-    /// window positions 0..=accepted[r]. `context` is that window's tapped hidden states.
+    /// window positions 0..=accepted[r]. `context` is that window's context, as in `prefill`.
     fn commit(
         &mut self,
         window: TokenRows<'_>,

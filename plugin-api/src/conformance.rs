@@ -218,7 +218,6 @@ fn run(root: DrafterRootRef, config: &Config, report: &mut Report) -> Option<()>
     report.record("open", Ok(()));
 
     let taps = info.capabilities.tap_layers.len().max(1) * config.hidden_size as usize;
-    let with_taps = !info.capabilities.tap_layers.is_empty();
     let mut stream = Stream(config.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
     // A small alphabet makes repetitions, so that lookup-style drafters have something to find.
     let alphabet = config.vocab_size.min(8);
@@ -228,10 +227,9 @@ fn run(root: DrafterRootRef, config: &Config, report: &mut Report) -> Option<()>
         (0..config.rows).flat_map(|r| prompt[r * config.prompt_len..][..prefix_len].to_vec()).collect();
     let mut pending: Vec<u32> = (0..config.rows).map(|r| prompt[r * config.prompt_len + prefix_len]).collect();
 
+    // The context: tapped hidden states, or final hidden states when the drafter taps none.
     let context = |rows: usize, len: usize, key: u64| -> Option<Array> {
-        with_taps.then(|| {
-            random::normal::<f32>(&[rows as i32, len as i32, taps as i32], None, None, &random::key(key).ok()?).ok()
-        })?
+        random::normal::<f32>(&[rows as i32, len as i32, taps as i32], None, None, &random::key(key).ok()?).ok()
     };
     let prefill_context = context(config.rows, prefix_len, config.seed + 1);
     let prefill = |g: &mut RowGroupBox| {
@@ -240,9 +238,7 @@ fn run(root: DrafterRootRef, config: &Config, report: &mut Report) -> Option<()>
             .map_err(err)
     };
     let prefilled = prefill(&mut a).and_then(|_| prefill(&mut b));
-    if with_taps {
-        report.record("prefill context shape", check_context(&prefill_context, config.rows, prefix_len, taps));
-    }
+    report.record("prefill context shape", check_context(&prefill_context, config.rows, prefix_len, taps));
     if !report.record("prefill", prefilled) {
         return None;
     }

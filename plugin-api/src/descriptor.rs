@@ -17,7 +17,8 @@ impl Ports {
     pub const LOGITS: Self = Self(1 << 1);
     /// `TargetView::read_donors`: the K/V of the last sliding and last full donor layers.
     pub const DONORS: Self = Self(1 << 2);
-    /// Hidden states of the target at `tap_layers`, as `context` in prefill and commit.
+    /// Hidden states of the target at `tap_layers` (or its final hidden states), as `context`
+    /// in prefill and commit.
     pub const TAPS: Self = Self(1 << 3);
 
     pub const fn union(self, other: Self) -> Self {
@@ -63,7 +64,8 @@ pub struct Capabilities {
     pub ports: Ports,
     /// Target layers whose hidden states the drafter reads (index = that layer's output;
     /// index = layer count = after the final norm), concatenated in this order on the feature
-    /// axis. In a [`Descriptor`] this may be empty when the artifact decides.
+    /// axis. Empty: the final hidden states. In a [`Descriptor`] this may be empty when the
+    /// artifact decides.
     pub tap_layers: RVec<u32>,
     pub prefill_mode: PrefillMode,
     /// The most tokens one draft call returns per row; 0 = no limit of its own.
