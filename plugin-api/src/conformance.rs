@@ -11,26 +11,59 @@
 use std::fmt;
 use std::path::PathBuf;
 
+use std::cell::Cell;
+use std::rc::Rc;
+
 use abi_stable::sabi_trait::TD_Opaque;
 use abi_stable::std_types::{RResult, RSome, RVec};
+use mlx_rs::ops::broadcast_to;
 use mlx_rs::{random, Array, Dtype};
 
 use crate::abi::{DraftRow, DrafterRootRef, RowGroupBox, RowState, TokenRows};
-use crate::target::{Donors, TargetInfo, TargetViewAbi, TargetViewAbi_TO, TargetViewBox};
+use crate::target::{DonorLayer, Donors, TargetInfo, TargetViewAbi, TargetViewAbi_TO, TargetViewBox};
 use crate::{sdk, ArrayRef, OwnedArray, PluginError, ProviderInfo};
 
 /// A target with random weights and no model behind it: sizes, an embedding table, a tied
-/// head. Enough for drafters to be opened and driven.
+/// head, and a fixed random K/V for the donor layers (the same for every row). Enough for
+/// drafters to be opened and driven.
 #[derive(Clone)]
 pub struct SyntheticTarget {
     info: TargetInfo,
     embedding: Array,
+    /// Keys and values [1, 1, DONOR_SLOTS, head dim] of the sliding and the full donor.
+    sliding: (Array, Array),
+    full: (Array, Array),
+    /// Rows of the group this view serves (donors are lent per row).
+    rows: Rc<Cell<usize>>,
 }
+
+/// Positions the synthetic donors hold.
+const DONOR_SLOTS: i32 = 16;
 
 impl SyntheticTarget {
     pub fn new(vocab_size: u32, hidden_size: u32, num_layers: u32, seed: u64) -> Result<Self, PluginError> {
+        Self::with_heads(vocab_size, hidden_size, num_layers, hidden_size / 2, hidden_size / 2, 8, seed)
+    }
+
+    /// A target whose sliding layers have `head_dim`, full layers `global_head_dim`, and a
+    /// sliding window of `sliding_window`.
+    pub fn with_heads(
+        vocab_size: u32,
+        hidden_size: u32,
+        num_layers: u32,
+        head_dim: u32,
+        global_head_dim: u32,
+        sliding_window: u32,
+        seed: u64,
+    ) -> Result<Self, PluginError> {
         let key = random::key(seed)?;
         let embedding = random::normal::<f32>(&[vocab_size as i32, hidden_size as i32], None, 0.02, &key)?;
+        let kv = |dim: u32, k: u64| -> Result<(Array, Array), PluginError> {
+            let shape = [1, 1, DONOR_SLOTS, dim as i32];
+            let keys = random::normal::<f32>(&shape, None, None, &random::key(seed + k)?)?;
+            let values = random::normal::<f32>(&shape, None, None, &random::key(seed + k + 1)?)?;
+            Ok((keys, values))
+        };
         let info = TargetInfo {
             model_type: "synthetic".into(),
             vocab_size,
@@ -38,16 +71,21 @@ impl SyntheticTarget {
             num_layers,
             num_attention_heads: 2,
             num_key_value_heads: 1,
-            head_dim: hidden_size / 2,
-            sliding_window: 0,
+            head_dim,
+            sliding_window,
             dtype: Dtype::Float32 as u32,
             final_logit_softcap: 0.0,
         };
-        Ok(SyntheticTarget { info, embedding })
+        Ok(SyntheticTarget { info, embedding, sliding: kv(head_dim, 10)?, full: kv(global_head_dim, 20)?, rows: Rc::default() })
+    }
+
+    /// A view for a group of `rows` rows, which the caller keeps current.
+    pub fn view_for(&self, rows: Rc<Cell<usize>>) -> TargetViewBox {
+        TargetViewAbi_TO::from_value(SyntheticTarget { rows, ..self.clone() }, TD_Opaque)
     }
 
     pub fn view(&self) -> TargetViewBox {
-        TargetViewAbi_TO::from_value(self.clone(), TD_Opaque)
+        self.view_for(Rc::new(Cell::new(0)))
     }
 
     pub fn info(&self) -> &TargetInfo {
@@ -71,7 +109,25 @@ impl TargetViewAbi for SyntheticTarget {
     }
 
     fn read_donors(&self) -> RResult<Donors, PluginError> {
-        RResult::RErr(PluginError::unsupported("the synthetic target has no KV cache to lend"))
+        let rows = self.rows.get() as i32;
+        let layer = |(keys, values): &(Array, Array), window: u32| -> Result<DonorLayer, PluginError> {
+            let shape = |a: &Array| [rows, a.shape()[1], a.shape()[2], a.shape()[3]];
+            let positions: Vec<i32> = (0..rows).flat_map(|_| 0..DONOR_SLOTS).collect();
+            Ok(DonorLayer {
+                keys: OwnedArray::new(broadcast_to(keys, &shape(keys))?),
+                values: OwnedArray::new(broadcast_to(values, &shape(values))?),
+                slot_positions: OwnedArray::new(Array::from_slice(&positions, &[rows, DONOR_SLOTS])),
+                window,
+            })
+        };
+        let donors = (|| {
+            Ok(Donors {
+                positions: vec![DONOR_SLOTS - 1; rows as usize].into(),
+                sliding: layer(&self.sliding, self.info.sliding_window)?,
+                full: layer(&self.full, 0)?,
+            })
+        })();
+        donors.into()
     }
 }
 
@@ -84,6 +140,10 @@ pub struct Config {
     pub vocab_size: u32,
     pub hidden_size: u32,
     pub num_layers: u32,
+    /// Head dims of the target's sliding and full layers, and its sliding window.
+    pub head_dim: u32,
+    pub global_head_dim: u32,
+    pub sliding_window: u32,
     pub rows: usize,
     pub prompt_len: usize,
     pub depth: usize,
@@ -99,6 +159,9 @@ impl Default for Config {
             vocab_size: 64,
             hidden_size: 16,
             num_layers: 4,
+            head_dim: 8,
+            global_head_dim: 8,
+            sliding_window: 8,
             rows: 3,
             prompt_len: 24,
             depth: 4,
@@ -199,7 +262,15 @@ fn run(root: DrafterRootRef, config: &Config, report: &mut Report) -> Option<()>
     let info = provider.info();
     report.record("info", check_info(&info, config));
 
-    let target = SyntheticTarget::new(config.vocab_size, config.hidden_size, config.num_layers, config.seed);
+    let target = SyntheticTarget::with_heads(
+        config.vocab_size,
+        config.hidden_size,
+        config.num_layers,
+        config.head_dim,
+        config.global_head_dim,
+        config.sliding_window,
+        config.seed,
+    );
     let target = match target {
         Ok(t) => t,
         Err(e) => {
@@ -207,8 +278,9 @@ fn run(root: DrafterRootRef, config: &Config, report: &mut Report) -> Option<()>
             return None;
         }
     };
-    let open = |rows: usize| provider.open(target.view(), rows as u32).into_result().map_err(err);
-    let (mut a, mut b) = match (open(config.rows), open(config.rows)) {
+    let (rows_a, rows_b) = (Rc::new(Cell::new(config.rows)), Rc::new(Cell::new(config.rows)));
+    let open = |rows: &Rc<Cell<usize>>| provider.open(target.view_for(rows.clone()), rows.get() as u32).into_result().map_err(err);
+    let (mut a, mut b) = match (open(&rows_a), open(&rows_b)) {
         (Ok(a), Ok(b)) => (a, b),
         (Err(e), _) | (_, Err(e)) => {
             report.record("open", Err(e));
@@ -307,11 +379,12 @@ fn run(root: DrafterRootRef, config: &Config, report: &mut Report) -> Option<()>
     Some(())
 }
 
+/// Opens a group whose view lends donors to as many rows as the group has.
 fn provider_open<'a>(
     provider: &'a crate::abi::ProviderBox,
     target: &'a SyntheticTarget,
-) -> impl Fn(usize) -> Result<RowGroupBox, String> + 'a {
-    move |rows| provider.open(target.view(), rows as u32).into_result().map_err(err)
+) -> impl Fn(&Rc<Cell<usize>>) -> Result<RowGroupBox, String> + 'a {
+    move |rows| provider.open(target.view_for(rows.clone()), rows.get() as u32).into_result().map_err(err)
 }
 
 fn check_info(info: &ProviderInfo, config: &Config) -> Result<(), String> {
@@ -367,7 +440,7 @@ fn draft_tokens(g: &mut RowGroupBox, pending: &[u32], depth: usize, step: u64) -
 
 /// A row captured from one group and appended to an empty one drafts as it did.
 fn check_capture_append(
-    open: &impl Fn(usize) -> Result<RowGroupBox, String>,
+    open: &impl Fn(&Rc<Cell<usize>>) -> Result<RowGroupBox, String>,
     a: &mut RowGroupBox,
     pending: &[u32],
     config: &Config,
@@ -375,8 +448,10 @@ fn check_capture_append(
 ) -> Result<(), String> {
     let row = config.rows - 1;
     let state: RowState = a.capture(row as u32).into_result().map_err(err)?;
-    let mut fresh = open(0)?;
+    let fresh_rows = Rc::new(Cell::new(0));
+    let mut fresh = open(&fresh_rows)?;
     fresh.append(vec![state].into()).into_result().map_err(err)?;
+    fresh_rows.set(1);
     let restored = draft_tokens(&mut fresh, &pending[row..=row], config.depth, step)?;
     let original = draft_tokens(a, pending, config.depth, step)?;
     if restored[0] != original[row] {
