@@ -33,10 +33,13 @@ test: setup fixtures
 doctor: build
 	./target/release/host doctor
 
-# Regenerates the Gemma 4 oracle fixtures with mlx-lm in its own venv (tests/oracle).
+# Regenerates the oracle fixtures, each oracle in its own venv (tests/oracle): the target with
+# mlx-lm, the assistant drafter with transformers (a large download: torch with CUDA wheels).
 oracle: setup
 	bash tests/oracle/setup-venv.sh
 	$(ORACLE_PY) tests/oracle/gemma4_oracle.py
+	bash tests/oracle/setup-venv-hf.sh
+	tests/oracle/.venv-hf/bin/python tests/oracle/assistant_oracle.py
 
 # Host against mlx-lm on a random Gemma 4 of more than 20M parameters (made once, not committed).
 bench: build
@@ -44,3 +47,4 @@ bench: build
 	[ -e $(BENCH_MODEL)/config.json ] || $(ORACLE_PY) tests/oracle/gemma4_oracle.py --bench $(BENCH_MODEL)
 	./target/release/host bench --manifest manifests/bench.toml
 	./target/release/host bench --manifest manifests/bench-ngram.toml
+	./target/release/host bench --manifest manifests/assistant.toml

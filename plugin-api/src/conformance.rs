@@ -76,7 +76,13 @@ impl SyntheticTarget {
             dtype: Dtype::Float32 as u32,
             final_logit_softcap: 0.0,
         };
-        Ok(SyntheticTarget { info, embedding, sliding: kv(head_dim, 10)?, full: kv(global_head_dim, 20)?, rows: Rc::default() })
+        Ok(SyntheticTarget {
+            info,
+            embedding,
+            sliding: kv(head_dim, 10)?,
+            full: kv(global_head_dim, 20)?,
+            rows: Rc::default(),
+        })
     }
 
     /// A view for a group of `rows` rows, which the caller keeps current.
@@ -279,7 +285,9 @@ fn run(root: DrafterRootRef, config: &Config, report: &mut Report) -> Option<()>
         }
     };
     let (rows_a, rows_b) = (Rc::new(Cell::new(config.rows)), Rc::new(Cell::new(config.rows)));
-    let open = |rows: &Rc<Cell<usize>>| provider.open(target.view_for(rows.clone()), rows.get() as u32).into_result().map_err(err);
+    let open = |rows: &Rc<Cell<usize>>| {
+        provider.open(target.view_for(rows.clone()), rows.get() as u32).into_result().map_err(err)
+    };
     let (mut a, mut b) = match (open(&rows_a), open(&rows_b)) {
         (Ok(a), Ok(b)) => (a, b),
         (Err(e), _) | (_, Err(e)) => {

@@ -1,0 +1,261 @@
+//! The assistant network: a few Gemma 4 layers that attend, query-only, to the target's donor
+//! K/V, between a projection in from the target's space and one back out. Fields follow the
+//! checkpoint's tensor names.
+
+use std::path::Path;
+
+use plugin_api::mlx_rs::error::Exception;
+use plugin_api::mlx_rs::{Array, Dtype};
+use plugin_api::nn::ops::{attention, geglu, rms_norm, Mask};
+use plugin_api::nn::{Embedding, Linear, Rope, Weights, WeightsError};
+use plugin_api::target::DonorLayer;
+use plugin_api::PluginError;
+
+use crate::config::{AssistantConfig, LayerType};
+
+pub struct Attention {
+    pub q_proj: Linear,
+    pub o_proj: Linear,
+    pub q_norm: Array,
+}
+
+pub struct Mlp {
+    pub gate_proj: Linear,
+    pub up_proj: Linear,
+    pub down_proj: Linear,
+}
+
+pub struct Layer {
+    pub self_attn: Attention,
+    pub mlp: Mlp,
+    pub input_layernorm: Array,
+    pub post_attention_layernorm: Array,
+    pub pre_feedforward_layernorm: Array,
+    pub post_feedforward_layernorm: Array,
+    pub layer_scalar: Option<Array>,
+    layer_type: LayerType,
+    head_dim: i32,
+    rope: Rope,
+}
+
+/// The centroid head: score centroids, keep the best few, score only their tokens.
+pub struct MaskedEmbedding {
+    pub centroids: Linear,
+    /// [V] token ids grouped by centroid: row c of its [C, V/C] view holds centroid c's tokens.
+    pub token_ordering: Array,
+}
+
+pub struct Assistant {
+    pub config: AssistantConfig,
+    pub pre_projection: Linear,
+    pub post_projection: Linear,
+    pub embed_tokens: Embedding,
+    pub layers: Vec<Layer>,
+    pub norm: Array,
+    /// Present only when the checkpoint ships centroid tensors; else the tied head is used.
+    pub masked_embedding: Option<MaskedEmbedding>,
+    pub weight_bytes: usize,
+}
+
+/// One draft step's result for B rows.
+pub struct Step {
+    /// [B] token ids.
+    pub tokens: Array,
+    /// [B, 1, backbone hidden]: the hidden fed to the next step.
+    pub next_hidden: Array,
+}
+
+fn artifact_error(e: WeightsError) -> PluginError {
+    PluginError::invalid_artifact(e.to_string())
+}
+
+impl Assistant {
+    pub fn load(dir: &Path) -> Result<Assistant, PluginError> {
+        let config = AssistantConfig::load(dir)?;
+        let w = Weights::load_dir(dir).map_err(artifact_error)?;
+        let c = &config;
+        let (d, t) = (c.hidden_size, c.backbone_hidden_size);
+        let lin = |name: &str, out: i32, inp: i32| Linear::load(&w, name, out, inp, None).map_err(artifact_error);
+        let norm = |name: &str, dims: i32| w.shaped(&format!("{name}.weight"), &[dims]).map_err(artifact_error);
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for i in 0..c.num_hidden_layers {
+            let p = format!("model.layers.{i}");
+            let hd = c.layer_head_dim(i);
+            let layer_type = c.layer_types[i];
+            let rope = match layer_type {
+                LayerType::Sliding => Rope::Default { dims: hd, base: c.sliding_theta },
+                LayerType::Full => {
+                    Rope::proportional(hd, (hd as f32 * c.full_partial_rotary_factor) as i32, c.full_theta, 1.0)
+                        .map_err(PluginError::from)?
+                }
+            };
+            layers.push(Layer {
+                self_attn: Attention {
+                    q_proj: lin(&format!("{p}.self_attn.q_proj"), c.num_attention_heads * hd, d)?,
+                    o_proj: lin(&format!("{p}.self_attn.o_proj"), d, c.num_attention_heads * hd)?,
+                    q_norm: norm(&format!("{p}.self_attn.q_norm"), hd)?,
+                },
+                mlp: Mlp {
+                    gate_proj: lin(&format!("{p}.mlp.gate_proj"), c.intermediate_size, d)?,
+                    up_proj: lin(&format!("{p}.mlp.up_proj"), c.intermediate_size, d)?,
+                    down_proj: lin(&format!("{p}.mlp.down_proj"), d, c.intermediate_size)?,
+                },
+                input_layernorm: norm(&format!("{p}.input_layernorm"), d)?,
+                post_attention_layernorm: norm(&format!("{p}.post_attention_layernorm"), d)?,
+                pre_feedforward_layernorm: norm(&format!("{p}.pre_feedforward_layernorm"), d)?,
+                post_feedforward_layernorm: norm(&format!("{p}.post_feedforward_layernorm"), d)?,
+                layer_scalar: w.optional(&format!("{p}.layer_scalar")),
+                layer_type,
+                head_dim: hd,
+                rope,
+            });
+        }
+        // The centroid head needs its tensors: some artifacts declare centroids and ship none,
+        // and then the tied head is the one that works.
+        let masked_embedding = if c.use_ordered_embeddings && w.contains("masked_embedding.centroids.weight") {
+            let centroids = lin("masked_embedding.centroids", c.num_centroids, d)?;
+            let token_ordering =
+                w.shaped("masked_embedding.token_ordering", &[c.vocab_size]).map_err(artifact_error)?;
+            if c.num_centroids <= 0 || c.vocab_size % c.num_centroids != 0 || c.centroid_intermediate_top_k <= 0 {
+                return Err(PluginError::invalid_artifact(format!(
+                    "{}: centroid head needs num_centroids dividing vocab_size {} and centroid_intermediate_top_k > 0",
+                    dir.display(),
+                    c.vocab_size
+                )));
+            }
+            Some(MaskedEmbedding {
+                centroids,
+                token_ordering: token_ordering.as_dtype(Dtype::Int32).map_err(PluginError::from)?,
+            })
+        } else {
+            None
+        };
+        Ok(Assistant {
+            pre_projection: lin("pre_projection", d, 2 * t)?,
+            post_projection: lin("post_projection", t, d)?,
+            embed_tokens: Embedding::load(&w, "model.embed_tokens", c.vocab_size, d, None).map_err(artifact_error)?,
+            norm: norm("model.norm", d)?,
+            layers,
+            masked_embedding,
+            weight_bytes: w.nbytes(),
+            config,
+        })
+    }
+
+    /// One draft step for B rows: `embedded` [B, 1, T] is the target's scaled embedding of the
+    /// input token, `hidden` [B, 1, T] the target-space hidden before it, `positions` the rows'
+    /// query positions (the pending token's, for every step of a round).
+    pub fn step(
+        &self,
+        embedded: &Array,
+        hidden: &Array,
+        positions: &[i32],
+        sliding: &DonorLayer,
+        full: &DonorLayer,
+    ) -> Result<Step, Exception> {
+        let eps = self.config.rms_norm_eps;
+        let x = plugin_api::mlx_rs::ops::concatenate(&[embedded, hidden], -1)?;
+        let mut h = self.pre_projection.forward(&x)?;
+        for layer in &self.layers {
+            let donors = match layer.layer_type {
+                LayerType::Sliding => sliding,
+                LayerType::Full => full,
+            };
+            let r = rms_norm(&h, Some(&layer.input_layernorm), eps)?;
+            let attn = layer.attend(&r, positions, donors, &self.config, eps)?;
+            h = h.add(rms_norm(&attn, Some(&layer.post_attention_layernorm), eps)?)?;
+            let f = rms_norm(&h, Some(&layer.pre_feedforward_layernorm), eps)?;
+            let f = layer
+                .mlp
+                .down_proj
+                .forward(&geglu(&layer.mlp.gate_proj.forward(&f)?, &layer.mlp.up_proj.forward(&f)?)?)?;
+            h = h.add(rms_norm(&f, Some(&layer.post_feedforward_layernorm), eps)?)?;
+            if let Some(s) = &layer.layer_scalar {
+                h = h.multiply(s)?;
+            }
+        }
+        let h = rms_norm(&h, Some(&self.norm), eps)?;
+        Ok(Step { tokens: self.head(&h)?, next_hidden: self.post_projection.forward(&h)? })
+    }
+
+    /// The greedy token of h [B, 1, D]; ties go to the lowest id.
+    fn head(&self, h: &Array) -> Result<Array, Exception> {
+        let b = h.shape()[0];
+        match &self.masked_embedding {
+            None => {
+                let logits = self.embed_tokens.as_linear(h)?.reshape(&[b, -1])?;
+                plugin_api::mlx_rs::ops::indexing::argmax_axis(&logits, -1, None)
+            }
+            Some(m) => {
+                let c = &self.config;
+                let per_centroid = c.vocab_size / c.num_centroids;
+                let k = c.centroid_intermediate_top_k;
+                let scores = m.centroids.forward(h)?.reshape(&[b, c.num_centroids])?;
+                let order = plugin_api::mlx_rs::ops::argpartition_axis(&scores, c.num_centroids - k, -1)?;
+                let top: Vec<i32> = (c.num_centroids - k..c.num_centroids).collect();
+                let chosen = order.take_axis(Array::from_slice(&top, &[k]), -1)?; // [B, k]
+                let groups = m.token_ordering.reshape(&[c.num_centroids, per_centroid])?;
+                let candidates = groups.take_axis(&chosen, 0)?.reshape(&[b, k * per_centroid])?; // [B, k·V/C]
+                let embedded = self.embed_tokens.embed(&candidates)?; // [B, k·V/C, D]
+                let score = embedded.multiply(h)?.sum_axis(-1, None)?; // [B, k·V/C]
+                                                                       // Among equal scores the lowest id wins: break ties on the id itself.
+                let best = score.max_axis(-1, true)?;
+                let tied = score.eq(&best)?;
+                let big = Array::from_int(i32::MAX);
+                let ids = plugin_api::mlx_rs::ops::select(&tied, &candidates, &big)?;
+                ids.min_axis(-1, None)
+            }
+        }
+    }
+}
+
+impl Layer {
+    /// Query-only attention of r [B, 1, D] over this layer type's donor K/V.
+    fn attend(
+        &self,
+        r: &Array,
+        positions: &[i32],
+        donors: &DonorLayer,
+        c: &AssistantConfig,
+        eps: f32,
+    ) -> Result<Array, Exception> {
+        let b = r.shape()[0];
+        let hd = self.head_dim;
+        let q = self.self_attn.q_proj.forward(r)?.reshape(&[b, 1, c.num_attention_heads, hd])?;
+        let q = rms_norm(&q, Some(&self.self_attn.q_norm), eps)?.transpose_axes(&[0, 2, 1, 3])?;
+        let rows: Vec<Array> = positions
+            .iter()
+            .enumerate()
+            .map(|(row, &p)| self.rope.apply(&q.take_axis(Array::from_slice(&[row as i32], &[1]), 0)?, p))
+            .collect::<Result<_, _>>()?;
+        let q = plugin_api::mlx_rs::ops::concatenate(&rows, 0)?;
+        let keys = donors.keys.borrow().to_array();
+        let values = donors.values.borrow().to_array();
+        let window = match self.layer_type {
+            LayerType::Sliding => Some(c.sliding_window),
+            LayerType::Full => None,
+        };
+        let mask = donor_mask(&donors.slot_positions.borrow().to_array(), positions, window)?;
+        // QK-norm replaces the 1/√d scale, as in the target.
+        let out = attention(&q, &keys, &values, 1.0, &Mask::Array(mask))?;
+        let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, 1, c.num_attention_heads * hd])?;
+        self.self_attn.o_proj.forward(&out)
+    }
+}
+
+/// [B, 1, 1, S]: a query at position p (the pending token, whose key the target has not
+/// written) reads every cached position before p, and in a sliding layer of window W only the
+/// last W + 1 of them, p − 1 − W ..= p − 1: transformers' assistant mask, |q − k| <= W flipped
+/// to look back from the last cached key.
+fn donor_mask(slot_positions: &Array, positions: &[i32], window: Option<usize>) -> Result<Array, Exception> {
+    let slots = slot_positions.as_dtype(Dtype::Int32)?;
+    let s = slots.shape()[1] as usize;
+    let data = slots.as_slice::<i32>();
+    let mut mask = Vec::with_capacity(positions.len() * s);
+    for (row, &p) in positions.iter().enumerate() {
+        for &k in &data[row * s..(row + 1) * s] {
+            mask.push(k >= 0 && k < p && window.is_none_or(|w| p - k <= w as i32 + 1));
+        }
+    }
+    Ok(Array::from_slice(&mask, &[positions.len() as i32, 1, 1, s as i32]))
+}
