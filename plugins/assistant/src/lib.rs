@@ -278,6 +278,28 @@ mod conformance {
     }
 
     #[test]
+    fn declared_centroids_without_their_tensors_fall_back_to_the_tied_head() {
+        // The centroid fixture's config (use_ordered_embeddings on, num_centroids 16) with the
+        // centroid tensors left out of its weights.
+        let src = artifact("centroids");
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::copy(src.join("config.json"), dir.path().join("config.json")).unwrap();
+        let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+        let tensors = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let kept: Vec<_> =
+            tensors.tensors().into_iter().filter(|(name, _)| !name.starts_with("masked_embedding.")).collect();
+        std::fs::write(dir.path().join("model.safetensors"), safetensors::serialize(kept, &None).unwrap()).unwrap();
+
+        let declared = crate::Assistant::load(&src).unwrap();
+        assert!(declared.config.use_ordered_embeddings && declared.masked_embedding.is_some());
+        let stripped = crate::Assistant::load(dir.path()).unwrap();
+        assert!(stripped.config.num_centroids > 0 && stripped.masked_embedding.is_none());
+        let report =
+            check::<super::AssistantDrafter>(&Config { artifact: Some(dir.path().to_owned()), ..config("centroids") });
+        report.assert_passed();
+    }
+
+    #[test]
     fn refuses_a_missing_or_foreign_artifact() {
         let report = check::<super::AssistantDrafter>(&Config { artifact: None, ..config("centroids") });
         assert!(report.failures()[0].1.as_ref().unwrap_err().contains("needs an artifact directory"));
