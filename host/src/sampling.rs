@@ -56,6 +56,45 @@ pub fn sample(logits: &Array, params: &SamplingParams, step: u64) -> Result<u32,
     Ok(gumbel_argmax(&logprobs, params.temperature, params.seed, step))
 }
 
+/// The target's tokens over a verify window's logits [W, V], read back from MLX once. Position i
+/// is output step `first_step + i`; its token is what [`sample`] would give there.
+pub enum WindowTokens {
+    /// Greedy: every position's argmax, computed on the device.
+    Greedy(Vec<u32>),
+    /// Sampled: the logits on the host, each position drawn when asked.
+    Sampled { logits: Vec<f32>, vocab: usize },
+}
+
+impl WindowTokens {
+    pub fn new(logits: &Array, params: &SamplingParams) -> Result<WindowTokens, Exception> {
+        if params.is_greedy() {
+            let best = mlx_rs::ops::indexing::argmax_axis(logits, -1, None)?.as_dtype(mlx_rs::Dtype::Uint32)?;
+            return Ok(WindowTokens::Greedy(best.as_slice::<u32>().to_vec()));
+        }
+        let vocab = *logits.shape().last().unwrap_or(&1) as usize;
+        let host = logits.as_dtype(mlx_rs::Dtype::Float32)?;
+        Ok(WindowTokens::Sampled { logits: host.as_slice::<f32>().to_vec(), vocab })
+    }
+
+    /// The logits of position `i` (sampled windows only).
+    pub fn row(&self, i: usize) -> Option<&[f32]> {
+        match self {
+            WindowTokens::Greedy(_) => None,
+            WindowTokens::Sampled { logits, vocab } => Some(&logits[i * vocab..(i + 1) * vocab]),
+        }
+    }
+
+    pub fn token(&self, i: usize, params: &SamplingParams, step: u64) -> u32 {
+        match self {
+            WindowTokens::Greedy(best) => best[i],
+            WindowTokens::Sampled { .. } => {
+                let lp = filtered_logprobs(self.row(i).expect("sampled"), params);
+                gumbel_argmax(&lp, params.temperature, params.seed, step)
+            }
+        }
+    }
+}
+
 /// Log-probabilities with the filters applied (removed tokens at -inf), before temperature.
 pub fn filtered_logprobs(logits: &[f32], params: &SamplingParams) -> Vec<f32> {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);

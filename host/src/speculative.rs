@@ -15,7 +15,7 @@ use crate::generate::{check_request, GenerateError, Generation, Request, Stats, 
 use crate::model::{Gemma4, LayerCache, Taps};
 use crate::plugin::drafter::{DraftRows, Proposal};
 use crate::plugin::{Drafter, DrafterError};
-use crate::sampling::{filtered_logprobs, gumbel_argmax, sample, step_key, uniform};
+use crate::sampling::{filtered_logprobs, gumbel_argmax, step_key, uniform, WindowTokens};
 use crate::target_view::TargetView;
 
 /// How drafted tokens are accepted.
@@ -293,14 +293,17 @@ fn walk(
     for d in row.by_position.iter_mut().take(drafts.len()) {
         d.0 += 1;
     }
+    let window = WindowTokens::new(
+        &logits.take_axis(Array::from_iter(0..=drafts.len() as i32, &[drafts.len() as i32 + 1]), 0)?,
+        &request.sampling,
+    )?;
     let mut accepted = 0;
     for i in 0..=drafts.len() {
-        let position = logits.take_axis(Array::from_int(i as i32), 0)?;
         let draft = drafts.get(i).copied();
-        let (token, took_draft) = match (verify, draft, &proposal.probabilities) {
-            (Verify::Rejection, Some(d), Some(q)) => rejection_step(&position, q, i, d, request, step + i as u64)?,
+        let (token, took_draft) = match (verify, draft, &proposal.probabilities, window.row(i)) {
+            (Verify::Rejection, Some(d), Some(q), Some(row)) => rejection_step(row, q, i, d, request, step + i as u64)?,
             _ => {
-                let t = sample(&position, &request.sampling, step + i as u64)?;
+                let t = window.token(i, &request.sampling, step + i as u64);
                 (t, draft == Some(t))
             }
         };
@@ -386,7 +389,7 @@ fn forward(
 /// else draw from the residual max(p − q, 0). p is the target's distribution after the
 /// request's filters and temperature; q is the drafter's row `i`.
 fn rejection_step(
-    target_logits: &Array,
+    target_logits: &[f32],
     q: &Array,
     i: usize,
     d: u32,
@@ -394,8 +397,7 @@ fn rejection_step(
     step: u64,
 ) -> Result<(u32, bool), GenerateError> {
     let params = &request.sampling;
-    let logits = target_logits.as_dtype(Dtype::Float32)?;
-    let lp = filtered_logprobs(logits.as_slice::<f32>(), params);
+    let lp = filtered_logprobs(target_logits, params);
     let p = softmax_at_temperature(&lp, params.temperature);
     let q_row = q.take_axis(Array::from_int(i as i32), 0)?.as_dtype(Dtype::Float32)?;
     let q_row = q_row.as_slice::<f32>();
