@@ -4,9 +4,10 @@ use std::cell::RefCell;
 use std::rc::Rc;
 
 use abi_stable::sabi_trait::TD_Opaque;
-use abi_stable::std_types::RResult;
+use abi_stable::std_types::{ROption, RResult, RStr};
 use mlx_rs::Array;
-use plugin_api::target::{DonorLayer, Donors, TargetInfo, TargetViewAbi, TargetViewAbi_TO, TargetViewBox};
+use plugin_api::abi::Extension;
+use plugin_api::target::{DonorLayer, Donors, LayerKind, TargetInfo, TargetViewAbi, TargetViewAbi_TO, TargetViewBox};
 use plugin_api::{ArrayRef, OwnedArray, PluginError};
 
 use crate::model::config::LayerType;
@@ -38,6 +39,16 @@ impl TargetView {
             num_attention_heads: c.num_attention_heads as u32,
             num_key_value_heads: c.num_key_value_heads as u32,
             head_dim: c.head_dim as u32,
+            global_head_dim: c.global_head_dim as u32,
+            layer_kinds: c
+                .layer_types
+                .iter()
+                .map(|t| match t {
+                    LayerType::Sliding => LayerKind::SLIDING,
+                    LayerType::Full => LayerKind::FULL,
+                })
+                .collect(),
+            first_kv_shared_layer: c.first_kv_shared_layer() as u32,
             sliding_window: c.sliding_window as u32,
             dtype: model.dtype as u32,
             final_logit_softcap: c.final_logit_softcapping.unwrap_or(0.0),
@@ -81,6 +92,10 @@ impl TargetViewAbi for TargetView {
 
     fn logits_from_hidden(&self, hidden: ArrayRef<'_>) -> RResult<OwnedArray, PluginError> {
         result(self.model.logits_from_hidden(&hidden.to_array()))
+    }
+
+    fn extension(&self, _id: RStr<'_>) -> ROption<Extension> {
+        ROption::RNone
     }
 
     fn read_donors(&self) -> RResult<Donors, PluginError> {

@@ -20,7 +20,7 @@ use mlx_rs::ops::broadcast_to;
 use mlx_rs::{random, Array, Dtype};
 
 use crate::abi::{DraftRow, DrafterRootRef, RowGroupBox, RowState, TokenRows};
-use crate::target::{DonorLayer, Donors, TargetInfo, TargetViewAbi, TargetViewAbi_TO, TargetViewBox};
+use crate::target::{DonorLayer, Donors, LayerKind, TargetInfo, TargetViewAbi, TargetViewAbi_TO, TargetViewBox};
 use crate::{sdk, ArrayRef, OwnedArray, PluginError, ProviderInfo};
 
 /// A target with random weights and no model behind it: sizes, an embedding table, a tied
@@ -72,6 +72,12 @@ impl SyntheticTarget {
             num_attention_heads: 2,
             num_key_value_heads: 1,
             head_dim,
+            global_head_dim,
+            // One sliding and one full donor layer, then the rest.
+            layer_kinds: (0..num_layers)
+                .map(|i| if i % 2 == 0 { LayerKind::SLIDING } else { LayerKind::FULL })
+                .collect(),
+            first_kv_shared_layer: num_layers,
             sliding_window,
             dtype: Dtype::Float32 as u32,
             final_logit_softcap: 0.0,
@@ -112,6 +118,10 @@ impl TargetViewAbi for SyntheticTarget {
 
     fn logits_from_hidden(&self, hidden: ArrayRef<'_>) -> RResult<OwnedArray, PluginError> {
         hidden.to_array().matmul(self.embedding.t()).map(OwnedArray::new).map_err(PluginError::from).into()
+    }
+
+    fn extension(&self, _id: abi_stable::std_types::RStr<'_>) -> abi_stable::std_types::ROption<crate::abi::Extension> {
+        abi_stable::std_types::ROption::RNone
     }
 
     fn read_donors(&self) -> RResult<Donors, PluginError> {

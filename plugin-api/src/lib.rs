@@ -38,10 +38,11 @@
 //! The library header carries [`API_VERSION`]; the host compares its major first and refuses
 //! another major with a one-line message, then abi_stable checks the layout of every type
 //! reachable from the root module. Items marked **ABI-frozen** keep their layout for the life
-//! of the major version. The root module never grows: new features arrive as extensions,
-//! looked up by a versioned id (`"name/1"`) through [`abi::DrafterRoot::extension`] and
-//! layout-checked on their own, so a newer host still loads older plugins (which answer that
-//! they have none) and an older host ignores what it does not know.
+//! of the major version. Neither the root module nor the target view ever grows: new features
+//! arrive as extensions, looked up by a versioned id (`"name/1"`) through
+//! [`abi::DrafterRoot::extension`] (the plugin's) or `TargetViewAbi::extension` (the host's)
+//! and layout-checked on their own, so a newer host still loads older plugins (which answer
+//! that they have none) and an older host ignores what it does not know.
 //!
 //! ## Writing a drafter
 //! See [`guide`].

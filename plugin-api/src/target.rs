@@ -1,7 +1,7 @@
 //! The host's side of the seam: what a drafter may ask of the target model.
 
 use abi_stable::sabi_trait;
-use abi_stable::std_types::{RBox, RResult, RString, RVec};
+use abi_stable::std_types::{RBox, ROption, RResult, RStr, RString, RVec};
 use abi_stable::StableAbi;
 
 use crate::{ArrayRef, OwnedArray, PluginError};
@@ -17,13 +17,30 @@ pub struct TargetInfo {
     pub num_layers: u32,
     pub num_attention_heads: u32,
     pub num_key_value_heads: u32,
+    /// Head dim of the sliding layers.
     pub head_dim: u32,
+    /// Head dim of the full-attention layers.
+    pub global_head_dim: u32,
+    /// Per layer, whether it attends over a sliding window or the full context.
+    pub layer_kinds: RVec<LayerKind>,
+    /// Layers from this index on reuse a donor's K/V instead of keeping their own.
+    pub first_kv_shared_layer: u32,
     /// Sliding-window length of the sliding layers; 0 when the target has none.
     pub sliding_window: u32,
     /// The activation dtype, as mlx-c's `mlx_dtype` number.
     pub dtype: u32,
     /// `final_logit_softcapping`; 0 when off.
     pub final_logit_softcap: f32,
+}
+
+/// How a target layer attends. **ABI-frozen** (a `u8`).
+#[repr(transparent)]
+#[derive(StableAbi, Clone, Copy, PartialEq, Eq, Debug)]
+pub struct LayerKind(pub u8);
+
+impl LayerKind {
+    pub const SLIDING: Self = Self(0);
+    pub const FULL: Self = Self(1);
 }
 
 /// The K/V of one donor layer, lent as new references to the target's cache arrays (no copy).
@@ -67,8 +84,13 @@ pub trait TargetViewAbi {
     /// Logits [B, L, V] of hidden states [B, L, H]: the tied head, then the final softcap.
     fn logits_from_hidden(&self, hidden: ArrayRef<'_>) -> RResult<OwnedArray, PluginError>;
 
-    #[sabi(last_prefix_field)]
     fn read_donors(&self) -> RResult<Donors, PluginError>;
+
+    /// A host extension by versioned id (`"name/1"`), for ports newer than this trait: the
+    /// trait itself never grows, so plugins and hosts of different minors keep loading each
+    /// other. `RNone` when the host has none.
+    #[sabi(last_prefix_field)]
+    fn extension(&self, id: RStr<'_>) -> ROption<crate::abi::Extension>;
 }
 
 /// A target view owned by whoever holds it.

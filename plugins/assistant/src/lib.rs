@@ -13,6 +13,7 @@ use std::rc::Rc;
 use plugin_api::abi::{RowState, TokenRows};
 use plugin_api::mlx_rs::Array;
 use plugin_api::sdk::{DraftProvider, DraftRows, Drafter, Options, Proposal, Target};
+use plugin_api::target::LayerKind;
 use plugin_api::{Capabilities, Descriptor, PluginError, Ports, ProviderInfo};
 
 pub use model::Assistant;
@@ -77,11 +78,26 @@ impl DraftProvider for AssistantProvider {
                 c.vocab_size, info.vocab_size
             )));
         }
-        if info.head_dim as i32 != c.head_dim {
+        if info.head_dim as i32 != c.head_dim || info.global_head_dim as i32 != c.global_head_dim {
             return Err(PluginError::incompatible_target(format!(
-                "the assistant's head_dim is {}, the target's is {}",
-                c.head_dim, info.head_dim
+                "the assistant's head dims are {} (sliding) and {} (full), the target's {} and {}",
+                c.head_dim, c.global_head_dim, info.head_dim, info.global_head_dim
             )));
+        }
+        // It borrows the last donor layer of each kind it has.
+        let donors = &info.layer_kinds[..(info.first_kv_shared_layer as usize).min(info.layer_kinds.len())];
+        for (kind, name) in [(LayerKind::SLIDING, "sliding"), (LayerKind::FULL, "full")] {
+            let needed = c.layer_types.iter().any(|t| {
+                matches!(
+                    (t, kind),
+                    (config::LayerType::Sliding, LayerKind::SLIDING) | (config::LayerType::Full, LayerKind::FULL)
+                )
+            });
+            if needed && !donors.contains(&kind) {
+                return Err(PluginError::incompatible_target(format!(
+                    "the assistant has {name}-attention layers, the target has no {name}-attention layer with its own K/V"
+                )));
+            }
         }
         Ok(AssistantRows { model: self.model.clone(), target, hidden: vec![None; rows], processed: vec![0; rows] })
     }
@@ -115,14 +131,6 @@ impl AssistantRows {
     /// Drafts `depth` tokens for the rows in `rows`, all of which have a hidden.
     fn draft_rows(&self, rows: &[usize], pending: &[u32], depth: usize) -> Result<Vec<Vec<u32>>, PluginError> {
         let donors = self.target.read_donors()?;
-        let c = &self.model.config;
-        let full_dim = donors.full.keys.borrow().to_array().shape()[3];
-        if full_dim != c.global_head_dim {
-            return Err(PluginError::incompatible_target(format!(
-                "the assistant's global_head_dim is {}, the target's full layers have head dim {full_dim}",
-                c.global_head_dim
-            )));
-        }
         let take = |a: &Array| -> Result<Array, PluginError> {
             let index: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
             Ok(a.take_axis(Array::from_slice(&index, &[rows.len() as i32]), 0)?)
@@ -297,6 +305,13 @@ mod conformance {
         let report =
             check::<super::AssistantDrafter>(&Config { artifact: Some(dir.path().to_owned()), ..config("centroids") });
         report.assert_passed();
+    }
+
+    #[test]
+    fn refuses_a_target_with_other_head_dims() {
+        let report = check::<super::AssistantDrafter>(&Config { global_head_dim: 64, ..config("centroids") });
+        let why = report.failures()[0].1.as_ref().unwrap_err().clone();
+        assert!(why.contains("head dims are 16 (sliding) and 32 (full), the target's 16 and 64"), "{why}");
     }
 
     #[test]
