@@ -34,10 +34,12 @@ doctor: build
 	./target/release/host doctor
 
 # Regenerates the oracle fixtures, each oracle in its own venv (tests/oracle): the target with
-# mlx-lm, the assistant drafter with transformers (a large download: torch with CUDA wheels).
+# mlx-lm, dflash with dflash 0.1.0 (same venv), the assistant drafter with transformers (a
+# large download: torch with CUDA wheels).
 oracle: setup
 	bash tests/oracle/setup-venv.sh
 	$(ORACLE_PY) tests/oracle/gemma4_oracle.py
+	$(ORACLE_PY) tests/oracle/dflash_oracle.py
 	bash tests/oracle/setup-venv-hf.sh
 	tests/oracle/.venv-hf/bin/python tests/oracle/assistant_oracle.py
 
@@ -48,3 +50,4 @@ bench: build
 	./target/release/host bench --manifest manifests/bench.toml
 	./target/release/host bench --manifest manifests/bench-ngram.toml
 	./target/release/host bench --manifest manifests/assistant.toml
+	./target/release/host bench --manifest manifests/dflash.toml

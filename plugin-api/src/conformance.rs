@@ -91,6 +91,12 @@ impl SyntheticTarget {
         })
     }
 
+    /// The same target with a final softcap on its head (0 for none).
+    pub fn with_softcap(mut self, cap: f32) -> Self {
+        self.info.final_logit_softcap = cap;
+        self
+    }
+
     /// A view for a group of `rows` rows, which the caller keeps current.
     pub fn view_for(&self, rows: Rc<Cell<usize>>) -> TargetViewBox {
         TargetViewAbi_TO::from_value(SyntheticTarget { rows, ..self.clone() }, TD_Opaque)
@@ -117,7 +123,15 @@ impl TargetViewAbi for SyntheticTarget {
     }
 
     fn logits_from_hidden(&self, hidden: ArrayRef<'_>) -> RResult<OwnedArray, PluginError> {
-        hidden.to_array().matmul(self.embedding.t()).map(OwnedArray::new).map_err(PluginError::from).into()
+        let cap = self.info.final_logit_softcap;
+        let logits = hidden.to_array().matmul(self.embedding.t()).and_then(|l| {
+            if cap > 0.0 {
+                crate::nn::ops::softcap(&l, cap)
+            } else {
+                Ok(l)
+            }
+        });
+        logits.map(OwnedArray::new).map_err(PluginError::from).into()
     }
 
     fn extension(&self, _id: abi_stable::std_types::RStr<'_>) -> abi_stable::std_types::ROption<crate::abi::Extension> {
@@ -156,6 +170,8 @@ pub struct Config {
     pub vocab_size: u32,
     pub hidden_size: u32,
     pub num_layers: u32,
+    /// The target head's final softcap; 0 for none.
+    pub final_logit_softcap: f32,
     /// Head dims of the target's sliding and full layers, and its sliding window.
     pub head_dim: u32,
     pub global_head_dim: u32,
@@ -175,6 +191,7 @@ impl Default for Config {
             vocab_size: 64,
             hidden_size: 16,
             num_layers: 4,
+            final_logit_softcap: 0.0,
             head_dim: 8,
             global_head_dim: 8,
             sliding_window: 8,
@@ -286,7 +303,8 @@ fn run(root: DrafterRootRef, config: &Config, report: &mut Report) -> Option<()>
         config.global_head_dim,
         config.sliding_window,
         config.seed,
-    );
+    )
+    .map(|t| t.with_softcap(config.final_logit_softcap));
     let target = match target {
         Ok(t) => t,
         Err(e) => {

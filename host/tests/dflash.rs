@@ -1,0 +1,93 @@
+//! The dflash drafter against its oracle (dflash 0.1.0's MLX model on a tiny random target and
+//! drafter that tests/oracle/dflash_oracle.py writes) and inside the verify loop.
+
+mod common;
+
+use std::cell::RefCell;
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+
+use host::generate::{generate, Request};
+use host::model::{load, Gemma4, Taps};
+use host::plugin::load::load as load_library;
+use host::plugin::Drafter;
+use host::sampling::SamplingParams;
+use host::speculative::{generate_speculative, probe_open, SpecConfig, Verify};
+use host::target_view::TargetView;
+use mlx_rs::{Array, Dtype};
+use plugin_api::nn::Weights;
+
+fn fixture(name: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/dflash").join(name);
+    assert!(dir.join("drafter/config.json").exists(), "{} is missing: run `make oracle`", dir.display());
+    dir
+}
+
+fn setup(name: &str) -> (Rc<Gemma4>, Drafter) {
+    host::runtime::init();
+    let dir = fixture(name);
+    let model = Rc::new(load(&dir.join("target")).unwrap());
+    let plugin = load_library(&common::workspace_plugin("dflash"), None).unwrap();
+    let drafter = Drafter::load(&plugin, Some(&dir.join("drafter")), "").unwrap();
+    probe_open(&model, &drafter).unwrap();
+    (model, drafter)
+}
+
+/// The drafts for a target that has processed all of `ids` but the last (the pending token).
+fn drafts_after(model: &Rc<Gemma4>, drafter: &Drafter, ids: &[u32], depth: usize) -> Vec<u32> {
+    let (prefix, last) = ids.split_at(ids.len() - 1);
+    let caches = Rc::new(RefCell::new(model.make_caches(1, 8)));
+    let tokens = Array::from_slice(&prefix.iter().map(|&t| t as i32).collect::<Vec<_>>(), &[1, prefix.len() as i32]);
+    let layers: Vec<usize> = drafter.info.capabilities.tap_layers.iter().map(|&l| l as usize).collect();
+    let mut taps = Taps { layers: layers.clone(), captured: Vec::new() };
+    model.forward_hidden(&tokens, &mut caches.borrow_mut(), Some(&mut taps)).unwrap();
+    let context = mlx_rs::ops::concatenate(&taps.captured, -1).unwrap();
+    let view = TargetView::new(model.clone(), caches.clone());
+    let mut rows = drafter.open(view.boxed(), 1, model.config.vocab_size as u32).unwrap();
+    rows.prefill(prefix, Some(&context)).unwrap();
+    rows.draft(last, depth, &[0]).unwrap().remove(0).tokens
+}
+
+#[test]
+fn drafts_equal_dflash_for_several_target_states() {
+    let (model, drafter) = setup("gemma4-dense");
+    let oracle = Weights::load_file(&fixture("gemma4-dense").join("oracle.safetensors")).unwrap();
+    let ids = |key: &str| -> Vec<u32> {
+        let a = oracle.get(key).unwrap().as_dtype(Dtype::Int32).unwrap();
+        a.as_slice::<i32>().iter().map(|&t| t as u32).collect()
+    };
+    assert_eq!(drafter.info.capabilities.tap_layers.as_slice(), &[1, 3, 5]);
+    for state in [0, 5, 20] {
+        let input = ids(&format!("state{state}.input_ids"));
+        let expected = ids(&format!("state{state}.draft_tokens"));
+        if state == 20 {
+            assert!(input.len() > 3 * model.config.sliding_window, "the last state must be past the window");
+        }
+        assert_eq!(drafts_after(&model, &drafter, &input, expected.len()), expected, "state {state}");
+    }
+}
+
+#[test]
+fn greedy_output_with_dflash_equals_plain_decoding_past_the_window() {
+    let (model, drafter) = setup("gemma4-dense");
+    let request = Request {
+        prompt: vec![2, 17, 40, 9, 33, 17, 40, 9, 61, 5],
+        max_tokens: 60,
+        sampling: SamplingParams::default(),
+        eos: vec![],
+    };
+    let plain = generate(&model, &request, |_| {}).unwrap();
+    for gamma in [1, 3, 5] {
+        let spec = generate_speculative(
+            &model,
+            &drafter,
+            &request,
+            SpecConfig { draft_tokens: gamma, verify: Verify::Match },
+            |_| {},
+        )
+        .unwrap();
+        assert_eq!(spec.tokens, plain.tokens, "γ = {gamma}");
+        assert!(spec.stats.drafter_error.is_none(), "{:?}", spec.stats.drafter_error);
+        assert!(spec.stats.drafted > 0);
+    }
+}

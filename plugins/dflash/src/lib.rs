@@ -1,0 +1,268 @@
+//! DFlash: a block drafter over tapped target hidden states (z-lab DFlash checkpoints). Each
+//! row keeps the projected context of every committed position as per-layer keys and values;
+//! a draft is one pass of the block [pending, mask × depth] over that context, read through
+//! the target's head. Committing appends the kept rows only, so a rejection drops nothing.
+
+mod config;
+mod model;
+
+use std::path::Path;
+use std::rc::Rc;
+
+use plugin_api::abi::{RowState, TokenRows};
+use plugin_api::mlx_rs::{Array, Dtype};
+use plugin_api::sdk::{DraftProvider, DraftRows, Drafter, Options, Proposal, Target};
+use plugin_api::{Capabilities, Descriptor, OwnedArray, PluginError, Ports, ProviderInfo};
+
+pub use model::{Context, Dflash};
+
+pub struct DflashDrafter;
+
+const NAMESPACE: &str = "dflash-context/1";
+
+impl Drafter for DflashDrafter {
+    type Provider = DflashProvider;
+
+    fn descriptor() -> Descriptor {
+        Descriptor::new("dflash", "DFlash", env!("CARGO_PKG_VERSION"))
+            .summary("block drafter over tapped target hidden states (z-lab DFlash checkpoints)")
+            .needs_artifact()
+            .capabilities(Capabilities {
+                ports: Ports::EMBED.union(Ports::LOGITS).union(Ports::TAPS),
+                ..Capabilities::default()
+            })
+    }
+
+    fn load(artifact: Option<&Path>, _options: &Options) -> Result<DflashProvider, PluginError> {
+        let dir = artifact.ok_or_else(|| PluginError::invalid_artifact("dflash needs an artifact directory"))?;
+        let model = Dflash::load(dir)?;
+        let id = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        Ok(DflashProvider { model: Rc::new(model), id })
+    }
+}
+
+pub struct DflashProvider {
+    model: Rc<Dflash>,
+    id: String,
+}
+
+impl DflashProvider {
+    fn capabilities(&self) -> Capabilities {
+        let c = &self.model.config;
+        Capabilities {
+            ports: Ports::EMBED.union(Ports::LOGITS).union(Ports::TAPS),
+            tap_layers: c.target_layer_ids.clone().into(),
+            max_draft_tokens: (c.block_size - 1) as u32,
+            ..Capabilities::default()
+        }
+    }
+}
+
+impl DraftProvider for DflashProvider {
+    type Rows = DflashRows;
+
+    fn info(&self) -> ProviderInfo {
+        ProviderInfo {
+            id: self.id.as_str().into(),
+            weights_bytes: self.model.weight_bytes as u64,
+            namespace: NAMESPACE.into(),
+            trained_depth: (self.model.config.block_size - 1) as u32,
+            capabilities: self.capabilities(),
+        }
+    }
+
+    fn open(&self, target: Target, rows: usize) -> Result<DflashRows, PluginError> {
+        let info = target.info();
+        let c = &self.model.config;
+        let refuse = |what: &str, ours: String, theirs: String| {
+            Err(PluginError::incompatible_target(format!("the drafter's {what} is {ours}, the target's is {theirs}")))
+        };
+        if info.hidden_size as i32 != c.hidden_size {
+            return refuse("hidden_size", c.hidden_size.to_string(), info.hidden_size.to_string());
+        }
+        if info.num_layers != c.num_target_layers {
+            return refuse("num_target_layers", c.num_target_layers.to_string(), info.num_layers.to_string());
+        }
+        if let Some(bad) = c.target_layer_ids.iter().find(|&&l| l >= info.num_layers) {
+            return Err(PluginError::incompatible_target(format!(
+                "target_layer_ids has {bad}, the target's layers are 0..{}",
+                info.num_layers
+            )));
+        }
+        if c.mask_token_id >= info.vocab_size {
+            return refuse("mask_token_id", c.mask_token_id.to_string(), format!("vocabulary of {}", info.vocab_size));
+        }
+        // The target's head brings its own softcap; the drafter's must be the same.
+        let target_cap = (info.final_logit_softcap > 0.0).then_some(info.final_logit_softcap);
+        if target_cap != c.final_logit_softcapping {
+            return refuse(
+                "final_logit_softcapping",
+                format!("{:?}", c.final_logit_softcapping),
+                format!("{target_cap:?}"),
+            );
+        }
+        Ok(DflashRows { model: self.model.clone(), target, contexts: vec![Context::default(); rows] })
+    }
+}
+
+pub struct DflashRows {
+    model: Rc<Dflash>,
+    target: Target,
+    contexts: Vec<Context>,
+}
+
+/// Row `r` of x [B, L, F], positions `from..to`, as [1, to − from, F].
+fn rows_of(x: &Array, r: usize, from: usize, to: usize) -> Result<Array, PluginError> {
+    let row = x.take_axis(Array::from_slice(&[r as i32], &[1]), 0)?;
+    let span: Vec<i32> = (from as i32..to as i32).collect();
+    Ok(row.take_axis(Array::from_slice(&span, &[span.len() as i32]), 1)?)
+}
+
+impl DflashRows {
+    fn check_rows(&self, what: &str, got: usize) -> Result<(), PluginError> {
+        if got != self.contexts.len() {
+            return Err(PluginError::invalid_argument(format!(
+                "{what} has {got} rows, the group has {}",
+                self.contexts.len()
+            )));
+        }
+        Ok(())
+    }
+
+    fn draft_row(&self, r: usize, pending: u32, depth: usize) -> Result<Vec<u32>, PluginError> {
+        let c = &self.model.config;
+        let mut ids = vec![pending as i32];
+        ids.extend(std::iter::repeat_n(c.mask_token_id as i32, depth));
+        let embedded = self.target.embed(&Array::from_slice(&ids, &[1, ids.len() as i32]), true)?;
+        let hidden = self.model.block(&self.contexts[r], &embedded)?;
+        let after_first: Vec<i32> = (1..ids.len() as i32).collect();
+        let hidden = hidden.take_axis(Array::from_slice(&after_first, &[depth as i32]), 1)?;
+        let logits = self.target.logits_from_hidden(&hidden)?;
+        let tokens = plugin_api::mlx_rs::ops::indexing::argmax_axis(&logits, -1, None)?.as_dtype(Dtype::Int32)?;
+        Ok(tokens.as_slice::<i32>().iter().map(|&t| t as u32).collect())
+    }
+}
+
+impl DraftRows for DflashRows {
+    fn prefill(&mut self, tokens: TokenRows<'_>, context: Option<Array>) -> Result<(), PluginError> {
+        self.check_rows("prefill", tokens.rows as usize)?;
+        let taps = context.ok_or_else(|| PluginError::invalid_argument("prefill without tapped hidden states"))?;
+        for (r, ctx) in self.contexts.iter_mut().enumerate() {
+            self.model.extend(ctx, &rows_of(&taps, r, 0, tokens.len as usize)?)?;
+        }
+        Ok(())
+    }
+
+    fn draft(&mut self, pending: &[u32], depth: usize, _steps: &[u64]) -> Result<Vec<Proposal>, PluginError> {
+        self.check_rows("draft", pending.len())?;
+        let depth = depth.min(self.model.config.block_size - 1);
+        (0..pending.len())
+            .map(|r| {
+                if depth == 0 || self.contexts[r].is_empty() {
+                    return Ok(Proposal::default());
+                }
+                Ok(Proposal::tokens(self.draft_row(r, pending[r], depth)?))
+            })
+            .collect()
+    }
+
+    fn commit(&mut self, window: TokenRows<'_>, accepted: &[u32], context: Option<Array>) -> Result<(), PluginError> {
+        self.check_rows("commit", window.rows as usize)?;
+        let taps = context.ok_or_else(|| PluginError::invalid_argument("commit without tapped hidden states"))?;
+        for (r, ctx) in self.contexts.iter_mut().enumerate() {
+            // The pending token and the accepted drafts are now the target's.
+            self.model.extend(ctx, &rows_of(&taps, r, 0, accepted[r] as usize + 1)?)?;
+        }
+        Ok(())
+    }
+
+    fn filter_rows(&mut self, keep: &[u32]) -> Result<(), PluginError> {
+        if let Some(&bad) = keep.iter().find(|&&r| r as usize >= self.contexts.len()) {
+            return Err(PluginError::invalid_argument(format!(
+                "filter_rows keeps row {bad} of {}",
+                self.contexts.len()
+            )));
+        }
+        self.contexts = keep.iter().map(|&r| self.contexts[r as usize].clone()).collect();
+        Ok(())
+    }
+
+    fn append(&mut self, states: Vec<RowState>) -> Result<(), PluginError> {
+        for state in states {
+            if state.namespace.as_str() != NAMESPACE {
+                return Err(PluginError::invalid_argument(format!(
+                    "row state of namespace `{}` given to dflash ({NAMESPACE})",
+                    state.namespace
+                )));
+            }
+            let arrays: Vec<Array> = state.tensors.into_iter().map(OwnedArray::into_array).collect();
+            let (keys, values): (Vec<_>, Vec<_>) = arrays.chunks(2).map(|kv| (kv[0].clone(), kv[1].clone())).unzip();
+            self.contexts.push(Context { keys, values });
+        }
+        Ok(())
+    }
+
+    fn capture(&mut self, row: usize) -> Result<RowState, PluginError> {
+        let ctx = self
+            .contexts
+            .get(row)
+            .ok_or_else(|| PluginError::invalid_argument(format!("capture of row {row} of {}", self.contexts.len())))?;
+        Ok(RowState {
+            namespace: NAMESPACE.into(),
+            processed: ctx.len() as u64,
+            ids: Default::default(),
+            tensors: ctx
+                .keys
+                .iter()
+                .zip(&ctx.values)
+                .flat_map(|(k, v)| [OwnedArray::new(k.clone()), OwnedArray::new(v.clone())])
+                .collect(),
+        })
+    }
+}
+
+plugin_api::export_drafter!(DflashDrafter);
+
+#[cfg(test)]
+mod conformance {
+    use std::path::Path;
+
+    use plugin_api::conformance::{check, Config};
+
+    fn config() -> Config {
+        Config {
+            artifact: Some(
+                Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/dflash/gemma4-dense/drafter"),
+            ),
+            vocab_size: 512,
+            hidden_size: 64,
+            num_layers: 6,
+            final_logit_softcap: 30.0,
+            depth: 3,
+            ..Config::default()
+        }
+    }
+
+    #[test]
+    fn passes_the_conformance_kit() {
+        let report = check::<super::DflashDrafter>(&config());
+        report.assert_passed();
+        assert!(report.drafted > 0);
+    }
+
+    #[test]
+    fn refuses_targets_it_does_not_fit_naming_both_values() {
+        for (config, expected) in [
+            (Config { num_layers: 8, ..config() }, "num_target_layers is 6, the target's is 8"),
+            (Config { hidden_size: 48, ..config() }, "hidden_size is 64, the target's is 48"),
+            (
+                Config { final_logit_softcap: 0.0, ..config() },
+                "final_logit_softcapping is Some(30.0), the target's is None",
+            ),
+        ] {
+            let report = check::<super::DflashDrafter>(&config);
+            let why = report.failures()[0].1.as_ref().unwrap_err().clone();
+            assert!(why.contains(expected), "{why}");
+        }
+    }
+}
