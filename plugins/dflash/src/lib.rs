@@ -29,21 +29,28 @@ impl Drafter for DflashDrafter {
             .needs_artifact()
             .capabilities(Capabilities {
                 ports: Ports::EMBED.union(Ports::LOGITS).union(Ports::TAPS),
+                draft_probabilities: true,
                 ..Capabilities::default()
             })
+            .option(
+                "sample_drafts",
+                "false",
+                "draw each draft from the drafter's distribution and return it, for verify = \"rejection\"",
+            )
     }
 
-    fn load(artifact: Option<&Path>, _options: &Options) -> Result<DflashProvider, PluginError> {
+    fn load(artifact: Option<&Path>, options: &Options) -> Result<DflashProvider, PluginError> {
         let dir = artifact.ok_or_else(|| PluginError::invalid_artifact("dflash needs an artifact directory"))?;
         let model = Dflash::load(dir)?;
         let id = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        Ok(DflashProvider { model: Rc::new(model), id })
+        Ok(DflashProvider { model: Rc::new(model), id, sample_drafts: options.get_or("sample_drafts", false)? })
     }
 }
 
 pub struct DflashProvider {
     model: Rc<Dflash>,
     id: String,
+    sample_drafts: bool,
 }
 
 impl DflashProvider {
@@ -53,6 +60,7 @@ impl DflashProvider {
             ports: Ports::EMBED.union(Ports::LOGITS).union(Ports::TAPS),
             tap_layers: c.target_layer_ids.clone().into(),
             max_draft_tokens: (c.block_size - 1) as u32,
+            draft_probabilities: true,
             ..Capabilities::default()
         }
     }
@@ -101,7 +109,12 @@ impl DraftProvider for DflashProvider {
                 format!("{target_cap:?}"),
             );
         }
-        Ok(DflashRows { model: self.model.clone(), target, contexts: vec![Context::default(); rows] })
+        Ok(DflashRows {
+            model: self.model.clone(),
+            target,
+            contexts: vec![Context::default(); rows],
+            sample: self.sample_drafts,
+        })
     }
 }
 
@@ -109,6 +122,8 @@ pub struct DflashRows {
     model: Rc<Dflash>,
     target: Target,
     contexts: Vec<Context>,
+    /// Draw drafts from the draft distribution and return it, instead of taking the argmax.
+    sample: bool,
 }
 
 /// Row `r` of x [B, L, F], positions `from..to`, as [1, to − from, F].
@@ -129,7 +144,7 @@ impl DflashRows {
         Ok(())
     }
 
-    fn draft_row(&self, r: usize, pending: u32, depth: usize) -> Result<Vec<u32>, PluginError> {
+    fn draft_row(&self, r: usize, pending: u32, depth: usize, step: u64) -> Result<Proposal, PluginError> {
         let c = &self.model.config;
         let mut ids = vec![pending as i32];
         ids.extend(std::iter::repeat_n(c.mask_token_id as i32, depth));
@@ -137,9 +152,22 @@ impl DflashRows {
         let hidden = self.model.block(&self.contexts[r], &embedded)?;
         let after_first: Vec<i32> = (1..ids.len() as i32).collect();
         let hidden = hidden.take_axis(Array::from_slice(&after_first, &[depth as i32]), 1)?;
-        let logits = self.target.logits_from_hidden(&hidden)?;
-        let tokens = plugin_api::mlx_rs::ops::indexing::argmax_axis(&logits, -1, None)?.as_dtype(Dtype::Int32)?;
-        Ok(tokens.as_slice::<i32>().iter().map(|&t| t as u32).collect())
+        let logits = self.target.logits_from_hidden(&hidden)?.reshape(&[depth as i32, -1])?;
+        if !self.sample {
+            let tokens = plugin_api::mlx_rs::ops::indexing::argmax_axis(&logits, -1, None)?.as_dtype(Dtype::Int32)?;
+            return Ok(Proposal::tokens(tokens.as_slice::<i32>().iter().map(|&t| t as u32).collect()));
+        }
+        // Block positions are drafted independently, so position i's distribution is the
+        // proposal distribution of its token whatever the drafts before it.
+        let probabilities = plugin_api::mlx_rs::ops::softmax_axis(&logits.as_dtype(Dtype::Float32)?, -1, true)?;
+        let vocab = probabilities.shape()[1] as usize;
+        let tokens = probabilities
+            .as_slice::<f32>()
+            .chunks(vocab)
+            .enumerate()
+            .map(|(i, q)| draw(q, uniform(step + i as u64)))
+            .collect();
+        Ok(Proposal { tokens, probabilities: Some(probabilities) })
     }
 }
 
@@ -153,7 +181,7 @@ impl DraftRows for DflashRows {
         Ok(())
     }
 
-    fn draft(&mut self, pending: &[u32], depth: usize, _steps: &[u64]) -> Result<Vec<Proposal>, PluginError> {
+    fn draft(&mut self, pending: &[u32], depth: usize, steps: &[u64]) -> Result<Vec<Proposal>, PluginError> {
         self.check_rows("draft", pending.len())?;
         let depth = depth.min(self.model.config.block_size - 1);
         (0..pending.len())
@@ -161,7 +189,7 @@ impl DraftRows for DflashRows {
                 if depth == 0 || self.contexts[r].is_empty() {
                     return Ok(Proposal::default());
                 }
-                Ok(Proposal::tokens(self.draft_row(r, pending[r], depth)?))
+                self.draft_row(r, pending[r], depth, steps.get(r).copied().unwrap_or(0))
             })
             .collect()
     }
@@ -221,6 +249,28 @@ impl DraftRows for DflashRows {
     }
 }
 
+/// Inverse-CDF draw from probabilities `q` with the uniform `u`.
+fn draw(q: &[f32], u: f64) -> u32 {
+    let mut left = u * q.iter().map(|&p| p as f64).sum::<f64>();
+    for (token, &p) in q.iter().enumerate() {
+        if left < p as f64 {
+            return token as u32;
+        }
+        left -= p as f64;
+    }
+    q.iter().rposition(|&p| p > 0.0).unwrap_or(0) as u32
+}
+
+/// A uniform in [0, 1) for the draft of output step `step`: SplitMix64 of the step, so a
+/// draft is the same whenever it is asked for the same step.
+fn uniform(step: u64) -> f64 {
+    let mut z = step.wrapping_add(0xD1F1_A5D0_0000_0001).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    (z >> 11) as f64 / (1u64 << 53) as f64
+}
+
 plugin_api::export_drafter!(DflashDrafter);
 
 #[cfg(test)]
@@ -248,6 +298,26 @@ mod conformance {
         let report = check::<super::DflashDrafter>(&config());
         report.assert_passed();
         assert!(report.drafted > 0);
+    }
+
+    #[test]
+    fn passes_the_conformance_kit_when_sampling_its_drafts() {
+        let report = check::<super::DflashDrafter>(&Config { options: "sample_drafts = true".into(), ..config() });
+        report.assert_passed();
+        assert!(report.drafted > 0);
+    }
+
+    #[test]
+    fn draws_follow_the_probabilities_they_come_with() {
+        let q = [0.1f32, 0.0, 0.6, 0.3];
+        let mut counts = [0u32; 4];
+        for step in 0..4000 {
+            counts[super::draw(&q, super::uniform(step)) as usize] += 1;
+        }
+        assert_eq!(counts[1], 0);
+        for (c, p) in counts.iter().zip(q) {
+            assert!((*c as f32 / 4000.0 - p).abs() < 0.03, "{counts:?}");
+        }
     }
 
     #[test]
