@@ -40,6 +40,7 @@ oracle: setup
 	bash tests/oracle/setup-venv.sh
 	$(ORACLE_PY) tests/oracle/gemma4_oracle.py
 	$(ORACLE_PY) tests/oracle/dflash_oracle.py
+	$(ORACLE_PY) tests/oracle/dspark_oracle.py
 	bash tests/oracle/setup-venv-hf.sh
 	tests/oracle/.venv-hf/bin/python tests/oracle/assistant_oracle.py
 
@@ -51,3 +52,4 @@ bench: build
 	./target/release/host bench --manifest manifests/bench-ngram.toml
 	./target/release/host bench --manifest manifests/assistant.toml
 	./target/release/host bench --manifest manifests/dflash.toml
+	./target/release/host bench --manifest manifests/dspark.toml

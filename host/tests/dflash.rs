@@ -99,44 +99,5 @@ fn rejection_sampling_with_sampled_drafts_keeps_the_targets_distribution() {
     let model = Rc::new(load(&dir.join("target")).unwrap());
     let plugin = load_library(&common::workspace_plugin("dflash"), None).unwrap();
     let drafter = Drafter::load(&plugin, Some(&dir.join("drafter")), "sample_drafts = true").unwrap();
-    assert!(drafter.info.capabilities.draft_probabilities);
-    let prompt: Vec<u32> = vec![2, 17, 40, 9, 33, 17, 40, 9, 61, 5];
-    // Temperature 1 over the top 4 tokens: the first generated token has 4 outcomes.
-    let params = |seed| SamplingParams { temperature: 1.0, top_k: 4, top_p: 1.0, min_p: 0.0, seed };
-    let mut caches = model.make_caches(1, 2);
-    let ids = Array::from_slice(&prompt.iter().map(|&t| t as i32).collect::<Vec<_>>(), &[1, prompt.len() as i32]);
-    let hidden = model.forward_hidden(&ids, &mut caches, None).unwrap();
-    let logits = host::generate::last_logits(&model, &hidden).unwrap();
-    let lp = host::sampling::filtered_logprobs(logits.as_dtype(Dtype::Float32).unwrap().as_slice::<f32>(), &params(0));
-    let p: Vec<(usize, f64)> =
-        lp.iter().enumerate().filter(|(_, x)| x.is_finite()).map(|(i, &x)| (i, (x as f64).exp())).collect();
-    let total: f64 = p.iter().map(|(_, x)| x).sum();
-
-    let (batches, rows) = (6u64, 150u64);
-    let mut counts = std::collections::BTreeMap::new();
-    let mut drafted = 0;
-    for batch in 0..batches {
-        let requests: Vec<Request> = (0..rows)
-            .map(|r| Request { prompt: prompt.clone(), max_tokens: 3, sampling: params(batch * rows + r), eos: vec![] })
-            .collect();
-        let config = SpecConfig { draft_tokens: 2, verify: Verify::Rejection };
-        for g in host::speculative::generate_speculative_rows(&model, &drafter, &requests, config, |_, _| {}).unwrap() {
-            assert!(g.stats.drafter_error.is_none(), "{:?}", g.stats.drafter_error);
-            *counts.entry(g.tokens[0] as usize).or_insert(0u64) += 1;
-            drafted += g.stats.drafted;
-        }
-    }
-    assert!(drafted > 0);
-    let runs = batches * rows;
-    let strays: u64 = counts.iter().filter(|(t, _)| !p.iter().any(|(i, _)| i == *t)).map(|(_, c)| c).sum();
-    assert_eq!(strays, 0, "tokens outside the target's support: {counts:?}");
-    // Chi-square, 3 degrees of freedom, significance 0.001: critical value 16.27.
-    let chi2: f64 = p
-        .iter()
-        .map(|(t, w)| {
-            let expected = runs as f64 * w / total;
-            (*counts.get(t).unwrap_or(&0) as f64 - expected).powi(2) / expected
-        })
-        .sum();
-    assert!(chi2 < 16.27, "chi2 = {chi2:.2}: counts {counts:?}, p {p:?}");
+    common::assert_rejection_keeps_the_first_token_distribution(&model, &drafter, 2);
 }

@@ -4,6 +4,7 @@
 //! the target's head. Committing appends the kept rows only, so a rejection drops nothing.
 
 mod config;
+mod dspark;
 mod model;
 
 use std::path::Path;
@@ -14,7 +15,47 @@ use plugin_api::mlx_rs::{Array, Dtype};
 use plugin_api::sdk::{DraftProvider, DraftRows, Drafter, Options, Proposal, Target};
 use plugin_api::{Capabilities, Descriptor, OwnedArray, PluginError, Ports, ProviderInfo};
 
+pub use dspark::Dspark;
 pub use model::{Context, Dflash};
+
+/// The two checkpoint formats this plugin drafts with.
+pub enum Network {
+    /// z-lab DFlash (`config.json` with `dflash_config`).
+    Zlab(Dflash),
+    /// The seeds' DSpark (`dspark.json`, variant "dspark" or legacy "dflash").
+    Dspark(Dspark),
+}
+
+impl Network {
+    fn tap_layers(&self) -> Vec<u32> {
+        match self {
+            Network::Zlab(m) => m.config.target_layer_ids.clone(),
+            Network::Dspark(m) => m.config.tap_layers.clone(),
+        }
+    }
+
+    fn max_draft_tokens(&self) -> usize {
+        match self {
+            Network::Zlab(m) => m.config.block_size - 1,
+            Network::Dspark(m) => m.config.gamma,
+        }
+    }
+
+    fn weight_bytes(&self) -> usize {
+        match self {
+            Network::Zlab(m) => m.weight_bytes,
+            Network::Dspark(m) => m.weight_bytes,
+        }
+    }
+
+    fn extend(&self, context: &mut Context, taps: &Array) -> Result<(), PluginError> {
+        match self {
+            Network::Zlab(m) => m.extend(context, taps)?,
+            Network::Dspark(m) => m.extend(context, taps)?,
+        }
+        Ok(())
+    }
+}
 
 pub struct DflashDrafter;
 
@@ -37,29 +78,47 @@ impl Drafter for DflashDrafter {
                 "false",
                 "draw each draft from the drafter's distribution and return it, for verify = \"rejection\"",
             )
+            .option("sts", "true", "DSpark: stop a draft where the checkpoint's STS confidence thresholds say")
+            .option("min_confidence", "0.0", "DSpark: stop a draft at the first position less confident than this")
     }
 
     fn load(artifact: Option<&Path>, options: &Options) -> Result<DflashProvider, PluginError> {
         let dir = artifact.ok_or_else(|| PluginError::invalid_artifact("dflash needs an artifact directory"))?;
-        let model = Dflash::load(dir)?;
+        let network = if dir.join("dspark.json").exists() {
+            Network::Dspark(Dspark::load(dir)?)
+        } else {
+            Network::Zlab(Dflash::load(dir)?)
+        };
         let id = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        Ok(DflashProvider { model: Rc::new(model), id, sample_drafts: options.get_or("sample_drafts", false)? })
+        let settings = Settings {
+            sample_drafts: options.get_or("sample_drafts", false)?,
+            sts: options.get_or("sts", true)?,
+            min_confidence: options.get_or("min_confidence", 0.0f32)?,
+        };
+        Ok(DflashProvider { network: Rc::new(network), id, settings })
     }
 }
 
-pub struct DflashProvider {
-    model: Rc<Dflash>,
-    id: String,
+/// The manifest's options for this plugin.
+#[derive(Clone, Copy)]
+struct Settings {
     sample_drafts: bool,
+    sts: bool,
+    min_confidence: f32,
+}
+
+pub struct DflashProvider {
+    network: Rc<Network>,
+    id: String,
+    settings: Settings,
 }
 
 impl DflashProvider {
     fn capabilities(&self) -> Capabilities {
-        let c = &self.model.config;
         Capabilities {
             ports: Ports::EMBED.union(Ports::LOGITS).union(Ports::TAPS),
-            tap_layers: c.target_layer_ids.clone().into(),
-            max_draft_tokens: (c.block_size - 1) as u32,
+            tap_layers: self.network.tap_layers().into(),
+            max_draft_tokens: self.network.max_draft_tokens() as u32,
             draft_probabilities: true,
             ..Capabilities::default()
         }
@@ -72,58 +131,75 @@ impl DraftProvider for DflashProvider {
     fn info(&self) -> ProviderInfo {
         ProviderInfo {
             id: self.id.as_str().into(),
-            weights_bytes: self.model.weight_bytes as u64,
+            weights_bytes: self.network.weight_bytes() as u64,
             namespace: NAMESPACE.into(),
-            trained_depth: (self.model.config.block_size - 1) as u32,
+            trained_depth: self.network.max_draft_tokens() as u32,
             capabilities: self.capabilities(),
         }
     }
 
     fn open(&self, target: Target, rows: usize) -> Result<DflashRows, PluginError> {
         let info = target.info();
-        let c = &self.model.config;
         let refuse = |what: &str, ours: String, theirs: String| {
             Err(PluginError::incompatible_target(format!("the drafter's {what} is {ours}, the target's is {theirs}")))
         };
-        if info.hidden_size as i32 != c.hidden_size {
-            return refuse("hidden_size", c.hidden_size.to_string(), info.hidden_size.to_string());
+        match &*self.network {
+            Network::Zlab(m) => {
+                let c = &m.config;
+                if info.hidden_size as i32 != c.hidden_size {
+                    return refuse("hidden_size", c.hidden_size.to_string(), info.hidden_size.to_string());
+                }
+                if info.num_layers != c.num_target_layers {
+                    return refuse("num_target_layers", c.num_target_layers.to_string(), info.num_layers.to_string());
+                }
+                if c.mask_token_id >= info.vocab_size {
+                    return refuse(
+                        "mask_token_id",
+                        c.mask_token_id.to_string(),
+                        format!("vocabulary of {}", info.vocab_size),
+                    );
+                }
+                // The target's head brings its own softcap; the drafter's must be the same.
+                let target_cap = (info.final_logit_softcap > 0.0).then_some(info.final_logit_softcap);
+                if target_cap != c.final_logit_softcapping {
+                    return refuse(
+                        "final_logit_softcapping",
+                        format!("{:?}", c.final_logit_softcapping),
+                        format!("{target_cap:?}"),
+                    );
+                }
+            }
+            Network::Dspark(m) => {
+                let c = &m.config;
+                if info.hidden_size as i32 != c.hidden_size {
+                    return refuse("hiddenSize", c.hidden_size.to_string(), info.hidden_size.to_string());
+                }
+                if info.vocab_size as i32 != c.vocab_size {
+                    return refuse("vocabSize", c.vocab_size.to_string(), info.vocab_size.to_string());
+                }
+            }
         }
-        if info.num_layers != c.num_target_layers {
-            return refuse("num_target_layers", c.num_target_layers.to_string(), info.num_layers.to_string());
-        }
-        if let Some(bad) = c.target_layer_ids.iter().find(|&&l| l >= info.num_layers) {
+        // Tap index = that layer's output; the layer count = after the final norm.
+        if let Some(bad) = self.network.tap_layers().iter().find(|&&l| l > info.num_layers) {
             return Err(PluginError::incompatible_target(format!(
-                "target_layer_ids has {bad}, the target's layers are 0..{}",
-                info.num_layers
+                "the drafter taps layer {bad}, the target's layers are 0..{} (and {} for the final norm)",
+                info.num_layers, info.num_layers
             )));
         }
-        if c.mask_token_id >= info.vocab_size {
-            return refuse("mask_token_id", c.mask_token_id.to_string(), format!("vocabulary of {}", info.vocab_size));
-        }
-        // The target's head brings its own softcap; the drafter's must be the same.
-        let target_cap = (info.final_logit_softcap > 0.0).then_some(info.final_logit_softcap);
-        if target_cap != c.final_logit_softcapping {
-            return refuse(
-                "final_logit_softcapping",
-                format!("{:?}", c.final_logit_softcapping),
-                format!("{target_cap:?}"),
-            );
-        }
         Ok(DflashRows {
-            model: self.model.clone(),
+            network: self.network.clone(),
             target,
             contexts: vec![Context::default(); rows],
-            sample: self.sample_drafts,
+            settings: self.settings,
         })
     }
 }
 
 pub struct DflashRows {
-    model: Rc<Dflash>,
+    network: Rc<Network>,
     target: Target,
     contexts: Vec<Context>,
-    /// Draw drafts from the draft distribution and return it, instead of taking the argmax.
-    sample: bool,
+    settings: Settings,
 }
 
 /// Row `r` of x [B, L, F], positions `from..to`, as [1, to − from, F].
@@ -145,15 +221,37 @@ impl DflashRows {
     }
 
     fn draft_row(&self, r: usize, pending: u32, depth: usize, step: u64) -> Result<Proposal, PluginError> {
-        let c = &self.model.config;
+        match &*self.network {
+            Network::Zlab(m) => self.draft_zlab(m, r, pending, depth, step),
+            Network::Dspark(m) => {
+                let thresholds: Vec<f32> = (0..m.config.gamma)
+                    .map(|k| {
+                        let sts = if self.settings.sts {
+                            m.config.sts_thresholds.get(k).copied().unwrap_or(0.0)
+                        } else {
+                            0.0
+                        };
+                        sts.max(self.settings.min_confidence)
+                    })
+                    .collect();
+                let draw = |k: usize, q: &[f32]| draw(q, uniform(step + k as u64));
+                let sampler: Option<dspark::Draw<'_>> = if self.settings.sample_drafts { Some(&draw) } else { None };
+                let d = m.draft(&self.contexts[r], &self.target, pending, depth, &thresholds, sampler)?;
+                Ok(Proposal { tokens: d.tokens, probabilities: d.probabilities })
+            }
+        }
+    }
+
+    fn draft_zlab(&self, m: &Dflash, r: usize, pending: u32, depth: usize, step: u64) -> Result<Proposal, PluginError> {
+        let c = &m.config;
         let mut ids = vec![pending as i32];
         ids.extend(std::iter::repeat_n(c.mask_token_id as i32, depth));
         let embedded = self.target.embed(&Array::from_slice(&ids, &[1, ids.len() as i32]), true)?;
-        let hidden = self.model.block(&self.contexts[r], &embedded)?;
+        let hidden = m.block(&self.contexts[r], &embedded)?;
         let after_first: Vec<i32> = (1..ids.len() as i32).collect();
         let hidden = hidden.take_axis(Array::from_slice(&after_first, &[depth as i32]), 1)?;
         let logits = self.target.logits_from_hidden(&hidden)?.reshape(&[depth as i32, -1])?;
-        if !self.sample {
+        if !self.settings.sample_drafts {
             let tokens = plugin_api::mlx_rs::ops::indexing::argmax_axis(&logits, -1, None)?.as_dtype(Dtype::Int32)?;
             return Ok(Proposal::tokens(tokens.as_slice::<i32>().iter().map(|&t| t as u32).collect()));
         }
@@ -176,14 +274,14 @@ impl DraftRows for DflashRows {
         self.check_rows("prefill", tokens.rows as usize)?;
         let taps = context.ok_or_else(|| PluginError::invalid_argument("prefill without tapped hidden states"))?;
         for (r, ctx) in self.contexts.iter_mut().enumerate() {
-            self.model.extend(ctx, &rows_of(&taps, r, 0, tokens.len as usize)?)?;
+            self.network.extend(ctx, &rows_of(&taps, r, 0, tokens.len as usize)?)?;
         }
         Ok(())
     }
 
     fn draft(&mut self, pending: &[u32], depth: usize, steps: &[u64]) -> Result<Vec<Proposal>, PluginError> {
         self.check_rows("draft", pending.len())?;
-        let depth = depth.min(self.model.config.block_size - 1);
+        let depth = depth.min(self.network.max_draft_tokens());
         (0..pending.len())
             .map(|r| {
                 if depth == 0 || self.contexts[r].is_empty() {
@@ -199,7 +297,7 @@ impl DraftRows for DflashRows {
         let taps = context.ok_or_else(|| PluginError::invalid_argument("commit without tapped hidden states"))?;
         for (r, ctx) in self.contexts.iter_mut().enumerate() {
             // The pending token and the accepted drafts are now the target's.
-            self.model.extend(ctx, &rows_of(&taps, r, 0, accepted[r] as usize + 1)?)?;
+            self.network.extend(ctx, &rows_of(&taps, r, 0, accepted[r] as usize + 1)?)?;
         }
         Ok(())
     }
@@ -305,6 +403,35 @@ mod conformance {
         let report = check::<super::DflashDrafter>(&Config { options: "sample_drafts = true".into(), ..config() });
         report.assert_passed();
         assert!(report.drafted > 0);
+    }
+
+    fn dspark_config(options: &str) -> Config {
+        Config {
+            artifact: Some(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/dspark/dspark/drafter")),
+            options: options.into(),
+            vocab_size: 512,
+            hidden_size: 64,
+            num_layers: 6,
+            final_logit_softcap: 30.0,
+            depth: 4,
+            ..Config::default()
+        }
+    }
+
+    #[test]
+    fn passes_the_conformance_kit_on_dspark_checkpoints() {
+        for options in ["", "sts = false", "min_confidence = 0.5", "sample_drafts = true"] {
+            let report = check::<super::DflashDrafter>(&dspark_config(options));
+            report.assert_passed();
+            assert!(report.drafted > 0, "{options}");
+        }
+    }
+
+    #[test]
+    fn refuses_a_dspark_target_of_another_size() {
+        let report = check::<super::DflashDrafter>(&Config { hidden_size: 48, ..dspark_config("") });
+        let why = report.failures()[0].1.as_ref().unwrap_err().clone();
+        assert!(why.contains("hiddenSize is 64, the target's is 48"), "{why}");
     }
 
     #[test]

@@ -1,0 +1,113 @@
+//! The dflash plugin on the seeds' DSpark checkpoints (`dspark.json`), against an independent
+//! NumPy implementation of the equations (tests/oracle/dspark_oracle.py).
+
+mod common;
+
+use std::cell::RefCell;
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+
+use host::generate::{generate, Request};
+use host::model::{load, Gemma4, Taps};
+use host::plugin::load::load as load_library;
+use host::plugin::Drafter;
+use host::sampling::SamplingParams;
+use host::speculative::{generate_speculative, probe_open, SpecConfig, Verify};
+use host::target_view::TargetView;
+use mlx_rs::{Array, Dtype};
+use plugin_api::nn::Weights;
+
+fn fixture(name: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/dspark").join(name);
+    assert!(dir.exists(), "{} is missing: run `make oracle`", dir.display());
+    dir
+}
+
+fn drafter(name: &str, options: &str) -> (Rc<Gemma4>, Drafter) {
+    host::runtime::init();
+    let dir = fixture(name);
+    let model = Rc::new(load(&dir.join("target")).unwrap());
+    let plugin = load_library(&common::workspace_plugin("dflash"), None).unwrap();
+    let drafter = Drafter::load(&plugin, Some(&dir.join("drafter")), options).unwrap();
+    probe_open(&model, &drafter).unwrap();
+    (model, drafter)
+}
+
+/// The drafts for a target that has processed all of `ids` but the last (the anchor).
+fn drafts_after(model: &Rc<Gemma4>, drafter: &Drafter, ids: &[u32], depth: usize) -> Vec<u32> {
+    let (prefix, last) = ids.split_at(ids.len() - 1);
+    let caches = Rc::new(RefCell::new(model.make_caches(1, 8)));
+    let tokens = Array::from_slice(&prefix.iter().map(|&t| t as i32).collect::<Vec<_>>(), &[1, prefix.len() as i32]);
+    let layers: Vec<usize> = drafter.info.capabilities.tap_layers.iter().map(|&l| l as usize).collect();
+    let mut taps = Taps { layers: layers.clone(), captured: Vec::new() };
+    model.forward_hidden(&tokens, &mut caches.borrow_mut(), Some(&mut taps)).unwrap();
+    let mut sorted = layers.clone();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let ordered: Vec<Array> = layers.iter().map(|l| taps.captured[sorted.binary_search(l).unwrap()].clone()).collect();
+    let context = mlx_rs::ops::concatenate(&ordered, -1).unwrap();
+    let view = TargetView::new(model.clone(), caches.clone());
+    let mut rows = drafter.open(view.boxed(), 1, model.config.vocab_size as u32).unwrap();
+    rows.prefill(prefix, Some(&context)).unwrap();
+    rows.draft(last, depth, &[0]).unwrap().remove(0).tokens
+}
+
+#[test]
+fn drafts_equal_the_numpy_reference_with_and_without_truncation() {
+    for name in ["dspark", "legacy"] {
+        let oracle = Weights::load_file(&fixture(name).join("oracle.safetensors")).unwrap();
+        let ids = |key: &str| -> Vec<u32> {
+            let a = oracle.get(key).unwrap().as_dtype(Dtype::Int32).unwrap();
+            a.as_slice::<i32>().iter().map(|&t| t as u32).collect()
+        };
+        for (options, key) in
+            [("sts = false", "drafts_full"), ("", "drafts_sts"), ("min_confidence = 0.5", "drafts_min05")]
+        {
+            let (model, d) = drafter(name, options);
+            for state in [0, 5, 20] {
+                let input = ids(&format!("state{state}.input_ids"));
+                let expected = ids(&format!("state{state}.{key}"));
+                assert_eq!(drafts_after(&model, &d, &input, 4), expected, "{name}, {key}, state {state}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_v1_checkpoint_is_refused_by_name() {
+    host::runtime::init();
+    let plugin = load_library(&common::workspace_plugin("dflash"), None).unwrap();
+    let error = Drafter::load(&plugin, Some(&fixture("v1")), "").err().unwrap().to_string();
+    assert!(error.contains("v1 single-vector DSpark checkpoint"), "{error}");
+}
+
+#[test]
+fn greedy_output_with_dspark_equals_plain_decoding_past_the_window() {
+    let (model, d) = drafter("dspark", "");
+    let request = Request {
+        prompt: vec![2, 17, 40, 9, 33, 17, 40, 9, 61, 5],
+        max_tokens: 60,
+        sampling: SamplingParams::default(),
+        eos: vec![],
+    };
+    let plain = generate(&model, &request, |_| {}).unwrap();
+    for gamma in [1, 2, 4] {
+        let spec = generate_speculative(
+            &model,
+            &d,
+            &request,
+            SpecConfig { draft_tokens: gamma, verify: Verify::Match },
+            |_| {},
+        )
+        .unwrap();
+        assert_eq!(spec.tokens, plain.tokens, "γ = {gamma}");
+        assert!(spec.stats.drafter_error.is_none(), "{:?}", spec.stats.drafter_error);
+        assert!(spec.stats.drafted > 0);
+    }
+}
+
+#[test]
+fn rejection_sampling_with_markov_corrected_probabilities_keeps_the_targets_distribution() {
+    let (model, d) = drafter("dspark", "sample_drafts = true\nsts = false");
+    common::assert_rejection_keeps_the_first_token_distribution(&model, &d, 3);
+}
