@@ -41,6 +41,7 @@ oracle: setup
 	$(ORACLE_PY) tests/oracle/gemma4_oracle.py
 	$(ORACLE_PY) tests/oracle/dflash_oracle.py
 	$(ORACLE_PY) tests/oracle/dspark_oracle.py
+	$(ORACLE_PY) tests/oracle/deepspec_oracle.py
 	bash tests/oracle/setup-venv-hf.sh
 	tests/oracle/.venv-hf/bin/python tests/oracle/assistant_oracle.py
 
@@ -53,3 +54,4 @@ bench: build
 	./target/release/host bench --manifest manifests/assistant.toml
 	./target/release/host bench --manifest manifests/dflash.toml
 	./target/release/host bench --manifest manifests/dspark.toml
+	./target/release/host bench --manifest manifests/deepspec.toml

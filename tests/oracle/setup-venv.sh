@@ -11,6 +11,7 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 VENV=$HERE/.venv
 REQS=$HERE/requirements.txt
 REQS_DFLASH=$HERE/requirements-dflash.txt   # dflash 0.1.0, --no-deps (see the file)
+REQS_DSPARK=$HERE/requirements-dspark.txt   # dspark-mlx 0.1.0, --no-deps (see the file)
 STAMP=$VENV/.requirements.sha256
 OPENBLAS_DIR=/usr/lib/x86_64-linux-gnu/openblas-pthread
 
@@ -30,7 +31,7 @@ fi
 [ -e "$OPENBLAS_DIR/libblas.so.3" ] || die "OpenBLAS not found in $OPENBLAS_DIR"
 
 # --- the virtual environment -------------------------------------------------------------------
-want=$(cat "$REQS" "$REQS_DFLASH" "${BASH_SOURCE[0]}" | sha256sum | cut -d' ' -f1)
+want=$(cat "$REQS" "$REQS_DFLASH" "$REQS_DSPARK" "${BASH_SOURCE[0]}" | sha256sum | cut -d' ' -f1)
 if [ -x "$VENV/bin/python" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$want" ]; then
   fresh=0
 else
@@ -51,6 +52,9 @@ else
   say "installing $(grep -cv '^\s*\(#\|$\)' "$REQS_DFLASH") pinned package(s) without dependencies"
   "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-input \
     --only-binary=:all: --no-deps --require-hashes -r "$REQS_DFLASH"
+  say "installing $(grep -cv '^\s*\(#\|$\)' "$REQS_DSPARK") pinned package(s) without dependencies"
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-input \
+    --only-binary=:all: --no-deps --require-hashes -r "$REQS_DSPARK"
 fi
 
 # --- reference BLAS/LAPACK -> OpenBLAS (as scripts/setup.sh) -----------------------------------
@@ -71,15 +75,16 @@ for lib in "$libs"/libblas-*.so* "$libs"/liblapack-*.so*; do
 done
 
 # --- check -------------------------------------------------------------------------------------
-"$VENV/bin/python" - <<'EOF' || die "the venv does not import mlx / mlx_lm / dflash.model_mlx"
+"$VENV/bin/python" - <<'EOF' || die "the venv does not import mlx / mlx_lm / dflash.model_mlx / dspark_mlx"
 import mlx.core as mx, mlx_lm
 import dflash.model_mlx
+import dspark_mlx.arch.gemma4
 a = mx.ones((64, 64))
 mx.eval(a @ a)
 EOF
 if [ $fresh = 1 ]; then
   echo "$want" >"$STAMP"
-  say "ready: $("$VENV/bin/python" -c 'import mlx.core as mx, mlx_lm, importlib.metadata as m; d = m.version("dflash"); print(f"mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}, dflash {d}")') with OpenBLAS in $VENV"
+  say "ready: $("$VENV/bin/python" -c 'import mlx.core as mx, mlx_lm, importlib.metadata as m; d = m.version("dflash"); s = m.version("dspark-mlx"); print(f"mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}, dflash {d}, dspark-mlx {s}")') with OpenBLAS in $VENV"
 else
   say "up to date in $VENV"
 fi

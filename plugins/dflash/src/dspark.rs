@@ -9,7 +9,7 @@ use plugin_api::mlx_rs::error::Exception;
 use plugin_api::mlx_rs::{Array, Dtype};
 use plugin_api::nn::ops::{attention, gelu_approx, rms_norm, Mask};
 use plugin_api::nn::{Weights, WeightsError};
-use plugin_api::sdk::Target;
+use plugin_api::sdk::{Draw, Target};
 use plugin_api::PluginError;
 use serde_json::Value;
 
@@ -58,9 +58,6 @@ pub struct Dspark {
     pub conf_b: Array,
     pub weight_bytes: usize,
 }
-
-/// Picks position k's token from its probabilities, when drafts are sampled.
-pub type Draw<'a> = &'a dyn Fn(usize, &[f32]) -> u32;
 
 /// A draft of one row: tokens, the confidence of each, and (when sampled) their distributions.
 pub struct DsparkDraft {

@@ -12,7 +12,7 @@ use std::rc::Rc;
 
 use plugin_api::abi::{RowState, TokenRows};
 use plugin_api::mlx_rs::{Array, Dtype};
-use plugin_api::sdk::{DraftProvider, DraftRows, Drafter, Options, Proposal, Target};
+use plugin_api::sdk::{draw, DraftProvider, DraftRows, Drafter, Options, Proposal, Target};
 use plugin_api::{Capabilities, Descriptor, OwnedArray, PluginError, Ports, ProviderInfo};
 
 pub use dspark::Dspark;
@@ -235,7 +235,8 @@ impl DflashRows {
                     })
                     .collect();
                 let draw = |k: usize, q: &[f32]| draw(q, uniform(step + k as u64));
-                let sampler: Option<dspark::Draw<'_>> = if self.settings.sample_drafts { Some(&draw) } else { None };
+                let sampler: Option<plugin_api::sdk::Draw<'_>> =
+                    if self.settings.sample_drafts { Some(&draw) } else { None };
                 let d = m.draft(&self.contexts[r], &self.target, pending, depth, &thresholds, sampler)?;
                 Ok(Proposal { tokens: d.tokens, probabilities: d.probabilities })
             }
@@ -347,26 +348,9 @@ impl DraftRows for DflashRows {
     }
 }
 
-/// Inverse-CDF draw from probabilities `q` with the uniform `u`.
-fn draw(q: &[f32], u: f64) -> u32 {
-    let mut left = u * q.iter().map(|&p| p as f64).sum::<f64>();
-    for (token, &p) in q.iter().enumerate() {
-        if left < p as f64 {
-            return token as u32;
-        }
-        left -= p as f64;
-    }
-    q.iter().rposition(|&p| p > 0.0).unwrap_or(0) as u32
-}
-
-/// A uniform in [0, 1) for the draft of output step `step`: SplitMix64 of the step, so a
-/// draft is the same whenever it is asked for the same step.
+/// The uniform for the draft of output step `step`.
 fn uniform(step: u64) -> f64 {
-    let mut z = step.wrapping_add(0xD1F1_A5D0_0000_0001).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^= z >> 31;
-    (z >> 11) as f64 / (1u64 << 53) as f64
+    plugin_api::sdk::uniform(0xDF1A_5D00, step)
 }
 
 plugin_api::export_drafter!(DflashDrafter);
@@ -439,7 +423,7 @@ mod conformance {
         let q = [0.1f32, 0.0, 0.6, 0.3];
         let mut counts = [0u32; 4];
         for step in 0..4000 {
-            counts[super::draw(&q, super::uniform(step)) as usize] += 1;
+            counts[plugin_api::sdk::draw(&q, super::uniform(step)) as usize] += 1;
         }
         assert_eq!(counts[1], 0);
         for (c, p) in counts.iter().zip(q) {

@@ -1,0 +1,105 @@
+//! The deepspec drafter against its oracle (dspark-mlx 0.1.0 on a tiny random target and
+//! Gemma4DSparkModel drafter that tests/oracle/deepspec_oracle.py writes) and in the loop.
+
+mod common;
+
+use std::cell::RefCell;
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+
+use host::generate::{generate, Request};
+use host::model::{load, Gemma4, Taps};
+use host::plugin::load::load as load_library;
+use host::plugin::Drafter;
+use host::sampling::SamplingParams;
+use host::speculative::{generate_speculative, probe_open, SpecConfig, Verify};
+use host::target_view::TargetView;
+use mlx_rs::{Array, Dtype};
+use plugin_api::nn::Weights;
+
+fn fixture() -> PathBuf {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/deepspec/gemma4-dense");
+    assert!(dir.join("drafter/config.json").exists(), "{} is missing: run `make oracle`", dir.display());
+    dir
+}
+
+fn setup(options: &str) -> (Rc<Gemma4>, Drafter) {
+    host::runtime::init();
+    let model = Rc::new(load(&fixture().join("target")).unwrap());
+    let plugin = load_library(&common::workspace_plugin("deepspec"), None).unwrap();
+    let drafter = Drafter::load(&plugin, Some(&fixture().join("drafter")), options).unwrap();
+    probe_open(&model, &drafter).unwrap();
+    (model, drafter)
+}
+
+/// The drafts for a target that has processed all of `ids` but the last (the anchor).
+fn drafts_after(model: &Rc<Gemma4>, drafter: &Drafter, ids: &[u32], depth: usize) -> Vec<u32> {
+    let (prefix, last) = ids.split_at(ids.len() - 1);
+    let caches = Rc::new(RefCell::new(model.make_caches(1, 8)));
+    let tokens = Array::from_slice(&prefix.iter().map(|&t| t as i32).collect::<Vec<_>>(), &[1, prefix.len() as i32]);
+    let layers: Vec<usize> = drafter.info.capabilities.tap_layers.iter().map(|&l| l as usize).collect();
+    let mut taps = Taps { layers, captured: Vec::new() };
+    model.forward_hidden(&tokens, &mut caches.borrow_mut(), Some(&mut taps)).unwrap();
+    let context = mlx_rs::ops::concatenate(&taps.captured, -1).unwrap();
+    let view = TargetView::new(model.clone(), caches.clone());
+    let mut rows = drafter.open(view.boxed(), 1, model.config.vocab_size as u32).unwrap();
+    rows.prefill(prefix, Some(&context)).unwrap();
+    rows.draft(last, depth, &[0]).unwrap().remove(0).tokens
+}
+
+#[test]
+fn drafts_and_truncation_equal_dspark_mlx_for_several_target_states() {
+    let oracle = Weights::load_file(&fixture().join("oracle.safetensors")).unwrap();
+    let ids = |key: &str| -> Vec<u32> {
+        let a = oracle.get(key).unwrap().as_dtype(Dtype::Int32).unwrap();
+        // A threshold can cut a draft to nothing: an empty array.
+        if a.size() == 0 {
+            return Vec::new();
+        }
+        a.as_slice::<i32>().iter().map(|&t| t as u32).collect()
+    };
+    for (options, key) in [
+        ("", "draft_tokens"),
+        ("confidence_threshold = 0.3", "drafts_t03"),
+        ("confidence_threshold = 0.6", "drafts_t06"),
+    ] {
+        let (model, drafter) = setup(options);
+        for state in [0, 5, 20] {
+            let input = ids(&format!("state{state}.input_ids"));
+            let expected = ids(&format!("state{state}.{key}"));
+            assert_eq!(drafts_after(&model, &drafter, &input, 4), expected, "{key}, state {state}");
+        }
+    }
+}
+
+#[test]
+fn greedy_output_with_deepspec_equals_plain_decoding_past_the_window() {
+    for options in ["", "confidence_threshold = 0.5"] {
+        let (model, drafter) = setup(options);
+        let request = Request {
+            prompt: vec![2, 17, 40, 9, 33, 17, 40, 9, 61, 5],
+            max_tokens: 60,
+            sampling: SamplingParams::default(),
+            eos: vec![],
+        };
+        let plain = generate(&model, &request, |_| {}).unwrap();
+        for gamma in [1, 2, 4] {
+            let spec = generate_speculative(
+                &model,
+                &drafter,
+                &request,
+                SpecConfig { draft_tokens: gamma, verify: Verify::Match },
+                |_| {},
+            )
+            .unwrap();
+            assert_eq!(spec.tokens, plain.tokens, "{options:?}, γ = {gamma}");
+            assert!(spec.stats.drafter_error.is_none(), "{:?}", spec.stats.drafter_error);
+        }
+    }
+}
+
+#[test]
+fn rejection_sampling_with_markov_corrected_probabilities_keeps_the_targets_distribution() {
+    let (model, drafter) = setup("sample_drafts = true");
+    common::assert_rejection_keeps_the_first_token_distribution(&model, &drafter, 3);
+}

@@ -1,0 +1,317 @@
+//! DeepSeek's DSpark drafters (`Gemma4DSparkModel`): each row keeps the projected context of
+//! every committed position as per-layer keys and values; a draft is one non-causal pass of
+//! the block [anchor, mask, …], the Markov head chained on the drafted tokens, and, when a
+//! `confidence_threshold` is set, a cut at the first position less confident than it (which
+//! may leave nothing to propose).
+
+mod config;
+mod model;
+
+use std::path::Path;
+use std::rc::Rc;
+
+use plugin_api::abi::{RowState, TokenRows};
+use plugin_api::mlx_rs::{Array, Dtype};
+use plugin_api::sdk::{draw, DraftProvider, DraftRows, Drafter, Options, Proposal, Target};
+use plugin_api::{Capabilities, Descriptor, OwnedArray, PluginError, Ports, ProviderInfo};
+
+pub use model::{Context, Deepspec};
+
+pub struct DeepspecDrafter;
+
+const NAMESPACE: &str = "deepspec-context/1";
+
+fn ports() -> Ports {
+    Ports::TAPS
+}
+
+impl Drafter for DeepspecDrafter {
+    type Provider = DeepspecProvider;
+
+    fn descriptor() -> Descriptor {
+        Descriptor::new("deepspec", "DeepSpec DSpark", env!("CARGO_PKG_VERSION"))
+            .summary(
+                "DeepSeek's DSpark drafters (Gemma4DSparkModel): block drafting with a Markov head and confidences",
+            )
+            .needs_artifact()
+            .capabilities(Capabilities { ports: ports(), draft_probabilities: true, ..Capabilities::default() })
+            .option(
+                "confidence_threshold",
+                "0.0",
+                "stop a draft at the first position less confident than this (0: off)",
+            )
+            .option(
+                "sample_drafts",
+                "false",
+                "draw drafts from the Markov-corrected distribution and return it, for verify = \"rejection\"",
+            )
+    }
+
+    fn load(artifact: Option<&Path>, options: &Options) -> Result<DeepspecProvider, PluginError> {
+        let dir = artifact.ok_or_else(|| PluginError::invalid_artifact("deepspec needs an artifact directory"))?;
+        let model = Deepspec::load(dir)?;
+        let id = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        Ok(DeepspecProvider {
+            model: Rc::new(model),
+            id,
+            threshold: options.get_or("confidence_threshold", 0.0f32)?,
+            sample: options.get_or("sample_drafts", false)?,
+        })
+    }
+}
+
+pub struct DeepspecProvider {
+    model: Rc<Deepspec>,
+    id: String,
+    threshold: f32,
+    sample: bool,
+}
+
+impl DraftProvider for DeepspecProvider {
+    type Rows = DeepspecRows;
+
+    fn info(&self) -> ProviderInfo {
+        let c = &self.model.config;
+        ProviderInfo {
+            id: self.id.as_str().into(),
+            weights_bytes: self.model.weight_bytes as u64,
+            namespace: NAMESPACE.into(),
+            trained_depth: c.block_size as u32,
+            capabilities: Capabilities {
+                ports: ports(),
+                tap_layers: c.target_layer_ids.clone().into(),
+                max_draft_tokens: c.block_size as u32,
+                draft_probabilities: true,
+                ..Capabilities::default()
+            },
+        }
+    }
+
+    fn open(&self, target: Target, rows: usize) -> Result<DeepspecRows, PluginError> {
+        let info = target.info();
+        let c = &self.model.config;
+        let refuse = |what: &str, ours: u32, theirs: u32| {
+            Err(PluginError::incompatible_target(format!("the drafter's {what} is {ours}, the target's is {theirs}")))
+        };
+        if info.num_layers != c.num_target_layers {
+            return refuse("num_target_layers", c.num_target_layers, info.num_layers);
+        }
+        if info.hidden_size as i32 != c.hidden_size {
+            return refuse("hidden_size", c.hidden_size as u32, info.hidden_size);
+        }
+        if info.vocab_size as i32 != c.vocab_size {
+            return refuse("vocab_size", c.vocab_size as u32, info.vocab_size);
+        }
+        // DeepSpec taps decoder layer outputs only, never the final norm.
+        if let Some(&bad) = c.target_layer_ids.iter().find(|&&l| l >= info.num_layers) {
+            return Err(PluginError::incompatible_target(format!(
+                "target_layer_ids has {bad}, the target's layers are 0..{}",
+                info.num_layers
+            )));
+        }
+        Ok(DeepspecRows {
+            model: self.model.clone(),
+            contexts: vec![Context::default(); rows],
+            threshold: self.threshold,
+            sample: self.sample,
+        })
+    }
+}
+
+pub struct DeepspecRows {
+    model: Rc<Deepspec>,
+    contexts: Vec<Context>,
+    threshold: f32,
+    sample: bool,
+}
+
+/// Row `r` of x [B, L, F], positions `from..to`, as [1, to − from, F].
+fn rows_of(x: &Array, r: usize, from: usize, to: usize) -> Result<Array, PluginError> {
+    let row = x.take_axis(Array::from_slice(&[r as i32], &[1]), 0)?;
+    let span: Vec<i32> = (from as i32..to as i32).collect();
+    Ok(row.take_axis(Array::from_slice(&span, &[span.len() as i32]), 1)?)
+}
+
+impl DeepspecRows {
+    fn check_rows(&self, what: &str, got: usize) -> Result<(), PluginError> {
+        if got != self.contexts.len() {
+            return Err(PluginError::invalid_argument(format!(
+                "{what} has {got} rows, the group has {}",
+                self.contexts.len()
+            )));
+        }
+        Ok(())
+    }
+
+    fn draft_row(&self, r: usize, anchor: u32, depth: usize, step: u64) -> Result<Proposal, PluginError> {
+        let draw = |k: usize, q: &[f32]| draw(q, uniform(step + k as u64));
+        let sampler: Option<plugin_api::sdk::Draw<'_>> = if self.sample { Some(&draw) } else { None };
+        let block = self.model.block(&self.contexts[r], anchor, sampler)?;
+        let cut = if self.threshold > 0.0 {
+            block.confidences.iter().position(|&c| c < self.threshold).unwrap_or(block.tokens.len())
+        } else {
+            block.tokens.len()
+        };
+        let keep = cut.min(depth);
+        let probabilities = if self.sample && keep > 0 {
+            let logits = block
+                .logits
+                .take_axis(Array::from_iter(0..keep as i32, &[keep as i32]), 0)?
+                .as_dtype(Dtype::Float32)?;
+            Some(plugin_api::mlx_rs::ops::softmax_axis(&logits, -1, true)?)
+        } else {
+            None
+        };
+        Ok(Proposal { tokens: block.tokens[..keep].to_vec(), probabilities })
+    }
+}
+
+impl DraftRows for DeepspecRows {
+    fn prefill(&mut self, tokens: TokenRows<'_>, context: Option<Array>) -> Result<(), PluginError> {
+        self.check_rows("prefill", tokens.rows as usize)?;
+        let taps = context.ok_or_else(|| PluginError::invalid_argument("prefill without tapped hidden states"))?;
+        for (r, ctx) in self.contexts.iter_mut().enumerate() {
+            self.model.extend(ctx, &rows_of(&taps, r, 0, tokens.len as usize)?)?;
+        }
+        Ok(())
+    }
+
+    fn draft(&mut self, pending: &[u32], depth: usize, steps: &[u64]) -> Result<Vec<Proposal>, PluginError> {
+        self.check_rows("draft", pending.len())?;
+        (0..pending.len())
+            .map(|r| {
+                if depth == 0 || self.contexts[r].is_empty() {
+                    return Ok(Proposal::default());
+                }
+                self.draft_row(r, pending[r], depth, steps.get(r).copied().unwrap_or(0))
+            })
+            .collect()
+    }
+
+    fn commit(&mut self, window: TokenRows<'_>, accepted: &[u32], context: Option<Array>) -> Result<(), PluginError> {
+        self.check_rows("commit", window.rows as usize)?;
+        let taps = context.ok_or_else(|| PluginError::invalid_argument("commit without tapped hidden states"))?;
+        for (r, ctx) in self.contexts.iter_mut().enumerate() {
+            self.model.extend(ctx, &rows_of(&taps, r, 0, accepted[r] as usize + 1)?)?;
+        }
+        Ok(())
+    }
+
+    fn filter_rows(&mut self, keep: &[u32]) -> Result<(), PluginError> {
+        if let Some(&bad) = keep.iter().find(|&&r| r as usize >= self.contexts.len()) {
+            return Err(PluginError::invalid_argument(format!(
+                "filter_rows keeps row {bad} of {}",
+                self.contexts.len()
+            )));
+        }
+        self.contexts = keep.iter().map(|&r| self.contexts[r as usize].clone()).collect();
+        Ok(())
+    }
+
+    fn append(&mut self, states: Vec<RowState>) -> Result<(), PluginError> {
+        for state in states {
+            if state.namespace.as_str() != NAMESPACE {
+                return Err(PluginError::invalid_argument(format!(
+                    "row state of namespace `{}` given to deepspec ({NAMESPACE})",
+                    state.namespace
+                )));
+            }
+            let arrays: Vec<Array> = state.tensors.into_iter().map(OwnedArray::into_array).collect();
+            let (keys, values): (Vec<_>, Vec<_>) = arrays.chunks(2).map(|kv| (kv[0].clone(), kv[1].clone())).unzip();
+            self.contexts.push(Context { keys, values });
+        }
+        Ok(())
+    }
+
+    fn capture(&mut self, row: usize) -> Result<RowState, PluginError> {
+        let ctx = self
+            .contexts
+            .get(row)
+            .ok_or_else(|| PluginError::invalid_argument(format!("capture of row {row} of {}", self.contexts.len())))?;
+        Ok(RowState {
+            namespace: NAMESPACE.into(),
+            processed: ctx.len() as u64,
+            ids: Default::default(),
+            tensors: ctx
+                .keys
+                .iter()
+                .zip(&ctx.values)
+                .flat_map(|(k, v)| [OwnedArray::new(k.clone()), OwnedArray::new(v.clone())])
+                .collect(),
+        })
+    }
+}
+
+/// The uniform for the draft of output step `step`.
+fn uniform(step: u64) -> f64 {
+    plugin_api::sdk::uniform(0xDEE5_9EC0, step)
+}
+
+plugin_api::export_drafter!(DeepspecDrafter);
+
+#[cfg(test)]
+mod conformance {
+    use std::path::Path;
+
+    use plugin_api::conformance::{check, Config};
+
+    fn config(options: &str) -> Config {
+        Config {
+            artifact: Some(
+                Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/deepspec/gemma4-dense/drafter"),
+            ),
+            options: options.into(),
+            vocab_size: 512,
+            hidden_size: 64,
+            num_layers: 6,
+            depth: 4,
+            ..Config::default()
+        }
+    }
+
+    #[test]
+    fn passes_the_conformance_kit() {
+        for options in ["", "confidence_threshold = 0.5", "sample_drafts = true"] {
+            let report = check::<super::DeepspecDrafter>(&config(options));
+            report.assert_passed();
+            assert!(report.drafted > 0, "{options}");
+        }
+    }
+
+    #[test]
+    fn refuses_targets_it_does_not_fit_naming_both_values() {
+        for (config, expected) in [
+            (Config { num_layers: 8, ..config("") }, "num_target_layers is 6, the target's is 8"),
+            (Config { hidden_size: 48, ..config("") }, "hidden_size is 64, the target's is 48"),
+        ] {
+            let report = check::<super::DeepspecDrafter>(&config);
+            let why = report.failures()[0].1.as_ref().unwrap_err().clone();
+            assert!(why.contains(expected), "{why}");
+        }
+    }
+
+    #[test]
+    fn refuses_variants_it_does_not_implement_by_name() {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/deepspec/gemma4-dense/drafter");
+        let config_text = std::fs::read_to_string(src.join("config.json")).unwrap();
+        for (edit, expected) in [
+            (
+                ("\"markov_head_type\": \"vanilla\"", "\"markov_head_type\": \"gated\""),
+                "`markov_head_type` = \"gated\" is not supported",
+            ),
+            (("\"attention_k_eq_v\": true", "\"attention_k_eq_v\": false"), "`attention_k_eq_v` must be true"),
+            (
+                ("\"hidden_activation\": \"gelu_pytorch_tanh\"", "\"hidden_activation\": \"silu\""),
+                "`hidden_activation` = \"silu\" is not supported",
+            ),
+        ] {
+            assert!(config_text.contains(edit.0), "fixture lacks {}", edit.0);
+            let dir = std::env::temp_dir().join(format!("deepspec-variant-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(dir.join("config.json"), config_text.replace(edit.0, edit.1)).unwrap();
+            let error = crate::config::DeepspecConfig::load(&dir).unwrap_err().to_string();
+            assert!(error.contains(expected), "{error}");
+            std::fs::remove_dir_all(&dir).unwrap();
+        }
+    }
+}

@@ -1,0 +1,274 @@
+//! The DeepSpec DSpark network: Gemma 4 layers (K=V, proportional RoPE, scale 1.0) over a
+//! projected context, a block drafted in one non-causal pass, its own untied head, then the
+//! Markov correction chained on the drafted tokens and a confidence per position. Fields
+//! follow the checkpoint's tensor names.
+
+use std::path::Path;
+
+use plugin_api::mlx_rs::error::Exception;
+use plugin_api::mlx_rs::{Array, Dtype};
+use plugin_api::nn::ops::{attention, geglu, rms_norm, scalar, softcap, Mask};
+use plugin_api::nn::{Embedding, Linear, Rope, Weights, WeightsError};
+use plugin_api::PluginError;
+
+use crate::config::DeepspecConfig;
+
+pub struct Attention {
+    pub q_proj: Linear,
+    pub k_proj: Linear,
+    pub o_proj: Linear,
+    pub q_norm: Array,
+    pub k_norm: Array,
+}
+
+pub struct Mlp {
+    pub gate_proj: Linear,
+    pub up_proj: Linear,
+    pub down_proj: Linear,
+}
+
+pub struct Layer {
+    pub self_attn: Attention,
+    pub mlp: Mlp,
+    pub input_layernorm: Array,
+    pub post_attention_layernorm: Array,
+    pub pre_feedforward_layernorm: Array,
+    pub post_feedforward_layernorm: Array,
+    pub layer_scalar: Option<Array>,
+}
+
+pub struct MarkovHead {
+    /// [V, r]: an embedding of the previous token.
+    pub markov_w1: Embedding,
+    /// [V, r]: used as x·Wᵀ.
+    pub markov_w2: Linear,
+}
+
+pub struct Deepspec {
+    pub config: DeepspecConfig,
+    pub embed_tokens: Embedding,
+    pub fc: Linear,
+    pub hidden_norm: Array,
+    pub layers: Vec<Layer>,
+    pub norm: Array,
+    pub lm_head: Linear,
+    pub markov_head: MarkovHead,
+    /// [1, H + r] and [1].
+    pub confidence_head: Option<Linear>,
+    pub confidence_bias: Option<Array>,
+    rope: Rope,
+    pub weight_bytes: usize,
+}
+
+/// One row's context: per layer, keys and values [1, kv heads, N, head dim] of positions 0..N.
+#[derive(Clone, Default)]
+pub struct Context {
+    pub keys: Vec<Array>,
+    pub values: Vec<Array>,
+}
+
+impl Context {
+    pub fn len(&self) -> usize {
+        self.keys.first().map_or(0, |k| k.shape()[2] as usize)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A drafted block: tokens, their confidences, and the Markov-corrected logits [γ, V].
+pub struct Block {
+    pub tokens: Vec<u32>,
+    pub confidences: Vec<f32>,
+    pub logits: Array,
+}
+
+fn artifact_error(e: WeightsError) -> PluginError {
+    PluginError::invalid_artifact(e.to_string())
+}
+
+impl Deepspec {
+    pub fn load(dir: &Path) -> Result<Deepspec, PluginError> {
+        let config = DeepspecConfig::load(dir)?;
+        let w = Weights::load_dir(dir).map_err(artifact_error)?;
+        let c = &config;
+        let (h, hd, r) = (c.hidden_size, c.head_dim, c.markov_rank);
+        if w.names().any(|n| n.ends_with(".scales")) {
+            return Err(PluginError::invalid_artifact(format!(
+                "{}: quantized DeepSpec checkpoints are not supported yet",
+                dir.display()
+            )));
+        }
+        let lin = |name: &str, out: i32, inp: i32| Linear::load(&w, name, out, inp, None).map_err(artifact_error);
+        let norm = |name: &str, dims: i32| w.shaped(&format!("{name}.weight"), &[dims]).map_err(artifact_error);
+        let layers = (0..c.num_hidden_layers)
+            .map(|i| {
+                let p = format!("layers.{i}");
+                Ok(Layer {
+                    self_attn: Attention {
+                        q_proj: lin(&format!("{p}.self_attn.q_proj"), c.num_attention_heads * hd, h)?,
+                        k_proj: lin(&format!("{p}.self_attn.k_proj"), c.num_key_value_heads * hd, h)?,
+                        o_proj: lin(&format!("{p}.self_attn.o_proj"), h, c.num_attention_heads * hd)?,
+                        q_norm: norm(&format!("{p}.self_attn.q_norm"), hd)?,
+                        k_norm: norm(&format!("{p}.self_attn.k_norm"), hd)?,
+                    },
+                    mlp: Mlp {
+                        gate_proj: lin(&format!("{p}.mlp.gate_proj"), c.intermediate_size, h)?,
+                        up_proj: lin(&format!("{p}.mlp.up_proj"), c.intermediate_size, h)?,
+                        down_proj: lin(&format!("{p}.mlp.down_proj"), h, c.intermediate_size)?,
+                    },
+                    input_layernorm: norm(&format!("{p}.input_layernorm"), h)?,
+                    post_attention_layernorm: norm(&format!("{p}.post_attention_layernorm"), h)?,
+                    pre_feedforward_layernorm: norm(&format!("{p}.pre_feedforward_layernorm"), h)?,
+                    post_feedforward_layernorm: norm(&format!("{p}.post_feedforward_layernorm"), h)?,
+                    layer_scalar: w.optional(&format!("{p}.layer_scalar")),
+                })
+            })
+            .collect::<Result<Vec<_>, PluginError>>()?;
+        let rope = Rope::proportional(hd, (hd as f32 * c.partial_rotary_factor) as i32, c.rope_theta, 1.0)?;
+        let (confidence_head, confidence_bias) = if c.enable_confidence_head {
+            (
+                Some(lin("confidence_head.proj", 1, h + r)?),
+                Some(w.shaped("confidence_head.proj.bias", &[1]).map_err(artifact_error)?),
+            )
+        } else {
+            (None, None)
+        };
+        Ok(Deepspec {
+            embed_tokens: Embedding::load(&w, "embed_tokens", c.vocab_size, h, None).map_err(artifact_error)?,
+            fc: lin("fc", h, c.target_layer_ids.len() as i32 * h)?,
+            hidden_norm: norm("hidden_norm", h)?,
+            norm: norm("norm", h)?,
+            lm_head: lin("lm_head", c.vocab_size, h)?,
+            markov_head: MarkovHead {
+                markov_w1: Embedding::load(&w, "markov_head.markov_w1", c.vocab_size, r, None)
+                    .map_err(artifact_error)?,
+                markov_w2: lin("markov_head.markov_w2", c.vocab_size, r)?,
+            },
+            confidence_head,
+            confidence_bias,
+            layers,
+            rope,
+            weight_bytes: w.nbytes(),
+            config,
+        })
+    }
+
+    fn heads(&self, x: &Array, count: i32) -> Result<Array, Exception> {
+        let l = x.shape()[1];
+        x.reshape(&[1, l, count, self.config.head_dim])
+    }
+
+    /// Keys (normed, roped at `start`..) and values (scale-less normed, no RoPE) of rows x.
+    fn key_values(&self, layer: &Layer, x: &Array, start: i32) -> Result<(Array, Array), Exception> {
+        let eps = self.config.rms_norm_eps;
+        let raw = self.heads(&layer.self_attn.k_proj.forward(x)?, self.config.num_key_value_heads)?;
+        let values = rms_norm(&raw, None, eps)?.transpose_axes(&[0, 2, 1, 3])?;
+        let keys = self
+            .rope
+            .apply(&rms_norm(&raw, Some(&layer.self_attn.k_norm), eps)?.transpose_axes(&[0, 2, 1, 3])?, start)?;
+        Ok((keys, values))
+    }
+
+    /// Appends context rows for tapped hidden states `taps` [1, S, taps·H].
+    pub fn extend(&self, context: &mut Context, taps: &Array) -> Result<(), Exception> {
+        let start = context.len() as i32;
+        let c = rms_norm(&self.fc.forward(taps)?, Some(&self.hidden_norm), self.config.rms_norm_eps)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let (k, v) = self.key_values(layer, &c, start)?;
+            match (context.keys.get(i), context.values.get(i)) {
+                (Some(old_k), Some(old_v)) => {
+                    context.keys[i] = plugin_api::mlx_rs::ops::concatenate(&[old_k, &k], 2)?;
+                    context.values[i] = plugin_api::mlx_rs::ops::concatenate(&[old_v, &v], 2)?;
+                }
+                _ => {
+                    context.keys.push(k);
+                    context.values.push(v);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The block after `anchor` (at the position right after the context): greedy tokens
+    /// with the Markov correction, or drawn by `draw(k, probabilities)`, and confidences.
+    pub fn block(
+        &self,
+        context: &Context,
+        anchor: u32,
+        draw: Option<plugin_api::sdk::Draw<'_>>,
+    ) -> Result<Block, Exception> {
+        let c = &self.config;
+        let eps = c.rms_norm_eps;
+        let gamma = c.block_size as i32;
+        let start = context.len() as i32;
+        let mut ids = vec![anchor as i32];
+        ids.extend(std::iter::repeat_n(c.mask_token_id as i32, c.block_size - 1));
+        let embedded = self.embed_tokens.embed(&Array::from_slice(&ids, &[1, gamma]))?;
+        let mut h = embedded.multiply(scalar((c.hidden_size as f32).sqrt(), embedded.dtype())?)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let a = &layer.self_attn;
+            let x = rms_norm(&h, Some(&layer.input_layernorm), eps)?;
+            let q = self.heads(&a.q_proj.forward(&x)?, c.num_attention_heads)?;
+            let q = self.rope.apply(&rms_norm(&q, Some(&a.q_norm), eps)?.transpose_axes(&[0, 2, 1, 3])?, start)?;
+            let (kb, vb) = self.key_values(layer, &x, start)?;
+            let (keys, values) = match (context.keys.get(i), context.values.get(i)) {
+                (Some(ck), Some(cv)) => (
+                    plugin_api::mlx_rs::ops::concatenate(&[ck, &kb], 2)?,
+                    plugin_api::mlx_rs::ops::concatenate(&[cv, &vb], 2)?,
+                ),
+                _ => (kb, vb),
+            };
+            let out = attention(&q, &keys, &values, 1.0, &Mask::All)?;
+            let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[1, gamma, c.num_attention_heads * c.head_dim])?;
+            h = h.add(rms_norm(&a.o_proj.forward(&out)?, Some(&layer.post_attention_layernorm), eps)?)?;
+            let f = rms_norm(&h, Some(&layer.pre_feedforward_layernorm), eps)?;
+            let f = layer
+                .mlp
+                .down_proj
+                .forward(&geglu(&layer.mlp.gate_proj.forward(&f)?, &layer.mlp.up_proj.forward(&f)?)?)?;
+            h = h.add(rms_norm(&f, Some(&layer.post_feedforward_layernorm), eps)?)?;
+            if let Some(s) = &layer.layer_scalar {
+                h = h.multiply(s)?;
+            }
+        }
+        let h = rms_norm(&h, Some(&self.norm), eps)?.reshape(&[gamma, c.hidden_size])?;
+        let mut base = self.lm_head.forward(&h)?;
+        if let Some(cap) = c.final_logit_softcapping {
+            base = softcap(&base, cap)?;
+        }
+
+        let mut tokens = Vec::with_capacity(c.block_size);
+        let mut confidences = Vec::with_capacity(c.block_size);
+        let mut corrected = Vec::with_capacity(c.block_size);
+        let mut previous = anchor;
+        for k in 0..c.block_size {
+            let prev = self.markov_head.markov_w1.embed(&Array::from_slice(&[previous as i32], &[1]))?; // [1, r]
+            let row = base.take_axis(Array::from_slice(&[k as i32], &[1]), 0)?;
+            let logits = row.add(self.markov_head.markov_w2.forward(&prev)?)?;
+            if let (Some(head), Some(bias)) = (&self.confidence_head, &self.confidence_bias) {
+                let hk = h.take_axis(Array::from_slice(&[k as i32], &[1]), 0)?;
+                let features = plugin_api::mlx_rs::ops::concatenate(&[hk, prev], -1)?;
+                let conf = plugin_api::mlx_rs::ops::sigmoid(&head.forward(&features)?.add(bias)?)?;
+                confidences.push(conf.as_dtype(Dtype::Float32)?.item_exact::<f32>());
+            }
+            let token = match draw {
+                None => plugin_api::mlx_rs::ops::indexing::argmax_axis(&logits.reshape(&[-1])?, 0, None)?
+                    .item_exact::<u32>(),
+                Some(draw) => {
+                    let q = plugin_api::mlx_rs::ops::softmax_axis(
+                        &logits.reshape(&[-1])?.as_dtype(Dtype::Float32)?,
+                        -1,
+                        true,
+                    )?;
+                    draw(k, q.as_slice::<f32>())
+                }
+            };
+            tokens.push(token);
+            corrected.push(logits);
+            previous = token;
+        }
+        Ok(Block { tokens, confidences, logits: plugin_api::mlx_rs::ops::concatenate(&corrected, 0)? })
+    }
+}
