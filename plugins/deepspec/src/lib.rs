@@ -278,6 +278,38 @@ mod conformance {
         }
     }
 
+    /// Fed dspark-mlx's own tapped hidden states, the network gives its tokens and confidences.
+    #[test]
+    fn block_tokens_and_confidences_equal_dspark_mlx() {
+        use plugin_api::mlx_rs::Dtype;
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/deepspec/gemma4-dense");
+        let model = crate::Deepspec::load(&dir.join("drafter")).unwrap();
+        let oracle = plugin_api::nn::Weights::load_file(&dir.join("oracle.safetensors")).unwrap();
+        for state in [0, 5, 20] {
+            let get = |name: &str| oracle.get(&format!("state{state}.{name}")).unwrap();
+            let taps = get("target_taps");
+            let taps = taps.reshape(&[1, taps.shape()[0], taps.shape()[1]]).unwrap();
+            let mut context = crate::Context::default();
+            model.extend(&mut context, &taps).unwrap();
+            let ids = get("input_ids").as_dtype(Dtype::Int32).unwrap();
+            let anchor = *ids.as_slice::<i32>().last().unwrap() as u32;
+            let block = model.block(&context, anchor, None).unwrap();
+            let expected_tokens: Vec<u32> = get("draft_tokens")
+                .as_dtype(Dtype::Int32)
+                .unwrap()
+                .as_slice::<i32>()
+                .iter()
+                .map(|&t| t as u32)
+                .collect();
+            assert_eq!(block.tokens, expected_tokens, "state {state}");
+            let expected = get("confidences").as_dtype(Dtype::Float32).unwrap();
+            for (got, want) in block.confidences.iter().zip(expected.as_slice::<f32>()) {
+                assert!((got - want).abs() < 1e-4, "state {state}: confidence {got} vs {want}");
+            }
+            assert_eq!(block.confidences.len(), expected.size());
+        }
+    }
+
     #[test]
     fn refuses_targets_it_does_not_fit_naming_both_values() {
         for (config, expected) in [
