@@ -3,6 +3,7 @@
 
 use std::path::Path;
 
+use plugin_api::nn::Quantization;
 use plugin_api::PluginError;
 use serde_json::{Map, Value};
 
@@ -25,6 +26,8 @@ pub struct DeepspecConfig {
     pub num_target_layers: u32,
     pub markov_rank: i32,
     pub enable_confidence_head: bool,
+    /// The `quantization` block of an MLX-quantized sibling; modules with `.scales` use it.
+    pub quantization: Option<Quantization>,
 }
 
 impl DeepspecConfig {
@@ -84,6 +87,22 @@ impl DeepspecConfig {
             .or_else(|| c.get("num_key_value_heads"))
             .and_then(Value::as_i64)
             .ok_or_else(|| bad("num_global_key_value_heads", "is missing"))?;
+        let quantization = match c.get("quantization") {
+            None | Some(Value::Null) => None,
+            Some(q) => {
+                if let Some(mode) = q.get("mode").and_then(Value::as_str) {
+                    if mode != "affine" {
+                        return Err(bad("quantization.mode", &format!("= {mode:?} is not supported (only affine)")));
+                    }
+                }
+                let bits =
+                    q.get("bits").and_then(Value::as_i64).ok_or_else(|| bad("quantization.bits", "is missing"))?;
+                Some(Quantization {
+                    group_size: q.get("group_size").and_then(Value::as_i64).unwrap_or(64) as i32,
+                    bits: bits as i32,
+                })
+            }
+        };
         let taps =
             c.get("target_layer_ids").and_then(Value::as_array).ok_or_else(|| bad("target_layer_ids", "is missing"))?;
         Ok(DeepspecConfig {
@@ -107,6 +126,7 @@ impl DeepspecConfig {
             num_target_layers: int("num_target_layers")? as u32,
             markov_rank: int("markov_rank")? as i32,
             enable_confidence_head: flag("enable_confidence_head", true),
+            quantization,
         })
     }
 }

@@ -310,6 +310,81 @@ mod conformance {
         }
     }
 
+    /// An 8-bit MLX-quantized sibling (written here as mlx-lm writes them: packed weights with
+    /// scales and biases, a `quantization` block) loads and computes the float model's function
+    /// up to quantization error: first-position logits within 0.5 (measured 0.23 on these
+    /// random weights, whose top-2 margins are smaller, so the argmax may differ) and the
+    /// first confidence within 0.02.
+    #[test]
+    fn an_mlx_quantized_sibling_computes_what_the_float_model_does() {
+        use plugin_api::mlx_rs::{Array, Dtype};
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/deepspec/gemma4-dense");
+        let float = plugin_api::nn::Weights::load_dir(&dir.join("drafter")).unwrap();
+        let mut tensors: Vec<(String, Array)> = Vec::new();
+        for name in float.names() {
+            let a = float.get(name).unwrap();
+            let quantizable =
+                name.ends_with(".weight") && a.ndim() == 2 && a.shape()[1] % 32 == 0 && !name.contains("norm");
+            if quantizable {
+                let (wq, scales, biases) = plugin_api::mlx_rs::ops::quantize(&a, 32, 8).unwrap();
+                let base = name.trim_end_matches(".weight");
+                tensors.push((name.to_owned(), wq));
+                tensors.push((format!("{base}.scales"), scales));
+                tensors.push((format!("{base}.biases"), biases));
+            } else {
+                tensors.push((name.to_owned(), a));
+            }
+        }
+        let quantized = tempfile_dir();
+        Array::save_safetensors(
+            tensors.iter().map(|(n, a)| (n.as_str(), a)),
+            None,
+            quantized.join("model.safetensors"),
+        )
+        .unwrap();
+        let mut config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("drafter/config.json")).unwrap()).unwrap();
+        config["quantization"] = serde_json::json!({"group_size": 32, "bits": 8});
+        std::fs::write(quantized.join("config.json"), config.to_string()).unwrap();
+
+        let exact = crate::Deepspec::load(&dir.join("drafter")).unwrap();
+        let packed = crate::Deepspec::load(&quantized).unwrap();
+        assert!(
+            packed.lm_head.quantization.is_some() && packed.confidence_head.as_ref().unwrap().quantization.is_none()
+        );
+        let oracle = plugin_api::nn::Weights::load_file(&dir.join("oracle.safetensors")).unwrap();
+        for state in [0, 5, 20] {
+            let taps = oracle.get(&format!("state{state}.target_taps")).unwrap();
+            let taps = taps.reshape(&[1, taps.shape()[0], taps.shape()[1]]).unwrap();
+            let ids = oracle.get(&format!("state{state}.input_ids")).unwrap().as_dtype(Dtype::Int32).unwrap();
+            let anchor = *ids.as_slice::<i32>().last().unwrap() as u32;
+            let draft = |model: &crate::Deepspec| {
+                let mut context = crate::Context::default();
+                model.extend(&mut context, &taps).unwrap();
+                model.block(&context, anchor, None).unwrap()
+            };
+            let (p, e) = (draft(&packed), draft(&exact));
+            let row0 = |l: &Array| l.take_axis(Array::from_int(0), 0).unwrap();
+            let d = row0(&p.logits)
+                .subtract(row0(&e.logits))
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max(None)
+                .unwrap()
+                .item_exact::<f32>();
+            assert!(d < 0.5, "state {state}: first-position logits differ by {d}");
+            assert!((p.confidences[0] - e.confidences[0]).abs() < 0.02, "state {state}");
+        }
+        std::fs::remove_dir_all(&quantized).unwrap();
+    }
+
+    fn tempfile_dir() -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("deepspec-quantized-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
     #[test]
     fn refuses_targets_it_does_not_fit_naming_both_values() {
         for (config, expected) in [

@@ -94,13 +94,15 @@ impl Deepspec {
         let w = Weights::load_dir(dir).map_err(artifact_error)?;
         let c = &config;
         let (h, hd, r) = (c.hidden_size, c.head_dim, c.markov_rank);
-        if w.names().any(|n| n.ends_with(".scales")) {
+        // In an MLX-quantized sibling, a module is quantized when its scales are there.
+        let q = |name: &str| c.quantization.filter(|_| w.contains(&format!("{name}.scales")));
+        if c.quantization.is_none() && w.names().any(|n| n.ends_with(".scales")) {
             return Err(PluginError::invalid_artifact(format!(
-                "{}: quantized DeepSpec checkpoints are not supported yet",
+                "{}: quantized weights but no `quantization` block in config.json",
                 dir.display()
             )));
         }
-        let lin = |name: &str, out: i32, inp: i32| Linear::load(&w, name, out, inp, None).map_err(artifact_error);
+        let lin = |name: &str, out: i32, inp: i32| Linear::load(&w, name, out, inp, q(name)).map_err(artifact_error);
         let norm = |name: &str, dims: i32| w.shaped(&format!("{name}.weight"), &[dims]).map_err(artifact_error);
         let layers = (0..c.num_hidden_layers)
             .map(|i| {
@@ -136,7 +138,8 @@ impl Deepspec {
             (None, None)
         };
         Ok(Deepspec {
-            embed_tokens: Embedding::load(&w, "embed_tokens", c.vocab_size, h, None).map_err(artifact_error)?,
+            embed_tokens: Embedding::load(&w, "embed_tokens", c.vocab_size, h, q("embed_tokens"))
+                .map_err(artifact_error)?,
             fc: lin("fc", h, c.target_layer_ids.len() as i32 * h)?,
             hidden_norm: norm("hidden_norm", h)?,
             norm: norm("norm", h)?,
