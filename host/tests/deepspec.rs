@@ -3,18 +3,16 @@
 
 mod common;
 
-use std::cell::RefCell;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 
 use host::generate::{generate, Request};
-use host::model::{load, Gemma4, Taps};
+use host::model::{load, Gemma4};
 use host::plugin::load::load as load_library;
 use host::plugin::Drafter;
 use host::sampling::SamplingParams;
 use host::speculative::{generate_speculative, probe_open, SpecConfig, Verify};
-use host::target_view::TargetView;
-use mlx_rs::{Array, Dtype};
+use mlx_rs::Dtype;
 use plugin_api::nn::Weights;
 
 fn fixture() -> PathBuf {
@@ -30,21 +28,6 @@ fn setup(options: &str) -> (Rc<Gemma4>, Drafter) {
     let drafter = Drafter::load(&plugin, Some(&fixture().join("drafter")), options).unwrap();
     probe_open(&model, &drafter).unwrap();
     (model, drafter)
-}
-
-/// The drafts for a target that has processed all of `ids` but the last (the anchor).
-fn drafts_after(model: &Rc<Gemma4>, drafter: &Drafter, ids: &[u32], depth: usize) -> Vec<u32> {
-    let (prefix, last) = ids.split_at(ids.len() - 1);
-    let caches = Rc::new(RefCell::new(model.make_caches(1, 8)));
-    let tokens = Array::from_slice(&prefix.iter().map(|&t| t as i32).collect::<Vec<_>>(), &[1, prefix.len() as i32]);
-    let layers: Vec<usize> = drafter.info.capabilities.tap_layers.iter().map(|&l| l as usize).collect();
-    let mut taps = Taps { layers, captured: Vec::new() };
-    model.forward_hidden(&tokens, &mut caches.borrow_mut(), Some(&mut taps)).unwrap();
-    let context = mlx_rs::ops::concatenate(&taps.captured, -1).unwrap();
-    let view = TargetView::new(model.clone(), caches.clone());
-    let mut rows = drafter.open(view.boxed(), 1, model.config.vocab_size as u32).unwrap();
-    rows.prefill(prefix, Some(&context)).unwrap();
-    rows.draft(last, depth, &[0]).unwrap().remove(0).tokens
 }
 
 #[test]
@@ -67,7 +50,7 @@ fn drafts_and_truncation_equal_dspark_mlx_for_several_target_states() {
         for state in [0, 5, 20] {
             let input = ids(&format!("state{state}.input_ids"));
             let expected = ids(&format!("state{state}.{key}"));
-            assert_eq!(drafts_after(&model, &drafter, &input, 4), expected, "{key}, state {state}");
+            assert_eq!(common::drafts_after_taps(&model, &drafter, &input, 4), expected, "{key}, state {state}");
         }
     }
 }

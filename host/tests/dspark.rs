@@ -3,18 +3,16 @@
 
 mod common;
 
-use std::cell::RefCell;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 
 use host::generate::{generate, Request};
-use host::model::{load, Gemma4, Taps};
+use host::model::{load, Gemma4};
 use host::plugin::load::load as load_library;
 use host::plugin::Drafter;
 use host::sampling::SamplingParams;
 use host::speculative::{generate_speculative, probe_open, SpecConfig, Verify};
-use host::target_view::TargetView;
-use mlx_rs::{Array, Dtype};
+use mlx_rs::Dtype;
 use plugin_api::nn::Weights;
 
 fn fixture(name: &str) -> PathBuf {
@@ -33,25 +31,6 @@ fn drafter(name: &str, options: &str) -> (Rc<Gemma4>, Drafter) {
     (model, drafter)
 }
 
-/// The drafts for a target that has processed all of `ids` but the last (the anchor).
-fn drafts_after(model: &Rc<Gemma4>, drafter: &Drafter, ids: &[u32], depth: usize) -> Vec<u32> {
-    let (prefix, last) = ids.split_at(ids.len() - 1);
-    let caches = Rc::new(RefCell::new(model.make_caches(1, 8)));
-    let tokens = Array::from_slice(&prefix.iter().map(|&t| t as i32).collect::<Vec<_>>(), &[1, prefix.len() as i32]);
-    let layers: Vec<usize> = drafter.info.capabilities.tap_layers.iter().map(|&l| l as usize).collect();
-    let mut taps = Taps { layers: layers.clone(), captured: Vec::new() };
-    model.forward_hidden(&tokens, &mut caches.borrow_mut(), Some(&mut taps)).unwrap();
-    let mut sorted = layers.clone();
-    sorted.sort_unstable();
-    sorted.dedup();
-    let ordered: Vec<Array> = layers.iter().map(|l| taps.captured[sorted.binary_search(l).unwrap()].clone()).collect();
-    let context = mlx_rs::ops::concatenate(&ordered, -1).unwrap();
-    let view = TargetView::new(model.clone(), caches.clone());
-    let mut rows = drafter.open(view.boxed(), 1, model.config.vocab_size as u32).unwrap();
-    rows.prefill(prefix, Some(&context)).unwrap();
-    rows.draft(last, depth, &[0]).unwrap().remove(0).tokens
-}
-
 #[test]
 fn drafts_equal_the_numpy_reference_with_and_without_truncation() {
     for name in ["dspark", "legacy"] {
@@ -67,7 +46,7 @@ fn drafts_equal_the_numpy_reference_with_and_without_truncation() {
             for state in [0, 5, 20] {
                 let input = ids(&format!("state{state}.input_ids"));
                 let expected = ids(&format!("state{state}.{key}"));
-                assert_eq!(drafts_after(&model, &d, &input, 4), expected, "{name}, {key}, state {state}");
+                assert_eq!(common::drafts_after_taps(&model, &d, &input, 4), expected, "{name}, {key}, state {state}");
             }
         }
     }

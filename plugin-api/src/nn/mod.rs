@@ -2,11 +2,13 @@
 //! safetensors, (quantized) linear layers and embeddings, RMSNorm, RoPE incl. proportional,
 //! attention and GeGLU. They follow mlx-lm's numerics, which the oracles check.
 
+pub mod context;
 pub mod linear;
 pub mod ops;
 pub mod rope;
 pub mod weights;
 
+pub use context::{row_span, LayerContext};
 pub use linear::{Embedding, Linear, Quantization};
 pub use rope::Rope;
 pub use weights::{Weights, WeightsError};

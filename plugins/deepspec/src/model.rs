@@ -60,22 +60,7 @@ pub struct Deepspec {
     pub weight_bytes: usize,
 }
 
-/// One row's context: per layer, keys and values [1, kv heads, N, head dim] of positions 0..N.
-#[derive(Clone, Default)]
-pub struct Context {
-    pub keys: Vec<Array>,
-    pub values: Vec<Array>,
-}
-
-impl Context {
-    pub fn len(&self) -> usize {
-        self.keys.first().map_or(0, |k| k.shape()[2] as usize)
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-}
+pub use plugin_api::nn::LayerContext as Context;
 
 /// A drafted block: tokens, their confidences, and the Markov-corrected logits [γ, V].
 pub struct Block {
@@ -180,16 +165,7 @@ impl Deepspec {
         let c = rms_norm(&self.fc.forward(taps)?, Some(&self.hidden_norm), self.config.rms_norm_eps)?;
         for (i, layer) in self.layers.iter().enumerate() {
             let (k, v) = self.key_values(layer, &c, start)?;
-            match (context.keys.get(i), context.values.get(i)) {
-                (Some(old_k), Some(old_v)) => {
-                    context.keys[i] = plugin_api::mlx_rs::ops::concatenate(&[old_k, &k], 2)?;
-                    context.values[i] = plugin_api::mlx_rs::ops::concatenate(&[old_v, &v], 2)?;
-                }
-                _ => {
-                    context.keys.push(k);
-                    context.values.push(v);
-                }
-            }
+            context.push(i, k, v)?;
         }
         Ok(())
     }
@@ -216,13 +192,7 @@ impl Deepspec {
             let q = self.heads(&a.q_proj.forward(&x)?, c.num_attention_heads)?;
             let q = self.rope.apply(&rms_norm(&q, Some(&a.q_norm), eps)?.transpose_axes(&[0, 2, 1, 3])?, start)?;
             let (kb, vb) = self.key_values(layer, &x, start)?;
-            let (keys, values) = match (context.keys.get(i), context.values.get(i)) {
-                (Some(ck), Some(cv)) => (
-                    plugin_api::mlx_rs::ops::concatenate(&[ck, &kb], 2)?,
-                    plugin_api::mlx_rs::ops::concatenate(&[cv, &vb], 2)?,
-                ),
-                _ => (kb, vb),
-            };
+            let (keys, values) = context.with_block(i, kb, vb)?;
             let out = attention(&q, &keys, &values, 1.0, &Mask::All)?;
             let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[1, gamma, c.num_attention_heads * c.head_dim])?;
             h = h.add(rms_norm(&a.o_proj.forward(&out)?, Some(&layer.post_attention_layernorm), eps)?)?;

@@ -185,16 +185,7 @@ impl Dspark {
         for (i, layer) in self.bb.iter().enumerate() {
             let n = rms_norm(&h_ctx, Some(&layer.attn_norm), eps)?;
             let (k, v) = (self.heads(&n.matmul(&layer.k)?)?, self.heads(&n.matmul(&layer.v)?)?);
-            match (context.keys.get(i), context.values.get(i)) {
-                (Some(old_k), Some(old_v)) => {
-                    context.keys[i] = plugin_api::mlx_rs::ops::concatenate(&[old_k, &k], 2)?;
-                    context.values[i] = plugin_api::mlx_rs::ops::concatenate(&[old_v, &v], 2)?;
-                }
-                _ => {
-                    context.keys.push(k);
-                    context.values.push(v);
-                }
-            }
+            context.push(i, k, v)?;
         }
         Ok(())
     }
@@ -230,13 +221,7 @@ impl Dspark {
                 self.heads(&n.matmul(&layer.k)?)?,
                 self.heads(&n.matmul(&layer.v)?)?,
             );
-            let (keys, values) = match (context.keys.get(i), context.values.get(i)) {
-                (Some(ck), Some(cv)) => (
-                    plugin_api::mlx_rs::ops::concatenate(&[ck, &kb], 2)?,
-                    plugin_api::mlx_rs::ops::concatenate(&[cv, &vb], 2)?,
-                ),
-                _ => (kb, vb),
-            };
+            let (keys, values) = context.with_block(i, kb, vb)?;
             let out = attention(&q, &keys, &values, scale, &Mask::All)?;
             let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[1, gamma, c.d_draft])?;
             h = h.add(out.matmul(&layer.o)?)?;

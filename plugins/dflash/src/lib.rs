@@ -12,8 +12,9 @@ use std::rc::Rc;
 
 use plugin_api::abi::{RowState, TokenRows};
 use plugin_api::mlx_rs::{Array, Dtype};
+use plugin_api::nn::row_span;
 use plugin_api::sdk::{draw, DraftProvider, DraftRows, Drafter, Options, Proposal, Target};
-use plugin_api::{Capabilities, Descriptor, OwnedArray, PluginError, Ports, ProviderInfo};
+use plugin_api::{Capabilities, Descriptor, PluginError, Ports, ProviderInfo};
 
 pub use dspark::Dspark;
 pub use model::{Context, Dflash};
@@ -202,13 +203,6 @@ pub struct DflashRows {
     settings: Settings,
 }
 
-/// Row `r` of x [B, L, F], positions `from..to`, as [1, to − from, F].
-fn rows_of(x: &Array, r: usize, from: usize, to: usize) -> Result<Array, PluginError> {
-    let row = x.take_axis(Array::from_slice(&[r as i32], &[1]), 0)?;
-    let span: Vec<i32> = (from as i32..to as i32).collect();
-    Ok(row.take_axis(Array::from_slice(&span, &[span.len() as i32]), 1)?)
-}
-
 impl DflashRows {
     fn check_rows(&self, what: &str, got: usize) -> Result<(), PluginError> {
         if got != self.contexts.len() {
@@ -275,7 +269,7 @@ impl DraftRows for DflashRows {
         self.check_rows("prefill", tokens.rows as usize)?;
         let taps = context.ok_or_else(|| PluginError::invalid_argument("prefill without tapped hidden states"))?;
         for (r, ctx) in self.contexts.iter_mut().enumerate() {
-            self.network.extend(ctx, &rows_of(&taps, r, 0, tokens.len as usize)?)?;
+            self.network.extend(ctx, &row_span(&taps, r, 0, tokens.len as usize)?)?;
         }
         Ok(())
     }
@@ -298,7 +292,7 @@ impl DraftRows for DflashRows {
         let taps = context.ok_or_else(|| PluginError::invalid_argument("commit without tapped hidden states"))?;
         for (r, ctx) in self.contexts.iter_mut().enumerate() {
             // The pending token and the accepted drafts are now the target's.
-            self.network.extend(ctx, &rows_of(&taps, r, 0, accepted[r] as usize + 1)?)?;
+            self.network.extend(ctx, &row_span(&taps, r, 0, accepted[r] as usize + 1)?)?;
         }
         Ok(())
     }
@@ -322,9 +316,7 @@ impl DraftRows for DflashRows {
                     state.namespace
                 )));
             }
-            let arrays: Vec<Array> = state.tensors.into_iter().map(OwnedArray::into_array).collect();
-            let (keys, values): (Vec<_>, Vec<_>) = arrays.chunks(2).map(|kv| (kv[0].clone(), kv[1].clone())).unzip();
-            self.contexts.push(Context { keys, values });
+            self.contexts.push(Context::from_tensors(state.tensors));
         }
         Ok(())
     }
@@ -338,12 +330,7 @@ impl DraftRows for DflashRows {
             namespace: NAMESPACE.into(),
             processed: ctx.len() as u64,
             ids: Default::default(),
-            tensors: ctx
-                .keys
-                .iter()
-                .zip(&ctx.values)
-                .flat_map(|(k, v)| [OwnedArray::new(k.clone()), OwnedArray::new(v.clone())])
-                .collect(),
+            tensors: ctx.to_tensors(),
         })
     }
 }

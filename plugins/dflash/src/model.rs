@@ -47,23 +47,7 @@ pub struct Dflash {
     pub weight_bytes: usize,
 }
 
-/// One row's cached context: per layer, keys and values [1, kv heads, N, head dim] of
-/// positions 0..N.
-#[derive(Clone, Default)]
-pub struct Context {
-    pub keys: Vec<Array>,
-    pub values: Vec<Array>,
-}
-
-impl Context {
-    pub fn len(&self) -> usize {
-        self.keys.first().map_or(0, |k| k.shape()[2] as usize)
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-}
+pub use plugin_api::nn::LayerContext as Context;
 
 fn artifact_error(e: WeightsError) -> PluginError {
     PluginError::invalid_artifact(e.to_string())
@@ -129,16 +113,7 @@ impl Dflash {
                 .forward(&projected)?
                 .reshape(&[1, s, c.num_key_value_heads, c.head_dim])?
                 .transpose_axes(&[0, 2, 1, 3])?;
-            match (context.keys.get(i), context.values.get(i)) {
-                (Some(old_k), Some(old_v)) => {
-                    context.keys[i] = plugin_api::mlx_rs::ops::concatenate(&[old_k, &k], 2)?;
-                    context.values[i] = plugin_api::mlx_rs::ops::concatenate(&[old_v, &v], 2)?;
-                }
-                _ => {
-                    context.keys.push(k);
-                    context.values.push(v);
-                }
-            }
+            context.push(i, k, v)?;
         }
         Ok(())
     }
@@ -166,13 +141,7 @@ impl Dflash {
                 n as i32,
             )?;
             let v = heads(&a.v_proj, c.num_key_value_heads)?.transpose_axes(&[0, 2, 1, 3])?;
-            let (keys, values) = match (context.keys.get(i), context.values.get(i)) {
-                (Some(ck), Some(cv)) => (
-                    plugin_api::mlx_rs::ops::concatenate(&[ck, &k], 2)?,
-                    plugin_api::mlx_rs::ops::concatenate(&[cv, &v], 2)?,
-                ),
-                _ => (k, v),
-            };
+            let (keys, values) = context.with_block(i, k, v)?;
             let mask = block_mask(n, l as usize, layer.window);
             let out = attention(&q, &keys, &values, (c.head_dim as f32).powf(-0.5), &mask)?;
             let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[1, l, c.num_attention_heads * c.head_dim])?;

@@ -1,0 +1,71 @@
+//! A drafter's per-row context held as keys and values per layer, for drafters that attend to
+//! projected target hidden states (DFlash, DSpark, DeepSpec).
+
+use abi_stable::std_types::RVec;
+use mlx_rs::error::Exception;
+use mlx_rs::Array;
+
+use crate::OwnedArray;
+
+/// One row's context: per layer, keys and values [1, kv heads, N, head dim] of positions
+/// 0..N, grown only by committed positions.
+#[derive(Clone, Default)]
+pub struct LayerContext {
+    pub keys: Vec<Array>,
+    pub values: Vec<Array>,
+}
+
+impl LayerContext {
+    /// Positions held.
+    pub fn len(&self) -> usize {
+        self.keys.first().map_or(0, |k| k.shape()[2] as usize)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Appends the keys and values of new positions to `layer`.
+    pub fn push(&mut self, layer: usize, keys: Array, values: Array) -> Result<(), Exception> {
+        if layer < self.keys.len() {
+            self.keys[layer] = mlx_rs::ops::concatenate(&[&self.keys[layer], &keys], 2)?;
+            self.values[layer] = mlx_rs::ops::concatenate(&[&self.values[layer], &values], 2)?;
+        } else {
+            self.keys.push(keys);
+            self.values.push(values);
+        }
+        Ok(())
+    }
+
+    /// Layer `layer`'s keys and values followed by `keys`/`values` of a block, for attention.
+    pub fn with_block(&self, layer: usize, keys: Array, values: Array) -> Result<(Array, Array), Exception> {
+        match (self.keys.get(layer), self.values.get(layer)) {
+            (Some(k), Some(v)) => {
+                Ok((mlx_rs::ops::concatenate(&[k, &keys], 2)?, mlx_rs::ops::concatenate(&[v, &values], 2)?))
+            }
+            _ => Ok((keys, values)),
+        }
+    }
+
+    /// As the tensors of a row state: k0, v0, k1, v1, …
+    pub fn to_tensors(&self) -> RVec<OwnedArray> {
+        self.keys
+            .iter()
+            .zip(&self.values)
+            .flat_map(|(k, v)| [OwnedArray::new(k.clone()), OwnedArray::new(v.clone())])
+            .collect()
+    }
+
+    pub fn from_tensors(tensors: RVec<OwnedArray>) -> LayerContext {
+        let arrays: Vec<Array> = tensors.into_iter().map(OwnedArray::into_array).collect();
+        let (keys, values) = arrays.chunks(2).map(|kv| (kv[0].clone(), kv[1].clone())).unzip();
+        LayerContext { keys, values }
+    }
+}
+
+/// Row `r` of x [B, L, F], positions `from..to`, as [1, to − from, F].
+pub fn row_span(x: &Array, r: usize, from: usize, to: usize) -> Result<Array, Exception> {
+    let row = x.take_axis(Array::from_slice(&[r as i32], &[1]), 0)?;
+    let span: Vec<i32> = (from as i32..to as i32).collect();
+    row.take_axis(Array::from_slice(&span, &[span.len() as i32]), 1)
+}
