@@ -12,7 +12,7 @@ use std::rc::Rc;
 
 use plugin_api::abi::{RowState, TokenRows};
 use plugin_api::mlx_rs::{Array, Dtype};
-use plugin_api::nn::row_span;
+use plugin_api::nn::ContextRows;
 use plugin_api::sdk::{draw, DraftProvider, DraftRows, Drafter, Options, Proposal, Target};
 use plugin_api::{Capabilities, Descriptor, PluginError, Ports, ProviderInfo};
 
@@ -112,7 +112,7 @@ impl DraftProvider for DeepspecProvider {
         }
         Ok(DeepspecRows {
             model: self.model.clone(),
-            contexts: vec![Context::default(); rows],
+            rows: ContextRows::new(rows, NAMESPACE),
             threshold: self.threshold,
             sample: self.sample,
         })
@@ -121,26 +121,16 @@ impl DraftProvider for DeepspecProvider {
 
 pub struct DeepspecRows {
     model: Rc<Deepspec>,
-    contexts: Vec<Context>,
+    rows: ContextRows,
     threshold: f32,
     sample: bool,
 }
 
 impl DeepspecRows {
-    fn check_rows(&self, what: &str, got: usize) -> Result<(), PluginError> {
-        if got != self.contexts.len() {
-            return Err(PluginError::invalid_argument(format!(
-                "{what} has {got} rows, the group has {}",
-                self.contexts.len()
-            )));
-        }
-        Ok(())
-    }
-
     fn draft_row(&self, r: usize, anchor: u32, depth: usize, step: u64) -> Result<Proposal, PluginError> {
         let draw = |k: usize, q: &[f32]| draw(q, uniform(step + k as u64));
         let sampler: Option<plugin_api::sdk::Draw<'_>> = if self.sample { Some(&draw) } else { None };
-        let block = self.model.block(&self.contexts[r], anchor, sampler)?;
+        let block = self.model.block(&self.rows.contexts[r], anchor, sampler)?;
         let cut = if self.threshold > 0.0 {
             block.confidences.iter().position(|&c| c < self.threshold).unwrap_or(block.tokens.len())
         } else {
@@ -162,19 +152,15 @@ impl DeepspecRows {
 
 impl DraftRows for DeepspecRows {
     fn prefill(&mut self, tokens: TokenRows<'_>, context: Option<Array>) -> Result<(), PluginError> {
-        self.check_rows("prefill", tokens.rows as usize)?;
-        let taps = context.ok_or_else(|| PluginError::invalid_argument("prefill without tapped hidden states"))?;
-        for (r, ctx) in self.contexts.iter_mut().enumerate() {
-            self.model.extend(ctx, &row_span(&taps, r, 0, tokens.len as usize)?)?;
-        }
-        Ok(())
+        let model = &self.model;
+        self.rows.prefill(tokens, context, &|ctx, taps| Ok(model.extend(ctx, taps)?))
     }
 
     fn draft(&mut self, pending: &[u32], depth: usize, steps: &[u64]) -> Result<Vec<Proposal>, PluginError> {
-        self.check_rows("draft", pending.len())?;
+        self.rows.check_rows("draft", pending.len())?;
         (0..pending.len())
             .map(|r| {
-                if depth == 0 || self.contexts[r].is_empty() {
+                if depth == 0 || self.rows.contexts[r].is_empty() {
                     return Ok(Proposal::default());
                 }
                 self.draft_row(r, pending[r], depth, steps.get(r).copied().unwrap_or(0))
@@ -183,49 +169,20 @@ impl DraftRows for DeepspecRows {
     }
 
     fn commit(&mut self, window: TokenRows<'_>, accepted: &[u32], context: Option<Array>) -> Result<(), PluginError> {
-        self.check_rows("commit", window.rows as usize)?;
-        let taps = context.ok_or_else(|| PluginError::invalid_argument("commit without tapped hidden states"))?;
-        for (r, ctx) in self.contexts.iter_mut().enumerate() {
-            self.model.extend(ctx, &row_span(&taps, r, 0, accepted[r] as usize + 1)?)?;
-        }
-        Ok(())
+        let model = &self.model;
+        self.rows.commit(window, accepted, context, &|ctx, taps| Ok(model.extend(ctx, taps)?))
     }
 
     fn filter_rows(&mut self, keep: &[u32]) -> Result<(), PluginError> {
-        if let Some(&bad) = keep.iter().find(|&&r| r as usize >= self.contexts.len()) {
-            return Err(PluginError::invalid_argument(format!(
-                "filter_rows keeps row {bad} of {}",
-                self.contexts.len()
-            )));
-        }
-        self.contexts = keep.iter().map(|&r| self.contexts[r as usize].clone()).collect();
-        Ok(())
+        self.rows.filter_rows(keep)
     }
 
     fn append(&mut self, states: Vec<RowState>) -> Result<(), PluginError> {
-        for state in states {
-            if state.namespace.as_str() != NAMESPACE {
-                return Err(PluginError::invalid_argument(format!(
-                    "row state of namespace `{}` given to deepspec ({NAMESPACE})",
-                    state.namespace
-                )));
-            }
-            self.contexts.push(Context::from_tensors(state.tensors));
-        }
-        Ok(())
+        self.rows.append(states)
     }
 
     fn capture(&mut self, row: usize) -> Result<RowState, PluginError> {
-        let ctx = self
-            .contexts
-            .get(row)
-            .ok_or_else(|| PluginError::invalid_argument(format!("capture of row {row} of {}", self.contexts.len())))?;
-        Ok(RowState {
-            namespace: NAMESPACE.into(),
-            processed: ctx.len() as u64,
-            ids: Default::default(),
-            tensors: ctx.to_tensors(),
-        })
+        self.rows.capture(row)
     }
 }
 

@@ -12,7 +12,7 @@ use std::rc::Rc;
 
 use plugin_api::abi::{RowState, TokenRows};
 use plugin_api::mlx_rs::{Array, Dtype};
-use plugin_api::nn::row_span;
+use plugin_api::nn::ContextRows;
 use plugin_api::sdk::{draw, DraftProvider, DraftRows, Drafter, Options, Proposal, Target};
 use plugin_api::{Capabilities, Descriptor, PluginError, Ports, ProviderInfo};
 
@@ -190,7 +190,7 @@ impl DraftProvider for DflashProvider {
         Ok(DflashRows {
             network: self.network.clone(),
             target,
-            contexts: vec![Context::default(); rows],
+            rows: ContextRows::new(rows, NAMESPACE),
             settings: self.settings,
         })
     }
@@ -199,21 +199,11 @@ impl DraftProvider for DflashProvider {
 pub struct DflashRows {
     network: Rc<Network>,
     target: Target,
-    contexts: Vec<Context>,
+    rows: ContextRows,
     settings: Settings,
 }
 
 impl DflashRows {
-    fn check_rows(&self, what: &str, got: usize) -> Result<(), PluginError> {
-        if got != self.contexts.len() {
-            return Err(PluginError::invalid_argument(format!(
-                "{what} has {got} rows, the group has {}",
-                self.contexts.len()
-            )));
-        }
-        Ok(())
-    }
-
     fn draft_row(&self, r: usize, pending: u32, depth: usize, step: u64) -> Result<Proposal, PluginError> {
         match &*self.network {
             Network::Zlab(m) => self.draft_zlab(m, r, pending, depth, step),
@@ -231,7 +221,7 @@ impl DflashRows {
                 let draw = |k: usize, q: &[f32]| draw(q, uniform(step + k as u64));
                 let sampler: Option<plugin_api::sdk::Draw<'_>> =
                     if self.settings.sample_drafts { Some(&draw) } else { None };
-                let d = m.draft(&self.contexts[r], &self.target, pending, depth, &thresholds, sampler)?;
+                let d = m.draft(&self.rows.contexts[r], &self.target, pending, depth, &thresholds, sampler)?;
                 Ok(Proposal { tokens: d.tokens, probabilities: d.probabilities })
             }
         }
@@ -242,7 +232,7 @@ impl DflashRows {
         let mut ids = vec![pending as i32];
         ids.extend(std::iter::repeat_n(c.mask_token_id as i32, depth));
         let embedded = self.target.embed(&Array::from_slice(&ids, &[1, ids.len() as i32]), true)?;
-        let hidden = m.block(&self.contexts[r], &embedded)?;
+        let hidden = m.block(&self.rows.contexts[r], &embedded)?;
         let after_first: Vec<i32> = (1..ids.len() as i32).collect();
         let hidden = hidden.take_axis(Array::from_slice(&after_first, &[depth as i32]), 1)?;
         let logits = self.target.logits_from_hidden(&hidden)?.reshape(&[depth as i32, -1])?;
@@ -266,20 +256,16 @@ impl DflashRows {
 
 impl DraftRows for DflashRows {
     fn prefill(&mut self, tokens: TokenRows<'_>, context: Option<Array>) -> Result<(), PluginError> {
-        self.check_rows("prefill", tokens.rows as usize)?;
-        let taps = context.ok_or_else(|| PluginError::invalid_argument("prefill without tapped hidden states"))?;
-        for (r, ctx) in self.contexts.iter_mut().enumerate() {
-            self.network.extend(ctx, &row_span(&taps, r, 0, tokens.len as usize)?)?;
-        }
-        Ok(())
+        let network = &self.network;
+        self.rows.prefill(tokens, context, &|ctx, taps| network.extend(ctx, taps))
     }
 
     fn draft(&mut self, pending: &[u32], depth: usize, steps: &[u64]) -> Result<Vec<Proposal>, PluginError> {
-        self.check_rows("draft", pending.len())?;
+        self.rows.check_rows("draft", pending.len())?;
         let depth = depth.min(self.network.max_draft_tokens());
         (0..pending.len())
             .map(|r| {
-                if depth == 0 || self.contexts[r].is_empty() {
+                if depth == 0 || self.rows.contexts[r].is_empty() {
                     return Ok(Proposal::default());
                 }
                 self.draft_row(r, pending[r], depth, steps.get(r).copied().unwrap_or(0))
@@ -288,50 +274,20 @@ impl DraftRows for DflashRows {
     }
 
     fn commit(&mut self, window: TokenRows<'_>, accepted: &[u32], context: Option<Array>) -> Result<(), PluginError> {
-        self.check_rows("commit", window.rows as usize)?;
-        let taps = context.ok_or_else(|| PluginError::invalid_argument("commit without tapped hidden states"))?;
-        for (r, ctx) in self.contexts.iter_mut().enumerate() {
-            // The pending token and the accepted drafts are now the target's.
-            self.network.extend(ctx, &row_span(&taps, r, 0, accepted[r] as usize + 1)?)?;
-        }
-        Ok(())
+        let network = &self.network;
+        self.rows.commit(window, accepted, context, &|ctx, taps| network.extend(ctx, taps))
     }
 
     fn filter_rows(&mut self, keep: &[u32]) -> Result<(), PluginError> {
-        if let Some(&bad) = keep.iter().find(|&&r| r as usize >= self.contexts.len()) {
-            return Err(PluginError::invalid_argument(format!(
-                "filter_rows keeps row {bad} of {}",
-                self.contexts.len()
-            )));
-        }
-        self.contexts = keep.iter().map(|&r| self.contexts[r as usize].clone()).collect();
-        Ok(())
+        self.rows.filter_rows(keep)
     }
 
     fn append(&mut self, states: Vec<RowState>) -> Result<(), PluginError> {
-        for state in states {
-            if state.namespace.as_str() != NAMESPACE {
-                return Err(PluginError::invalid_argument(format!(
-                    "row state of namespace `{}` given to dflash ({NAMESPACE})",
-                    state.namespace
-                )));
-            }
-            self.contexts.push(Context::from_tensors(state.tensors));
-        }
-        Ok(())
+        self.rows.append(states)
     }
 
     fn capture(&mut self, row: usize) -> Result<RowState, PluginError> {
-        let ctx = self
-            .contexts
-            .get(row)
-            .ok_or_else(|| PluginError::invalid_argument(format!("capture of row {row} of {}", self.contexts.len())))?;
-        Ok(RowState {
-            namespace: NAMESPACE.into(),
-            processed: ctx.len() as u64,
-            ids: Default::default(),
-            tensors: ctx.to_tensors(),
-        })
+        self.rows.capture(row)
     }
 }
 
