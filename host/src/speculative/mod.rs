@@ -1,0 +1,191 @@
+//! The verify loop: a drafter proposes, the target checks every proposal in one forward, the
+//! caches keep exactly the accepted rows. The output is the target's own samples, so it equals
+//! plain decoding token for token (greedy, and sampled with the same seed: every position is
+//! drawn with the key plain decoding would use for it). With draft probabilities, rejection
+//! sampling with residual resampling keeps the target's distribution instead.
+
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::time::Instant;
+
+use mlx_rs::Array;
+use plugin_api::PrefillMode;
+
+use crate::generate::{check_request, GenerateError, Generation, Request, Stats, StopReason};
+use crate::model::{Gemma4, LayerCache, Taps};
+use crate::plugin::{Drafter, DrafterError};
+use crate::target_view::TargetView;
+
+mod accept;
+mod prefill;
+mod round;
+mod slot;
+
+use prefill::prefill_rows;
+use round::{drop_finished, round, Batch};
+
+/// How drafted tokens are accepted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Verify {
+    /// Accept a draft when it equals the target's own sample at that position.
+    Match,
+    /// Accept with probability min(1, p/q) and resample the residual on rejection; needs
+    /// the drafter's probabilities.
+    Rejection,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct SpecConfig {
+    pub draft_tokens: usize,
+    pub verify: Verify,
+}
+
+/// Opens a drafter against the target without generating: a pairing the drafter refuses, or
+/// one the host cannot serve, fails here, before any request.
+pub fn probe_open(model: &Rc<Gemma4>, drafter: &Drafter) -> Result<(), DrafterError> {
+    let caches = Rc::new(RefCell::new(Vec::new()));
+    let view = TargetView::new(model.clone(), caches);
+    drafter.open(view.boxed(), 1, model.config.vocab_size as u32)?;
+    check_pairing(model, drafter)
+}
+
+/// What the host itself needs of a drafter: taps inside the target, a prefill it performs.
+fn check_pairing(model: &Gemma4, drafter: &Drafter) -> Result<(), DrafterError> {
+    let caps = &drafter.info.capabilities;
+    let layers = model.config.num_hidden_layers as u32;
+    let refuse = |reason: String| DrafterError::InvalidAnswer { kind: drafter.kind().to_owned(), call: "open", reason };
+    if let Some(bad) = caps.tap_layers.iter().find(|&&l| l > layers) {
+        return Err(refuse(format!("tap layer {bad} is beyond the target's {layers} layers (valid: 0..={layers})")));
+    }
+    if caps.prefill_mode != PrefillMode::TAIL_SPLIT {
+        return Err(refuse(format!(
+            "prefill mode `{}` is not supported by this host (only tail-split)",
+            caps.prefill_mode.name()
+        )));
+    }
+    Ok(())
+}
+
+/// Generates `request` speculatively with `drafter`. A drafter that fails is dropped and the
+/// request finishes by plain decoding; `Stats::drafter_error` says why.
+pub fn generate_speculative(
+    model: &Rc<Gemma4>,
+    drafter: &Drafter,
+    request: &Request,
+    config: SpecConfig,
+    mut on_token: impl FnMut(u32),
+) -> Result<Generation, GenerateError> {
+    let mut out = generate_speculative_rows(model, drafter, std::slice::from_ref(request), config, |_, t| on_token(t))?;
+    Ok(out.remove(0))
+}
+
+/// One request's progress.
+struct Row {
+    tokens: Vec<u32>,
+    /// The last token emitted (or the prompt's last): the head of the row's next window.
+    pending: u32,
+    stop: Option<StopReason>,
+    stats: Stats,
+    /// Per draft position: (times drafted, times accepted).
+    by_position: Vec<(usize, usize)>,
+}
+
+impl Row {
+    fn new(request: &Request, draft_tokens: usize) -> Row {
+        Row {
+            tokens: Vec::new(),
+            pending: *request.prompt.last().expect("checked non-empty"),
+            stop: (request.max_tokens == 0).then_some(StopReason::MaxTokens),
+            stats: Stats { prompt_tokens: request.prompt.len(), ..Stats::default() },
+            by_position: vec![(0, 0); draft_tokens],
+        }
+    }
+
+    /// The generation, with the statistics derived from the counts.
+    fn finish(self, prefill_ms: f64, decode_ms: f64, drafter_error: Option<String>) -> Generation {
+        let mut s = self.stats;
+        s.prefill_ms = prefill_ms;
+        s.decode_ms = decode_ms;
+        s.generated_tokens = self.tokens.len();
+        s.drafter_error = drafter_error;
+        s.mean_accept_len = if s.rounds == 0 { 0.0 } else { (s.accepted + s.rounds) as f64 / s.rounds as f64 };
+        s.acceptance_rate = if s.drafted == 0 { 0.0 } else { s.accepted as f64 / s.drafted as f64 };
+        s.accepted_by_position =
+            self.by_position.iter().take_while(|(d, _)| *d > 0).map(|&(d, a)| a as f64 / d as f64).collect();
+        s.prefill_tokens_per_s = per_second(s.prompt_tokens, prefill_ms);
+        s.decode_tokens_per_s = per_second(self.tokens.len(), decode_ms);
+        Generation { tokens: self.tokens, stop: self.stop.unwrap_or(StopReason::MaxTokens), stats: s }
+    }
+}
+
+/// Generates several requests as rows of one batch: one target forward per round for all
+/// rows, each row keeping its own accepted length. Each row's output equals what it would be
+/// alone. `on_token(row, token)` sees every token as it is produced.
+pub fn generate_speculative_rows(
+    model: &Rc<Gemma4>,
+    drafter: &Drafter,
+    requests: &[Request],
+    config: SpecConfig,
+    mut on_token: impl FnMut(usize, u32),
+) -> Result<Vec<Generation>, GenerateError> {
+    for request in requests {
+        check_request(model, request)?;
+    }
+    check_pairing(model, drafter).map_err(GenerateError::Drafter)?;
+    let taps: Vec<usize> = drafter.info.capabilities.tap_layers.iter().map(|&l| l as usize).collect();
+    let mut rows: Vec<Row> = requests.iter().map(|r| Row::new(r, config.draft_tokens)).collect();
+
+    let started = Instant::now();
+    let caches = Rc::new(RefCell::new(Vec::new()));
+    let view = TargetView::new(model.clone(), caches.clone());
+    let slack = config.draft_tokens + 1;
+    let (joined, mut slot) = prefill_rows(model, drafter, &view, requests, &mut rows, slack, &taps)?;
+    *caches.borrow_mut() = joined;
+    let prefill_ms = started.elapsed().as_secs_f64() * 1e3;
+
+    let decoding = Instant::now();
+    let mut batch = Batch { model, caches: &caches, requests, config, taps: &taps, active: (0..rows.len()).collect() };
+    drop_finished(&mut batch, &rows, &mut slot)?;
+    while !batch.active.is_empty() {
+        round(&batch, &mut rows, &mut slot, &mut on_token)?;
+        drop_finished(&mut batch, &rows, &mut slot)?;
+    }
+    let decode_ms = decoding.elapsed().as_secs_f64() * 1e3;
+
+    let dropped = slot.dropped_reason();
+    Ok(rows.into_iter().map(|row| row.finish(prefill_ms, decode_ms, dropped.clone())).collect())
+}
+
+/// The target forward over rows of equal length, with the drafter's context: the hidden
+/// states at `taps` concatenated on the feature axis, or the final hidden states.
+fn forward(
+    model: &Gemma4,
+    caches: &mut [LayerCache],
+    rows: &[&[u32]],
+    taps: &[usize],
+) -> Result<(Array, Option<Array>), GenerateError> {
+    let flat: Vec<i32> = rows.iter().flat_map(|r| r.iter().map(|&t| t as i32)).collect();
+    let ids = Array::from_slice(&flat, &[rows.len() as i32, rows.first().map_or(0, |r| r.len()) as i32]);
+    if taps.is_empty() {
+        let hidden = model.forward_hidden(&ids, caches, None)?;
+        return Ok((hidden.clone(), Some(hidden)));
+    }
+    let mut t = Taps { layers: taps.to_vec(), captured: Vec::new() };
+    let hidden = model.forward_hidden(&ids, caches, Some(&mut t))?;
+    // Captured in layer order; the drafter wants them in its tap order.
+    let mut layers = taps.to_vec();
+    layers.sort_unstable();
+    layers.dedup();
+    let ordered: Vec<Array> =
+        taps.iter().map(|l| t.captured[layers.binary_search(l).expect("every tap captured")].clone()).collect();
+    Ok((hidden, Some(mlx_rs::ops::concatenate(&ordered, -1)?)))
+}
+
+fn per_second(tokens: usize, ms: f64) -> f64 {
+    if ms > 0.0 {
+        tokens as f64 / (ms / 1e3)
+    } else {
+        0.0
+    }
+}

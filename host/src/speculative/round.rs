@@ -1,0 +1,114 @@
+//! One round of the verify loop for every active row: draft → verify (one target forward) →
+//! accept per row → rollback → commit.
+
+use std::cell::RefCell;
+
+use mlx_rs::Array;
+
+use super::accept::accept;
+use super::slot::DrafterSlot;
+use super::{forward, Row, SpecConfig};
+use crate::generate::{GenerateError, Request};
+use crate::model::{Gemma4, LayerCache};
+use crate::plugin::drafter::Proposal;
+
+/// The batch as the rounds see it: rows still generating, in the order of the caches and of
+/// the drafter's rows.
+pub(super) struct Batch<'a> {
+    pub model: &'a Gemma4,
+    pub caches: &'a RefCell<Vec<LayerCache>>,
+    pub requests: &'a [Request],
+    pub config: SpecConfig,
+    pub taps: &'a [usize],
+    pub active: Vec<usize>,
+}
+
+pub(super) fn round(
+    batch: &Batch,
+    rows: &mut [Row],
+    slot: &mut DrafterSlot,
+    on_token: &mut impl FnMut(usize, u32),
+) -> Result<(), GenerateError> {
+    let proposals = draft(batch, rows, slot)?;
+
+    // One forward over every row's [pending, drafts…], right-padded to the longest.
+    let width = 1 + proposals.iter().map(|p| p.tokens.len()).max().unwrap_or(0);
+    let windows: Vec<Vec<u32>> = batch
+        .active
+        .iter()
+        .zip(&proposals)
+        .map(|(&r, p)| {
+            let mut w = vec![rows[r].pending];
+            w.extend(&p.tokens);
+            w.resize(width, rows[r].pending);
+            w
+        })
+        .collect();
+    let (hidden, context) = forward(
+        batch.model,
+        &mut batch.caches.borrow_mut(),
+        &windows.iter().map(Vec::as_slice).collect::<Vec<_>>(),
+        batch.taps,
+    )?;
+    let logits = batch.model.logits_from_hidden(&hidden)?;
+
+    let mut accepted = Vec::with_capacity(batch.active.len());
+    for (b, (&r, proposal)) in batch.active.iter().zip(&proposals).enumerate() {
+        let row_logits = logits.take_axis(Array::from_int(b as i32), 0)?;
+        let verify = batch.config.verify;
+        accepted.push(accept(&mut rows[r], &batch.requests[r], proposal, &row_logits, verify, |t| on_token(r, t))?);
+    }
+
+    // The caches keep exactly what was accepted: the pending token and the accepted drafts.
+    let rollback: Vec<usize> = accepted.iter().map(|&a| width - 1 - a).collect();
+    for cache in batch.caches.borrow_mut().iter_mut() {
+        cache.rollback(&rollback).map_err(|e| GenerateError::Internal(e.to_string()))?;
+    }
+    let flat: Vec<u32> = windows.concat();
+    let counts: Vec<u32> = accepted.iter().map(|&a| a as u32).collect();
+    slot.call(|g| g.commit(&flat, &counts, context.as_ref()));
+    Ok(())
+}
+
+/// Each active row's proposal, no deeper than its remaining budget allows (a row one token
+/// from `max_tokens` gets none); empty proposals when the drafter is gone.
+fn draft(batch: &Batch, rows: &[Row], slot: &mut DrafterSlot) -> Result<Vec<Proposal>, GenerateError> {
+    let depths: Vec<usize> = batch
+        .active
+        .iter()
+        .map(|&r| batch.config.draft_tokens.min(batch.requests[r].max_tokens - rows[r].tokens.len() - 1))
+        .collect();
+    let depth = depths.iter().copied().max().unwrap_or(0);
+    let empty = || batch.active.iter().map(|_| Proposal::default()).collect::<Vec<_>>();
+    if depth == 0 {
+        return Ok(empty());
+    }
+    let pending: Vec<u32> = batch.active.iter().map(|&r| rows[r].pending).collect();
+    let steps: Vec<u64> = batch.active.iter().map(|&r| rows[r].tokens.len() as u64).collect();
+    let Some(mut proposals) = slot.call(|g| g.draft(&pending, depth, &steps)) else { return Ok(empty()) };
+    for (p, &d) in proposals.iter_mut().zip(&depths) {
+        if p.tokens.len() > d {
+            p.tokens.truncate(d);
+            p.probabilities = p
+                .probabilities
+                .take()
+                .map(|q| q.take_axis(Array::from_iter(0..d as i32, &[d as i32]), 0))
+                .transpose()?;
+        }
+    }
+    Ok(proposals)
+}
+
+/// Removes finished rows from the batch: from `active`, the caches and the drafter's rows.
+pub(super) fn drop_finished(batch: &mut Batch, rows: &[Row], slot: &mut DrafterSlot) -> Result<(), GenerateError> {
+    let still: Vec<usize> = (0..batch.active.len()).filter(|&b| rows[batch.active[b]].stop.is_none()).collect();
+    if still.len() < batch.active.len() && !still.is_empty() {
+        for cache in batch.caches.borrow_mut().iter_mut() {
+            cache.filter_rows(&still)?;
+        }
+        let keep: Vec<u32> = still.iter().map(|&b| b as u32).collect();
+        slot.call(|g| g.filter_rows(&keep));
+    }
+    batch.active = still.iter().map(|&b| batch.active[b]).collect();
+    Ok(())
+}
