@@ -6,11 +6,10 @@ use clap::{Args, Parser, Subcommand};
 
 use std::io::Write;
 
-use host::generate::generate;
+use host::bench::BenchOptions;
 use host::manifest::Manifest;
 use host::plugin::{load, report, Registry};
-use host::run::{load_drafter, resolve_request, CheckpointDefaults, Overrides, RunOutput};
-use host::tokenizer::{StreamDecoder, Tokenizer};
+use host::run::{load_drafter, Overrides, RunOptions};
 use host::{doctor, plugins_dir};
 
 /// Lossless speculative decoding of Gemma 4 with drafters loaded as plugins.
@@ -75,12 +74,10 @@ struct BenchArgs {
     /// Tokens generated per run.
     #[arg(long, default_value_t = 128)]
     max_tokens: u32,
-    /// Python with mlx-lm installed (`make oracle` makes one).
-    #[arg(long, default_value = "tests/oracle/.venv/bin/python")]
-    mlx_lm_python: PathBuf,
-    /// The script that times mlx-lm's generation.
-    #[arg(long, default_value = "tests/oracle/mlx_lm_decode.py")]
-    mlx_lm_script: PathBuf,
+    /// A Python with mlx-lm installed, for plain decoding's reference (default:
+    /// $HOST_MLX_LM_PYTHON; `make oracle` makes tests/oracle/.venv/bin/python).
+    #[arg(long, value_name = "PATH")]
+    mlx_lm_python: Option<PathBuf>,
     #[arg(long)]
     json: bool,
     #[command(flatten)]
@@ -240,138 +237,51 @@ fn scan(dir: PluginsDir) -> Result<(PathBuf, Registry)> {
 }
 
 fn run_manifest(args: RunArgs) -> Result<()> {
-    let manifest = Manifest::load(&args.manifest)?;
-    let model = std::rc::Rc::new(host::model::load(&manifest.target_model)?);
-    let mut drafter = load_drafter(&manifest, &plugins_dir::resolve(args.dir.plugins_dir.clone()))?;
-    if let Some((d, config)) = &mut drafter {
-        host::speculative::probe_open(&model, d)?;
-        config.draft_tokens = args.draft_tokens.map_or(config.draft_tokens, |n| n as usize);
-    }
-    let tokenizer = Tokenizer::load(&manifest.target_model)?;
-    let defaults = CheckpointDefaults::load(&manifest.target_model).map_err(anyhow::Error::msg)?;
-    let overrides = Overrides {
-        prompt: args.prompt,
-        prompt_ids: args.prompt_ids,
-        chat: args.chat,
-        max_tokens: args.max_tokens,
-        temperature: args.temperature,
-        top_p: args.top_p,
-        top_k: args.top_k,
-        min_p: args.min_p,
-        seed: args.seed,
-        draft_tokens: args.draft_tokens,
+    let options = RunOptions {
+        manifest: args.manifest,
+        overrides: Overrides {
+            prompt: args.prompt,
+            prompt_ids: args.prompt_ids,
+            chat: args.chat,
+            max_tokens: args.max_tokens,
+            temperature: args.temperature,
+            top_p: args.top_p,
+            top_k: args.top_k,
+            min_p: args.min_p,
+            seed: args.seed,
+            draft_tokens: args.draft_tokens,
+        },
+        plugins_dir: plugins_dir::resolve(args.dir.plugins_dir),
     };
-    let request = resolve_request(&manifest, &overrides, &model, &tokenizer, &defaults)?;
-
-    let mut stream = StreamDecoder::new(&tokenizer);
     let mut stdout = std::io::stdout().lock();
-    let on_token = |token| {
-        let piece = stream.push(token);
-        if !args.json && !piece.is_empty() {
+    let output = host::run::run(&options, |piece| {
+        if !args.json {
             let _ = write!(stdout, "{piece}");
             let _ = stdout.flush();
         }
-    };
-    let generation = match &drafter {
-        None => generate(&model, &request, on_token)?,
-        Some((drafter, config)) => {
-            host::speculative::generate_speculative(&model, drafter, &request, *config, on_token)?
-        }
-    };
+    })?;
     if args.json {
-        let output = RunOutput {
-            text: stream.text(),
-            tokens: generation.tokens,
-            stop: generation.stop,
-            stats: generation.stats,
-        };
         writeln!(stdout, "{}", serde_json::to_string(&output)?)?;
     } else {
         writeln!(stdout)?;
-        eprint!("{}", host::run::summary(&generation));
+        eprint!("{}", output.summary());
     }
     Ok(())
 }
 
 fn bench(args: BenchArgs) -> Result<()> {
-    use host::bench::{plain, summary, BenchConfig};
-    let manifest = Manifest::load(&args.manifest)?;
-    let model = std::rc::Rc::new(host::model::load(&manifest.target_model)?);
-    let tokenizer = Tokenizer::load(&manifest.target_model)?;
-    let overrides = Overrides { max_tokens: Some(args.max_tokens), temperature: Some(0.0), ..Overrides::default() };
-    let mut request = resolve_request(&manifest, &overrides, &model, &tokenizer, &CheckpointDefaults::default())?;
-    // Both sides generate exactly max_tokens: no EOS stop.
-    request.eos.clear();
-    if let Some((drafter, config)) = load_drafter(&manifest, &plugins_dir::resolve(args.dir.plugins_dir.clone()))? {
-        host::speculative::probe_open(&model, &drafter)?;
-        let kind = manifest.drafter.as_ref().map_or("", |d| d.kind.as_str());
-        let result = host::bench::speculative(&model, &drafter, &request, config, args.pairs)?;
-        if args.json {
-            println!("{}", serde_json::to_string_pretty(&result)?);
-            return Ok(());
-        }
-        let (speedup, lo, hi) = summary(&result.speedups);
-        let (p, _, _) = summary(&result.plain_s);
-        let (s_, _, _) = summary(&result.speculative_s);
-        let st = &result.stats;
-        let by_position: Vec<String> = st.accepted_by_position.iter().map(|r| format!("{r:.2}")).collect();
-        println!(
-            "speculative ({}, {} draft tokens) vs plain, {} prompt tokens, {} generated, {} pairs",
-            kind,
-            config.draft_tokens,
-            request.prompt.len(),
-            request.max_tokens,
-            args.pairs
-        );
-        println!(
-            "  wall clock   plain {:.3} s   speculative {:.3} s   speed-up {speedup:.3}x  [{lo:.3}, {hi:.3}]",
-            p, s_
-        );
-        println!(
-            "  tau {:.2} (mean tokens per round), acceptance {:.1}%, by position [{}]",
-            st.mean_accept_len,
-            100.0 * st.acceptance_rate,
-            by_position.join(", ")
-        );
-        println!(
-            "  target forwards: plain {}, speculative {} ({} rounds, {} drafted, {} accepted); outputs identical: {}",
-            result.plain_forwards,
-            st.target_forwards,
-            st.rounds,
-            st.drafted,
-            st.accepted,
-            if result.identical { "yes" } else { "NO" }
-        );
-        return Ok(());
-    }
-    let config =
-        BenchConfig { pairs: args.pairs, mlx_lm_python: args.mlx_lm_python, mlx_lm_script: args.mlx_lm_script };
-    let result = plain(&model, &manifest.target_model, &request, &config)?;
+    let options = BenchOptions {
+        manifest: args.manifest,
+        pairs: args.pairs,
+        max_tokens: args.max_tokens,
+        mlx_lm_python: args.mlx_lm_python,
+        plugins_dir: plugins_dir::resolve(args.dir.plugins_dir),
+    };
+    let report = host::bench::bench(&options)?;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&result)?);
-        return Ok(());
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report.text());
     }
-    let stat = |v: Vec<f64>| summary(&v);
-    let (hd, _, _) = stat(result.host.iter().map(|t| t.decode_tokens_per_s).collect());
-    let (md, _, _) = stat(result.mlx_lm.iter().map(|t| t.decode_tokens_per_s).collect());
-    let (hp, _, _) = stat(result.host.iter().map(|t| t.prefill_tokens_per_s).collect());
-    let (mp, _, _) = stat(result.mlx_lm.iter().map(|t| t.prefill_tokens_per_s).collect());
-    let (dr, dr_lo, dr_hi) = stat(result.decode_ratios.clone());
-    let (pr, pr_lo, pr_hi) = stat(result.prefill_ratios.clone());
-    println!(
-        "plain decoding, {} prompt tokens, {} generated, {} pairs (median; ratio range)",
-        request.prompt.len(),
-        request.max_tokens,
-        args.pairs
-    );
-    println!("  decode   host {hd:8.1} tok/s   mlx-lm {md:8.1} tok/s   ratio {dr:.3}x  [{dr_lo:.3}, {dr_hi:.3}]");
-    println!("  prefill  host {hp:8.1} tok/s   mlx-lm {mp:8.1} tok/s   ratio {pr:.3}x  [{pr_lo:.3}, {pr_hi:.3}]");
-    println!(
-        "  bandwidth bound {:.1} tok/s ({:.1} MB of weights per token at {:.1} GB/s measured); host decode at {:.0}% of it",
-        result.bandwidth_bound_tokens_per_s,
-        result.weight_bytes_per_token as f64 / 1e6,
-        result.memory_gb_per_s,
-        100.0 * hd / result.bandwidth_bound_tokens_per_s
-    );
     Ok(())
 }

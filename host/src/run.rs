@@ -1,17 +1,80 @@
 //! `host run`: resolving one request from the command line, the manifest and the checkpoint's
 //! own defaults (in that order of precedence), then generating it.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
 
 use serde::Serialize;
 
-use crate::generate::{Request, Stats};
-use crate::manifest::Manifest;
-use crate::model::Gemma4;
-use crate::plugin::Drafter;
+use crate::generate::{generate, GenerateError, Request, Stats, StopReason};
+use crate::manifest::{Manifest, ManifestError};
+use crate::model::{Gemma4, ModelError};
+use crate::plugin::{Drafter, DrafterError};
 use crate::sampling::SamplingParams;
-use crate::speculative::SpecConfig;
-use crate::tokenizer::Tokenizer;
+use crate::speculative::{generate_speculative, probe_open, SpecConfig};
+use crate::tokenizer::{StreamDecoder, Tokenizer, TokenizerError};
+
+/// What `host run` is asked: a manifest, the command line's overrides, where plugins live.
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    pub manifest: PathBuf,
+    pub overrides: Overrides,
+    pub plugins_dir: PathBuf,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error(transparent)]
+    Manifest(#[from] ManifestError),
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    DrafterSetup(#[from] DrafterSetupError),
+    #[error(transparent)]
+    Drafter(#[from] DrafterError),
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    #[error("{0}")]
+    CheckpointDefaults(String),
+    #[error(transparent)]
+    Request(#[from] RequestError),
+    #[error(transparent)]
+    Generate(#[from] GenerateError),
+    #[error("--draft-tokens: must be at least 1")]
+    DraftTokens,
+}
+
+/// Generates the request `options` describe, passing each piece of text to `on_text` as soon
+/// as it is whole. The returned text is exactly the concatenation of those pieces.
+pub fn run(options: &RunOptions, mut on_text: impl FnMut(&str)) -> Result<RunOutput, RunError> {
+    let manifest = Manifest::load(&options.manifest)?;
+    let model = Rc::new(crate::model::load(&manifest.target_model)?);
+    let mut drafter = load_drafter(&manifest, &options.plugins_dir)?;
+    if let Some((d, config)) = &mut drafter {
+        probe_open(&model, d)?;
+        match options.overrides.draft_tokens {
+            Some(0) => return Err(RunError::DraftTokens),
+            Some(n) => config.draft_tokens = n as usize,
+            None => {}
+        }
+    }
+    let tokenizer = Tokenizer::load(&manifest.target_model)?;
+    let defaults = CheckpointDefaults::load(&manifest.target_model).map_err(RunError::CheckpointDefaults)?;
+    let request = resolve_request(&manifest, &options.overrides, &model, &tokenizer, &defaults)?;
+
+    let mut stream = StreamDecoder::new(&tokenizer);
+    let on_token = |token| {
+        let piece = stream.push(token);
+        if !piece.is_empty() {
+            on_text(&piece);
+        }
+    };
+    let generation = match &drafter {
+        None => generate(&model, &request, on_token)?,
+        Some((drafter, config)) => generate_speculative(&model, drafter, &request, *config, on_token)?,
+    };
+    Ok(RunOutput { text: stream.text(), tokens: generation.tokens, stop: generation.stop, stats: generation.stats })
+}
 
 /// Values given on the command line; each overrides the manifest's.
 #[derive(Debug, Clone, Default)]
@@ -131,16 +194,21 @@ pub fn load_drafter(
 pub struct RunOutput {
     pub tokens: Vec<u32>,
     pub text: String,
-    pub stop: crate::generate::StopReason,
+    pub stop: StopReason,
     pub stats: Stats,
 }
 
-/// The human summary printed after a streamed generation.
-pub fn summary(g: &crate::generate::Generation) -> String {
-    let s = &g.stats;
+impl RunOutput {
+    /// The human summary printed after a streamed generation.
+    pub fn summary(&self) -> String {
+        summary(&self.stats, self.stop)
+    }
+}
+
+fn summary(s: &Stats, stop: StopReason) -> String {
     let mut out = format!(
         "{} prompt tokens, {} generated ({:?}); prefill {:.0} ms ({:.1} tok/s), decode {:.1} tok/s, {} target forwards\n",
-        s.prompt_tokens, s.generated_tokens, g.stop, s.prefill_ms, s.prefill_tokens_per_s, s.decode_tokens_per_s, s.target_forwards
+        s.prompt_tokens, s.generated_tokens, stop, s.prefill_ms, s.prefill_tokens_per_s, s.decode_tokens_per_s, s.target_forwards
     );
     if s.drafted > 0 || s.drafter_error.is_some() {
         let by_position: Vec<String> = s.accepted_by_position.iter().map(|r| format!("{r:.2}")).collect();

@@ -183,7 +183,9 @@ fn run_prints_the_contracts_json_and_speculation_changes_nothing_but_speed() {
         "4",
         "--json",
     ];
-    assert_eq!(run_json(&ids)["tokens"], run_json(&ids)["tokens"]);
+    let sampled = run_json(&ids);
+    assert_eq!(sampled["stats"]["prompt_tokens"], 4, "the manifest's prompt was used: {}", sampled["stats"]);
+    assert_eq!(sampled["tokens"], run_json(&ids)["tokens"]);
 }
 
 #[test]
@@ -203,4 +205,27 @@ fn run_refuses_bad_input_in_one_line() {
     );
     let out = host(&["run", "--manifest", file.to_str().unwrap(), "--top-p", "1.5"]);
     assert!(stderr(&out).contains("top_p must be in [0, 1], got 1.5"), "{}", stderr(&out));
+}
+
+#[test]
+fn draft_tokens_from_the_command_line_are_validated_like_the_manifests() {
+    let work = tempfile::tempdir().unwrap();
+    let file = dense_manifest(work.path(), "[drafter]\nkind = \"ngram\"\n");
+    let out = host(&["run", "--manifest", file.to_str().unwrap(), "--draft-tokens", "0"]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("--draft-tokens: must be at least 1"), "{}", stderr(&out));
+}
+
+#[test]
+fn plain_bench_without_mlx_lm_names_the_option_and_the_variable() {
+    let work = tempfile::tempdir().unwrap();
+    let file = dense_manifest(work.path(), "");
+    let out = Command::new(env!("CARGO_BIN_EXE_host"))
+        .args(["bench", "--manifest", file.to_str().unwrap(), "--pairs", "1"])
+        .env_remove("HOST_MLX_LM_PYTHON")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(err.contains("--mlx-lm-python") && err.contains("HOST_MLX_LM_PYTHON"), "{err}");
 }

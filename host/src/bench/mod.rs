@@ -9,12 +9,17 @@ use std::time::Instant;
 use crate::generate::{generate, GenerateError, Request};
 use crate::model::Gemma4;
 
+mod report;
+pub use report::{bench, BenchOptions, BenchReport, BenchRunError, MLX_LM_PYTHON_ENV};
+
+/// The script that times mlx-lm's own generation, run with `python -c`.
+const MLX_LM_DECODE: &str = include_str!("mlx_lm_decode.py");
+
 #[derive(Debug, Clone)]
 pub struct BenchConfig {
     pub pairs: usize,
-    /// The Python that has mlx-lm installed, and the script that times its generation.
+    /// The Python that has mlx-lm installed.
     pub mlx_lm_python: PathBuf,
-    pub mlx_lm_script: PathBuf,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -89,14 +94,15 @@ fn run_mlx_lm(model_dir: &std::path::Path, request: &Request, config: &BenchConf
     let ids: Vec<String> = request.prompt.iter().map(u32::to_string).collect();
     let mut command = Command::new(&config.mlx_lm_python);
     command
-        .arg(&config.mlx_lm_script)
+        .arg("-c")
+        .arg(MLX_LM_DECODE)
         .arg("--model")
         .arg(model_dir)
         .arg("--prompt-ids")
         .arg(ids.join(","))
         .arg("--max-tokens")
         .arg(request.max_tokens.to_string());
-    let shown = format!("{} {}", config.mlx_lm_python.display(), config.mlx_lm_script.display());
+    let shown = format!("{} mlx_lm_decode.py", config.mlx_lm_python.display());
     let failed = |reason: String| BenchError::Reference { command: shown.clone(), reason };
     let out = command.output().map_err(|e| failed(e.to_string()))?;
     if !out.status.success() {

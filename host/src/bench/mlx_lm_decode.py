@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """mlx-lm's own prefill / decode speed for a checkpoint, as one JSON line.
 
-    tests/oracle/.venv/bin/python tests/oracle/mlx_lm_decode.py DIR [--prompt-len 128]
+    tests/oracle/.venv/bin/python host/src/bench/mlx_lm_decode.py DIR [--prompt-len 128]
         [--gen-len 128] [--warmup 1]
-    tests/oracle/.venv/bin/python tests/oracle/mlx_lm_decode.py --model DIR
+    tests/oracle/.venv/bin/python host/src/bench/mlx_lm_decode.py --model DIR
         --prompt-ids 2,17,301,... --max-tokens 128        # the form `host bench` uses
+
+`host bench` carries this script inside its binary and runs it with `python -c`.
 
 Prints {"prefill_tokens_per_s": ..., "decode_tokens_per_s": ..., ...} from mlx-lm's
 stream_generate with greedy sampling; EOS does not stop generation, so exactly the requested

@@ -1,0 +1,176 @@
+//! `host bench` as the command line runs it: the manifest's target (and drafter) loaded, the
+//! request resolved, the measurement chosen by whether the manifest has a drafter, and the
+//! report rendered as text or JSON.
+
+use std::path::PathBuf;
+use std::rc::Rc;
+
+use super::{plain, speculative, summary, BenchConfig, BenchError, PlainBench, SpeculativeBench};
+use crate::generate::GenerateError;
+use crate::manifest::{Manifest, ManifestError};
+use crate::model::ModelError;
+use crate::plugin::DrafterError;
+use crate::run::{load_drafter, resolve_request, CheckpointDefaults, DrafterSetupError, Overrides, RequestError};
+use crate::speculative::probe_open;
+use crate::tokenizer::{Tokenizer, TokenizerError};
+
+/// Where `host bench` finds a Python with mlx-lm when `--mlx-lm-python` is not given.
+pub const MLX_LM_PYTHON_ENV: &str = "HOST_MLX_LM_PYTHON";
+
+#[derive(Debug, Clone)]
+pub struct BenchOptions {
+    pub manifest: PathBuf,
+    pub pairs: usize,
+    pub max_tokens: u32,
+    pub mlx_lm_python: Option<PathBuf>,
+    pub plugins_dir: PathBuf,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BenchRunError {
+    #[error(transparent)]
+    Manifest(#[from] ManifestError),
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    DrafterSetup(#[from] DrafterSetupError),
+    #[error(transparent)]
+    Drafter(#[from] DrafterError),
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    #[error(transparent)]
+    Request(#[from] RequestError),
+    #[error(transparent)]
+    Generate(#[from] GenerateError),
+    #[error(transparent)]
+    Bench(#[from] BenchError),
+    #[error(
+        "plain decoding is measured against mlx-lm: give --mlx-lm-python PATH or set {MLX_LM_PYTHON_ENV} \
+         to a Python with mlx-lm (`make oracle` makes tests/oracle/.venv/bin/python)"
+    )]
+    NoMlxLm,
+    #[error("--pairs: must be at least 1")]
+    NoPairs,
+}
+
+/// What was measured, with what it was measured on.
+#[derive(Debug, serde::Serialize)]
+#[serde(untagged)]
+pub enum BenchReport {
+    Plain {
+        #[serde(skip)]
+        prompt_tokens: usize,
+        #[serde(skip)]
+        max_tokens: usize,
+        #[serde(flatten)]
+        result: PlainBench,
+    },
+    Speculative {
+        #[serde(skip)]
+        kind: String,
+        #[serde(skip)]
+        draft_tokens: usize,
+        #[serde(skip)]
+        prompt_tokens: usize,
+        #[serde(skip)]
+        max_tokens: usize,
+        #[serde(flatten)]
+        result: SpeculativeBench,
+    },
+}
+
+pub fn bench(options: &BenchOptions) -> Result<BenchReport, BenchRunError> {
+    if options.pairs == 0 {
+        return Err(BenchRunError::NoPairs);
+    }
+    let manifest = Manifest::load(&options.manifest)?;
+    let model = Rc::new(crate::model::load(&manifest.target_model)?);
+    let tokenizer = Tokenizer::load(&manifest.target_model)?;
+    let overrides = Overrides { max_tokens: Some(options.max_tokens), temperature: Some(0.0), ..Overrides::default() };
+    let mut request = resolve_request(&manifest, &overrides, &model, &tokenizer, &CheckpointDefaults::default())?;
+    // Both sides generate exactly max_tokens: no EOS stop.
+    request.eos.clear();
+    let (prompt_tokens, max_tokens) = (request.prompt.len(), request.max_tokens);
+    if let Some((drafter, config)) = load_drafter(&manifest, &options.plugins_dir)? {
+        probe_open(&model, &drafter)?;
+        let result = speculative(&model, &drafter, &request, config, options.pairs)?;
+        let kind = drafter.kind().to_owned();
+        return Ok(BenchReport::Speculative {
+            kind,
+            draft_tokens: config.draft_tokens,
+            prompt_tokens,
+            max_tokens,
+            result,
+        });
+    }
+    let python = options
+        .mlx_lm_python
+        .clone()
+        .or_else(|| std::env::var_os(MLX_LM_PYTHON_ENV).map(PathBuf::from))
+        .ok_or(BenchRunError::NoMlxLm)?;
+    let config = BenchConfig { pairs: options.pairs, mlx_lm_python: python };
+    let result = plain(&model, &manifest.target_model, &request, &config)?;
+    Ok(BenchReport::Plain { prompt_tokens, max_tokens, result })
+}
+
+impl BenchReport {
+    pub fn text(&self) -> String {
+        match self {
+            BenchReport::Plain { prompt_tokens, max_tokens, result } => plain_text(*prompt_tokens, *max_tokens, result),
+            BenchReport::Speculative { kind, draft_tokens, prompt_tokens, max_tokens, result } => {
+                speculative_text(kind, *draft_tokens, *prompt_tokens, *max_tokens, result)
+            }
+        }
+    }
+}
+
+fn plain_text(prompt_tokens: usize, max_tokens: usize, r: &PlainBench) -> String {
+    let stat = |v: Vec<f64>| summary(&v);
+    let (hd, _, _) = stat(r.host.iter().map(|t| t.decode_tokens_per_s).collect());
+    let (md, _, _) = stat(r.mlx_lm.iter().map(|t| t.decode_tokens_per_s).collect());
+    let (hp, _, _) = stat(r.host.iter().map(|t| t.prefill_tokens_per_s).collect());
+    let (mp, _, _) = stat(r.mlx_lm.iter().map(|t| t.prefill_tokens_per_s).collect());
+    let (dr, dr_lo, dr_hi) = summary(&r.decode_ratios);
+    let (pr, pr_lo, pr_hi) = summary(&r.prefill_ratios);
+    format!(
+        "plain decoding, {prompt_tokens} prompt tokens, {max_tokens} generated, {} pairs (median; ratio range)\n\
+         \x20 decode   host {hd:8.1} tok/s   mlx-lm {md:8.1} tok/s   ratio {dr:.3}x  [{dr_lo:.3}, {dr_hi:.3}]\n\
+         \x20 prefill  host {hp:8.1} tok/s   mlx-lm {mp:8.1} tok/s   ratio {pr:.3}x  [{pr_lo:.3}, {pr_hi:.3}]\n\
+         \x20 bandwidth bound {:.1} tok/s ({:.1} MB of weights per token at {:.1} GB/s measured); host decode at {:.0}% of it\n",
+        r.host.len(),
+        r.bandwidth_bound_tokens_per_s,
+        r.weight_bytes_per_token as f64 / 1e6,
+        r.memory_gb_per_s,
+        100.0 * hd / r.bandwidth_bound_tokens_per_s
+    )
+}
+
+fn speculative_text(
+    kind: &str,
+    draft_tokens: usize,
+    prompt_tokens: usize,
+    max_tokens: usize,
+    r: &SpeculativeBench,
+) -> String {
+    let (speedup, lo, hi) = summary(&r.speedups);
+    let (p, _, _) = summary(&r.plain_s);
+    let (s, _, _) = summary(&r.speculative_s);
+    let st = &r.stats;
+    let by_position: Vec<String> = st.accepted_by_position.iter().map(|a| format!("{a:.2}")).collect();
+    format!(
+        "speculative ({kind}, {draft_tokens} draft tokens) vs plain, {prompt_tokens} prompt tokens, {max_tokens} generated, {} pairs\n\
+         \x20 wall clock   plain {p:.3} s   speculative {s:.3} s   speed-up {speedup:.3}x  [{lo:.3}, {hi:.3}]\n\
+         \x20 tau {:.2} (mean tokens per round), acceptance {:.1}%, by position [{}]\n\
+         \x20 target forwards: plain {}, speculative {} ({} rounds, {} drafted, {} accepted); outputs identical: {}\n",
+        r.speedups.len(),
+        st.mean_accept_len,
+        100.0 * st.acceptance_rate,
+        by_position.join(", "),
+        r.plain_forwards,
+        st.target_forwards,
+        st.rounds,
+        st.drafted,
+        st.accepted,
+        if r.identical { "yes" } else { "NO" }
+    )
+}
