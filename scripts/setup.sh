@@ -86,18 +86,7 @@ python3 -m pip download --quiet --no-deps --only-binary=:all: --dest "$NATIVE/do
 wheel_file=$(ls "$NATIVE/downloads/${MLX_WHEEL//-/_}-$MLX_VERSION-"*.whl | head -n1)
 rm -rf "$WHEEL_DIR"
 python3 -m zipfile -e "$wheel_file" "$WHEEL_DIR"
-# The wheel's libmlx.so finds its BLAS and LAPACK by name through RPATH $ORIGIN/../../<pkg>.libs.
-# Those names become links to OpenBLAS; the originals stay beside them as *.reference so the
-# difference can be measured (LD_PRELOAD one of them; `host doctor` reports what is mapped).
-for lib in "$WHEEL_DIR"/*.libs/libblas-*.so* "$WHEEL_DIR"/*.libs/liblapack-*.so*; do
-  [ -f "$lib" ] || continue
-  case "$lib" in *.reference) continue ;; esac
-  mv "$lib" "$lib.reference"
-  case "$(basename "$lib")" in
-    libblas-*) ln -s "$OPENBLAS_DIR/libblas.so.3" "$lib" ;;
-    liblapack-*) ln -s "$OPENBLAS_DIR/liblapack.so.3" "$lib" ;;
-  esac
-done
+bash "$ROOT/scripts/openblas-links.sh" "$WHEEL_DIR"
 
 # --- 4. mlx-c, static, against the wheel's MLX ------------------------------------------------
 say "building mlx-c (static) against $MLX_WHEEL"
@@ -140,6 +129,13 @@ rustc-link-search = ["native=$NATIVE/lib", "native=$WHEEL_DIR/mlx/lib"]
 rustc-link-lib = ["static=mlxc", "static=mlxrs_linux_shim", "dylib=mlx", "dylib=stdc++"]
 rustc-env = { OUT_DIR = "$NATIVE/bindings" }
 EOF
+
+# What was installed, for checks that must hold whichever wheel was chosen (host/tests/doctor.rs).
+blas=reference
+for lib in "$WHEEL_DIR"/*.libs/libblas-*.so*; do [ -L "$lib" ] && blas=OpenBLAS; done
+device=cpu; [ "$MLX_WHEEL" = mlx-cpu ] || device=gpu
+printf '{"mlx_wheel": "%s", "mlx_version": "%s", "blas": "%s", "device": "%s"}\n' \
+  "$MLX_WHEEL" "$MLX_VERSION" "$blas" "$device" >"$NATIVE/installed.json"
 
 echo "$inputs" >"$STAMP"
 say "native MLX ready: $MLX_WHEEL $MLX_VERSION with OpenBLAS, in $NATIVE"

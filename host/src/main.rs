@@ -9,7 +9,7 @@ use std::io::Write;
 use host::bench::BenchOptions;
 use host::manifest::Manifest;
 use host::plugin::{load, report, Registry};
-use host::run::{load_drafter, Overrides, RunOptions};
+use host::run::{load_drafter, Overrides, RunEvent, RunOptions};
 use host::{doctor, plugins_dir};
 
 /// Lossless speculative decoding of Gemma 4 with drafters loaded as plugins.
@@ -221,6 +221,9 @@ fn run(cli: Cli) -> Result<()> {
                 Some((drafter, config)) => {
                     let kind = manifest.drafter.as_ref().map_or("", |d| d.kind.as_str());
                     println!("drafter   {kind}, {} draft tokens, verify {:?}", config.draft_tokens, config.verify);
+                    for warning in host::run::depth_warnings(&drafter.info, config.draft_tokens) {
+                        println!("warning   {warning}");
+                    }
                     println!("artifact  {} ({} bytes of weights)", drafter.info.id, drafter.info.weights_bytes);
                 }
             }
@@ -254,11 +257,13 @@ fn run_manifest(args: RunArgs) -> Result<()> {
         plugins_dir: plugins_dir::resolve(args.dir.plugins_dir),
     };
     let mut stdout = std::io::stdout().lock();
-    let output = host::run::run(&options, |piece| {
-        if !args.json {
+    let output = host::run::run(&options, |event| match event {
+        RunEvent::Text(piece) if !args.json => {
             let _ = write!(stdout, "{piece}");
             let _ = stdout.flush();
         }
+        RunEvent::Text(_) => {}
+        RunEvent::Warning(warning) => eprintln!("warning: {warning}"),
     })?;
     if args.json {
         writeln!(stdout, "{}", serde_json::to_string(&output)?)?;

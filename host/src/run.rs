@@ -44,9 +44,18 @@ pub enum RunError {
     DraftTokens,
 }
 
-/// Generates the request `options` describe, passing each piece of text to `on_text` as soon
-/// as it is whole. The returned text is exactly the concatenation of those pieces.
-pub fn run(options: &RunOptions, mut on_text: impl FnMut(&str)) -> Result<RunOutput, RunError> {
+/// What `run` reports while it works.
+pub enum RunEvent<'a> {
+    /// Generated text, as soon as it is whole.
+    Text(&'a str),
+    /// Something the user should know before the text, e.g. a draft length beyond the
+    /// drafter's own limit.
+    Warning(String),
+}
+
+/// Generates the request `options` describe, reporting warnings and each piece of text to
+/// `on_event`. The returned text is exactly the concatenation of the pieces.
+pub fn run(options: &RunOptions, mut on_event: impl FnMut(RunEvent)) -> Result<RunOutput, RunError> {
     let manifest = Manifest::load(&options.manifest)?;
     let model = Rc::new(crate::model::load(&manifest.target_model)?);
     let mut drafter = load_drafter(&manifest, &options.plugins_dir)?;
@@ -57,6 +66,9 @@ pub fn run(options: &RunOptions, mut on_text: impl FnMut(&str)) -> Result<RunOut
             Some(n) => config.draft_tokens = n as usize,
             None => {}
         }
+        for warning in depth_warnings(&d.info, config.draft_tokens) {
+            on_event(RunEvent::Warning(warning));
+        }
     }
     let tokenizer = Tokenizer::load(&manifest.target_model)?;
     let defaults = CheckpointDefaults::load(&manifest.target_model).map_err(RunError::CheckpointDefaults)?;
@@ -66,7 +78,7 @@ pub fn run(options: &RunOptions, mut on_text: impl FnMut(&str)) -> Result<RunOut
     let on_token = |token| {
         let piece = stream.push(token);
         if !piece.is_empty() {
-            on_text(&piece);
+            on_event(RunEvent::Text(&piece));
         }
     };
     let generation = match &drafter {
@@ -174,6 +186,23 @@ pub enum DrafterSetupError {
     Manifest(#[from] crate::manifest::ManifestError),
     #[error(transparent)]
     Drafter(#[from] crate::plugin::DrafterError),
+}
+
+/// What a draft length beyond the artifact's own limits will do: proposals are cut to
+/// `max_draft_tokens`, and drafts past `trained_depth` were never trained for.
+pub fn depth_warnings(info: &plugin_api::ProviderInfo, draft_tokens: usize) -> Vec<String> {
+    let mut warnings = Vec::new();
+    let max = info.capabilities.max_draft_tokens as usize;
+    if max > 0 && draft_tokens > max {
+        warnings.push(format!(
+            "draft_tokens = {draft_tokens} exceeds the drafter's max_draft_tokens of {max}; it proposes at most {max}"
+        ));
+    }
+    let trained = info.trained_depth as usize;
+    if trained > 0 && draft_tokens > trained && trained != max {
+        warnings.push(format!("draft_tokens = {draft_tokens} exceeds the {trained} tokens the drafter was trained for"));
+    }
+    warnings
 }
 
 /// The manifest's drafter: its plugin found in `plugins_dir` (by pin or kind), the manifest

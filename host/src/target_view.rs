@@ -8,21 +8,35 @@ use abi_stable::std_types::{ROption, RResult, RStr};
 use mlx_rs::Array;
 use plugin_api::abi::Extension;
 use plugin_api::target::{DonorLayer, Donors, LayerKind, TargetInfo, TargetViewAbi, TargetViewAbi_TO, TargetViewBox};
-use plugin_api::{ArrayRef, OwnedArray, PluginError};
+use plugin_api::{ArrayRef, OwnedArray, PluginError, Ports};
 
 use crate::model::config::LayerType;
 use crate::model::{Gemma4, LayerCache};
 
-/// The target model and the caches of the request being generated (empty until it starts).
+/// The target model and the caches of the request being generated (empty until it starts),
+/// serving only the ports the drafter declared.
 #[derive(Clone)]
 pub struct TargetView {
     model: Rc<Gemma4>,
     caches: Rc<RefCell<Vec<LayerCache>>>,
+    ports: Ports,
 }
 
 impl TargetView {
-    pub fn new(model: Rc<Gemma4>, caches: Rc<RefCell<Vec<LayerCache>>>) -> Self {
-        TargetView { model, caches }
+    pub fn new(model: Rc<Gemma4>, caches: Rc<RefCell<Vec<LayerCache>>>, ports: Ports) -> Self {
+        TargetView { model, caches, ports }
+    }
+
+    /// Refuses a call to a port the drafter did not declare in its capabilities.
+    fn check_port(&self, port: Ports) -> Result<(), PluginError> {
+        if self.ports.contains(port) {
+            return Ok(());
+        }
+        Err(PluginError::invalid_argument(format!(
+            "the target's `{}` port was not declared in the drafter's capabilities (declared: {})",
+            port.names().join(", "),
+            if self.ports == Ports::NONE { "none".to_owned() } else { self.ports.names().join(", ") }
+        )))
     }
 
     pub fn boxed(&self) -> TargetViewBox {
@@ -87,10 +101,16 @@ impl TargetViewAbi for TargetView {
     }
 
     fn embed(&self, ids: ArrayRef<'_>, scaled: bool) -> RResult<OwnedArray, PluginError> {
+        if let Err(e) = self.check_port(Ports::EMBED) {
+            return RResult::RErr(e);
+        }
         result(self.model.embed(&ids.to_array(), scaled))
     }
 
     fn logits_from_hidden(&self, hidden: ArrayRef<'_>) -> RResult<OwnedArray, PluginError> {
+        if let Err(e) = self.check_port(Ports::LOGITS) {
+            return RResult::RErr(e);
+        }
         result(self.model.logits_from_hidden(&hidden.to_array()))
     }
 
@@ -102,6 +122,7 @@ impl TargetViewAbi for TargetView {
         let positions: Vec<i32> =
             self.caches.borrow().first().map_or(Vec::new(), |c| c.offsets().iter().map(|&o| o as i32 - 1).collect());
         let donors = (|| {
+            self.check_port(Ports::DONORS)?;
             Ok(Donors {
                 positions: positions.into(),
                 sliding: self.donor(LayerType::Sliding)?,

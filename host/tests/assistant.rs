@@ -41,7 +41,7 @@ fn drafts_after(model: &Rc<Gemma4>, drafter: &Drafter, ids: &[u32], depth: usize
     let caches = Rc::new(RefCell::new(model.make_caches(1, 8)));
     let tokens = Array::from_slice(&prefix.iter().map(|&t| t as i32).collect::<Vec<_>>(), &[1, prefix.len() as i32]);
     let hidden = model.forward_hidden(&tokens, &mut caches.borrow_mut(), None).unwrap();
-    let view = TargetView::new(model.clone(), caches.clone());
+    let view = TargetView::new(model.clone(), caches.clone(), drafter.info.capabilities.ports);
     let mut rows = drafter.open(view.boxed(), 1, model.config.vocab_size as u32).unwrap();
     rows.prefill(prefix, Some(&hidden)).unwrap();
     rows.draft(last, depth, &[0]).unwrap().remove(0).tokens

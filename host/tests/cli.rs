@@ -229,3 +229,38 @@ fn plain_bench_without_mlx_lm_names_the_option_and_the_variable() {
     let err = stderr(&out);
     assert!(err.contains("--mlx-lm-python") && err.contains("HOST_MLX_LM_PYTHON"), "{err}");
 }
+
+#[test]
+fn a_draft_length_beyond_the_drafters_limit_is_warned_about() {
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/deepspec/gemma4-dense");
+    let work = tempfile::tempdir().unwrap();
+    let file = work.path().join("m.toml");
+    fs::write(
+        &file,
+        format!(
+            "[target]\nmodel = \"{}\"\n[drafter]\nkind = \"deepspec\"\nartifact = \"{}\"\ndraft_tokens = 99\n",
+            fixture.join("target").display(),
+            fixture.join("drafter").display()
+        ),
+    )
+    .unwrap();
+    let out = host(&["manifest", "check", file.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).contains("draft_tokens = 99 exceeds the drafter's max_draft_tokens of"), "{}", stdout(&out));
+    let out = host(&["run", "--manifest", file.to_str().unwrap(), "--prompt-ids", "2,5,6", "--max-tokens", "2"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stderr(&out).contains("warning: draft_tokens = 99 exceeds"), "{}", stderr(&out));
+}
+
+#[test]
+fn a_drafter_calling_a_port_it_did_not_declare_is_refused_naming_it() {
+    // ngram declares no ports; the host's view of the target refuses what was not declared.
+    host::runtime::init();
+    let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/gemma4/dense");
+    let model = std::rc::Rc::new(host::model::load(&model).unwrap());
+    let caches = std::rc::Rc::new(std::cell::RefCell::new(Vec::new()));
+    let view = host::target_view::TargetView::new(model, caches, plugin_api::Ports::EMBED);
+    use plugin_api::target::TargetViewAbi;
+    let error = view.read_donors().into_result().err().unwrap();
+    assert!(error.message.contains("`donors` port was not declared") && error.message.contains("declared: embed"), "{error}");
+}

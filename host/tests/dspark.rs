@@ -90,3 +90,27 @@ fn rejection_sampling_with_markov_corrected_probabilities_keeps_the_targets_dist
     let (model, d) = drafter("dspark", "sample_drafts = true\nsts = false");
     common::assert_rejection_keeps_the_first_token_distribution(&model, &d, 3);
 }
+
+#[test]
+fn a_missing_or_impossible_dimension_is_refused_naming_the_key() {
+    host::runtime::init();
+    let plugin = load_library(&common::workspace_plugin("dflash"), None).unwrap();
+    let source = fixture("dspark").join("drafter");
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(source.join("dspark.json")).unwrap()).unwrap();
+    let cases: [(&str, &str, Option<i64>); 3] =
+        [("config", "nLayers", None), ("dims", "hiddenSize", None), ("config", "nHeads", Some(0))];
+    for (section, key, value) in cases {
+        let work = tempfile::tempdir().unwrap();
+        std::fs::copy(source.join("model.safetensors"), work.path().join("model.safetensors")).unwrap();
+        let mut edited = meta.clone();
+        let map = edited[section].as_object_mut().unwrap();
+        match value {
+            None => map.remove(key),
+            Some(v) => map.insert(key.to_owned(), v.into()),
+        };
+        std::fs::write(work.path().join("dspark.json"), edited.to_string()).unwrap();
+        let error = Drafter::load(&plugin, Some(work.path()), "").err().unwrap().to_string();
+        assert!(error.contains(&format!("`{section}.{key}`")), "{section}.{key}: {error}");
+    }
+}

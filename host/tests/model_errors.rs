@@ -7,10 +7,15 @@ use host::model::load;
 
 /// A copy of the `dense` oracle checkpoint that a test may break.
 fn copy_of_dense() -> (tempfile::TempDir, PathBuf) {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/gemma4/dense");
+    copy_of("dense")
+}
+
+/// A copy of one oracle checkpoint that a test may break.
+fn copy_of(name: &str) -> (tempfile::TempDir, PathBuf) {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/gemma4").join(name);
     assert!(src.join("config.json").exists(), "{} is missing: run `make oracle`", src.display());
     let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("dense");
+    let dir = tmp.path().join(name);
     fs::create_dir(&dir).unwrap();
     for entry in fs::read_dir(&src).unwrap() {
         let path = entry.unwrap().path();
@@ -104,4 +109,28 @@ fn no_weights_at_all() {
     fs::remove_file(dir.join("model.safetensors")).unwrap();
     let e = error_of(&dir);
     assert!(e.contains("no model.safetensors"), "{e}");
+}
+
+#[test]
+fn a_fused_expert_tensor_that_does_not_split_in_two() {
+    let (_tmp, dir) = copy_of("moe");
+    let file = dir.join("model.safetensors");
+    let bytes = fs::read(&file).unwrap();
+    let tensors = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let name = "model.layers.0.experts.gate_up_proj";
+    let odd: Vec<u8> = vec![0; 4 * 63 * 64 * 4];
+    let kept: Vec<(String, safetensors::tensor::TensorView)> = tensors
+        .tensors()
+        .into_iter()
+        .map(|(n, view)| {
+            if n == name {
+                (n, safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![4, 63, 64], &odd).unwrap())
+            } else {
+                (n, view)
+            }
+        })
+        .collect();
+    fs::write(&file, safetensors::serialize(kept, &None).unwrap()).unwrap();
+    let e = error_of(&dir);
+    assert!(e.contains("tensor `layers.0.experts.gate_up_proj` has shape [4, 63, 64]"), "{e}");
 }

@@ -37,7 +37,8 @@ impl Ports {
     }
 }
 
-/// How the prompt reaches the drafter. **ABI-frozen** (a `u8`).
+/// How the prompt reaches the drafter. **ABI-frozen** (a `u8`). Hosts serve `TAIL_SPLIT`
+/// only; another value is refused when the drafter is opened.
 #[repr(transparent)]
 #[derive(StableAbi, Clone, Copy, PartialEq, Eq, Debug)]
 pub struct PrefillMode(pub u8);
@@ -46,13 +47,11 @@ impl PrefillMode {
     /// All prompt tokens but the last are prefilled; the last is the first round's pending
     /// token (mlx-lm's convention).
     pub const TAIL_SPLIT: Self = Self(0);
-    /// Every prompt token is prefilled.
-    pub const FULL: Self = Self(1);
 
-    pub fn name(self) -> &'static str {
+    pub fn name(self) -> String {
         match self {
-            Self::FULL => "full",
-            _ => "tail-split",
+            Self::TAIL_SPLIT => "tail-split".to_owned(),
+            other => format!("unknown ({})", other.0),
         }
     }
 }

@@ -71,8 +71,8 @@ pub struct Donors {
 }
 
 /// Callbacks into the target. The host implements it; a row group keeps it for its lifetime.
-/// Calls happen on the thread that drives the row group. **ABI-frozen**: methods are only
-/// ever appended, with defaults.
+/// Calls happen on the thread that drives the row group. **ABI-frozen**: its methods never
+/// change and none are added; newer ports come through [`extension`](Self::extension).
 #[sabi_trait]
 pub trait TargetViewAbi {
     fn info(&self) -> TargetInfo;

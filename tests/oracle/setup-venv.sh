@@ -59,20 +59,8 @@ fi
 
 # --- reference BLAS/LAPACK -> OpenBLAS (as scripts/setup.sh) -----------------------------------
 site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-libs=$site/mlx_cpu.libs
-[ -d "$libs" ] || die "$libs not found (is mlx-cpu installed?)"
-for lib in "$libs"/libblas-*.so* "$libs"/liblapack-*.so*; do
-  [ -e "$lib" ] || continue
-  case "$lib" in *.reference) continue ;; esac
-  [ -L "$lib" ] && continue          # already a link to OpenBLAS
-  [ -f "$lib" ] || continue
-  mv "$lib" "$lib.reference"
-  case "$(basename "$lib")" in
-    libblas-*) ln -s "$OPENBLAS_DIR/libblas.so.3" "$lib" ;;
-    liblapack-*) ln -s "$OPENBLAS_DIR/liblapack.so.3" "$lib" ;;
-  esac
-  say "$(basename "$lib") -> OpenBLAS (original kept as $(basename "$lib").reference)"
-done
+[ -d "$site/mlx_cpu.libs" ] || die "$site/mlx_cpu.libs not found (is mlx-cpu installed?)"
+bash "$HERE/../../scripts/openblas-links.sh" "$site"
 
 # --- check -------------------------------------------------------------------------------------
 "$VENV/bin/python" - <<'EOF' || die "the venv does not import mlx / mlx_lm / dflash.model_mlx / dspark_mlx"

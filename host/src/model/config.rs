@@ -62,7 +62,6 @@ pub struct Gemma4Config {
     pub moe_intermediate_size: i32,
     pub tie_word_embeddings: bool,
     pub eos_token_ids: Vec<u32>,
-    pub bos_token_id: Option<u32>,
     pub quantization: Option<QuantizationConfig>,
 }
 
@@ -229,7 +228,6 @@ fn parse(file: &Path, root: &Value) -> Result<Gemma4Config, ConfigError> {
         moe_intermediate_size: c.optional_int("moe_intermediate_size")?.unwrap_or(0),
         tie_word_embeddings: c.boolean("tie_word_embeddings", true)?,
         eos_token_ids,
-        bos_token_id: token_ids(text.get("bos_token_id").or_else(|| root.get("bos_token_id"))).first().copied(),
         quantization,
     };
     if config.enable_moe_block

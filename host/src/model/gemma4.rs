@@ -8,7 +8,7 @@ use plugin_api::nn::{Embedding, Linear, Rope};
 
 use super::cache::LayerCache;
 use super::config::{Gemma4Config, LayerType};
-use super::load::ModelError;
+use super::error::ModelError;
 
 pub struct Attention {
     pub q_proj: Linear,

@@ -1,24 +1,13 @@
 //! Building a [`Gemma4`] from a Hugging Face-format directory: config, weights under any of the
 //! prefixes checkpoints use, every tensor's shape checked against the config.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use plugin_api::nn::{Embedding, Linear, Quantization, Rope, Weights, WeightsError};
 
-use super::config::{ConfigError, Gemma4Config, LayerType};
+use super::config::{Gemma4Config, LayerType};
+use super::ModelError;
 use super::gemma4::{Attention, DecoderLayer, Gemma4, Mlp, Moe, PerLayerInput, PerLayerInputs, Router, SwitchGlu};
-
-#[derive(Debug, thiserror::Error)]
-pub enum ModelError {
-    #[error(transparent)]
-    Config(#[from] ConfigError),
-    #[error("{dir}: {error}")]
-    Weights { dir: PathBuf, error: WeightsError },
-    #[error("MLX: {0}")]
-    Mlx(#[from] mlx_rs::error::Exception),
-    #[error("{0}")]
-    Internal(String),
-}
 
 /// Prefixes of the text model's tensors in the checkpoint formats we read.
 const PREFIXES: [&str; 4] = ["model.language_model.", "language_model.model.", "model.", ""];
@@ -27,13 +16,13 @@ pub fn load(dir: &Path) -> Result<Gemma4, ModelError> {
     let config = Gemma4Config::load(dir)?;
     let wrap = |error: WeightsError| ModelError::Weights { dir: dir.to_owned(), error };
     let mut weights = Weights::load_dir(dir).map_err(wrap)?;
-    normalize_names(&mut weights);
+    normalize_names(&mut weights)?;
     let model = build(config, &weights).map_err(wrap)?;
     Ok(model)
 }
 
 /// Renames tensors to the text model's own names (`embed_tokens.weight`, `layers.0.…`).
-fn normalize_names(w: &mut Weights) {
+fn normalize_names(w: &mut Weights) -> Result<(), ModelError> {
     let prefix = PREFIXES.iter().find(|p| w.contains(&format!("{p}embed_tokens.weight"))).copied().unwrap_or("");
     if !prefix.is_empty() {
         w.rename_prefix(prefix, "");
@@ -46,15 +35,21 @@ fn normalize_names(w: &mut Weights) {
     for name in fused {
         let base = name.trim_end_matches(".gate_up_proj").to_owned();
         if let Some(gate_up) = w.remove(&name) {
-            if let Ok(parts) = gate_up.split_equal(2, -2) {
-                w.insert(format!("{base}.switch_glu.gate_proj.weight"), parts[0].clone());
-                w.insert(format!("{base}.switch_glu.up_proj.weight"), parts[1].clone());
+            // [experts, 2 × intermediate, hidden]: the gate rows, then the up rows.
+            let shape = gate_up.shape().to_vec();
+            if shape.len() != 3 || shape[1] % 2 != 0 {
+                let reason = format!("has shape {shape:?}; a fused gate_up is [experts, 2 × intermediate, hidden]");
+                return Err(ModelError::Tensor { dir: w.dir.clone(), name, reason });
             }
+            let parts = gate_up.split_equal(2, -2)?;
+            w.insert(format!("{base}.switch_glu.gate_proj.weight"), parts[0].clone());
+            w.insert(format!("{base}.switch_glu.up_proj.weight"), parts[1].clone());
         }
         if let Some(down) = w.remove(&format!("{base}.down_proj")) {
             w.insert(format!("{base}.switch_glu.down_proj.weight"), down);
         }
     }
+    Ok(())
 }
 
 fn build(config: Gemma4Config, w: &Weights) -> Result<Gemma4, WeightsError> {

@@ -2,10 +2,12 @@
 
 pub mod cache;
 pub mod config;
+pub mod error;
 pub mod gemma4;
 pub mod load;
 
 pub use cache::LayerCache;
 pub use config::Gemma4Config;
 pub use gemma4::{Gemma4, Taps};
-pub use load::{load, ModelError};
+pub use error::ModelError;
+pub use load::load;

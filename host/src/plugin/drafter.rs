@@ -88,10 +88,6 @@ impl DraftRows {
         self.poisoned
     }
 
-    pub fn rows(&self) -> usize {
-        self.rows
-    }
-
     pub fn prefill(&mut self, tokens: &[u32], context: Option<&Array>) -> Result<(), DrafterError> {
         self.live()?;
         let answer =

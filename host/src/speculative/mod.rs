@@ -9,10 +9,10 @@ use std::rc::Rc;
 use std::time::Instant;
 
 use mlx_rs::Array;
-use plugin_api::PrefillMode;
+use plugin_api::{Ports, PrefillMode};
 
 use crate::generate::{check_request, GenerateError, Generation, Request, Stats, StopReason};
-use crate::model::{Gemma4, LayerCache, Taps};
+use crate::model::{Gemma4, LayerCache, Taps as LayerTaps};
 use crate::plugin::{Drafter, DrafterError};
 use crate::target_view::TargetView;
 
@@ -45,7 +45,7 @@ pub struct SpecConfig {
 /// one the host cannot serve, fails here, before any request.
 pub fn probe_open(model: &Rc<Gemma4>, drafter: &Drafter) -> Result<(), DrafterError> {
     let caches = Rc::new(RefCell::new(Vec::new()));
-    let view = TargetView::new(model.clone(), caches);
+    let view = TargetView::new(model.clone(), caches, drafter.info.capabilities.ports);
     drafter.open(view.boxed(), 1, model.config.vocab_size as u32)?;
     check_pairing(model, drafter)
 }
@@ -133,12 +133,12 @@ pub fn generate_speculative_rows(
         check_request(model, request)?;
     }
     check_pairing(model, drafter).map_err(GenerateError::Drafter)?;
-    let taps: Vec<usize> = drafter.info.capabilities.tap_layers.iter().map(|&l| l as usize).collect();
+    let taps = Taps::of(drafter);
     let mut rows: Vec<Row> = requests.iter().map(|r| Row::new(r, config.draft_tokens)).collect();
 
     let started = Instant::now();
     let caches = Rc::new(RefCell::new(Vec::new()));
-    let view = TargetView::new(model.clone(), caches.clone());
+    let view = TargetView::new(model.clone(), caches.clone(), drafter.info.capabilities.ports);
     let slack = config.draft_tokens + 1;
     let (joined, mut slot) = prefill_rows(model, drafter, &view, requests, &mut rows, slack, &taps)?;
     *caches.borrow_mut() = joined;
@@ -157,21 +157,44 @@ pub fn generate_speculative_rows(
     Ok(rows.into_iter().map(|row| row.finish(prefill_ms, decode_ms, dropped.clone())).collect())
 }
 
+/// What the drafter reads of each target forward (its `taps` port): nothing, the final hidden
+/// states, or the hidden states at its tap layers.
+enum Taps {
+    None,
+    Final,
+    Layers(Vec<usize>),
+}
+
+impl Taps {
+    fn of(drafter: &Drafter) -> Taps {
+        let caps = &drafter.info.capabilities;
+        match (caps.ports.contains(Ports::TAPS), caps.tap_layers.is_empty()) {
+            (false, _) => Taps::None,
+            (true, true) => Taps::Final,
+            (true, false) => Taps::Layers(caps.tap_layers.iter().map(|&l| l as usize).collect()),
+        }
+    }
+}
+
 /// The target forward over rows of equal length, with the drafter's context: the hidden
-/// states at `taps` concatenated on the feature axis, or the final hidden states.
+/// states at its tap layers concatenated on the feature axis, or the final hidden states.
 fn forward(
     model: &Gemma4,
     caches: &mut [LayerCache],
     rows: &[&[u32]],
-    taps: &[usize],
+    taps: &Taps,
 ) -> Result<(Array, Option<Array>), GenerateError> {
     let flat: Vec<i32> = rows.iter().flat_map(|r| r.iter().map(|&t| t as i32)).collect();
     let ids = Array::from_slice(&flat, &[rows.len() as i32, rows.first().map_or(0, |r| r.len()) as i32]);
-    if taps.is_empty() {
-        let hidden = model.forward_hidden(&ids, caches, None)?;
-        return Ok((hidden.clone(), Some(hidden)));
-    }
-    let mut t = Taps { layers: taps.to_vec(), captured: Vec::new() };
+    let taps = match taps {
+        Taps::None => return Ok((model.forward_hidden(&ids, caches, None)?, None)),
+        Taps::Final => {
+            let hidden = model.forward_hidden(&ids, caches, None)?;
+            return Ok((hidden.clone(), Some(hidden)));
+        }
+        Taps::Layers(layers) => layers,
+    };
+    let mut t = LayerTaps { layers: taps.to_vec(), captured: Vec::new() };
     let hidden = model.forward_hidden(&ids, caches, Some(&mut t))?;
     // Captured in layer order; the drafter wants them in its tap order.
     let mut layers = taps.to_vec();

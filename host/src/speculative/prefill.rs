@@ -2,7 +2,7 @@
 //! window. Each row gets its own caches and drafter row; they are joined into one batch after.
 
 use super::slot::DrafterSlot;
-use super::{forward, Row};
+use super::{forward, Row, Taps};
 use crate::generate::{GenerateError, Request, PREFILL_CHUNK};
 use crate::model::{Gemma4, LayerCache};
 use crate::plugin::drafter::DraftRows;
@@ -18,7 +18,7 @@ pub(super) fn prefill_rows(
     requests: &[Request],
     rows: &mut [Row],
     slack: usize,
-    taps: &[usize],
+    taps: &Taps,
 ) -> Result<(Vec<LayerCache>, DrafterSlot), GenerateError> {
     let vocab = model.config.vocab_size as u32;
     let mut row_caches = Vec::with_capacity(requests.len());

@@ -7,7 +7,7 @@ use mlx_rs::Array;
 
 use super::accept::accept;
 use super::slot::DrafterSlot;
-use super::{forward, Row, SpecConfig};
+use super::{forward, Row, SpecConfig, Taps};
 use crate::generate::{GenerateError, Request};
 use crate::model::{Gemma4, LayerCache};
 use crate::plugin::drafter::Proposal;
@@ -19,7 +19,7 @@ pub(super) struct Batch<'a> {
     pub caches: &'a RefCell<Vec<LayerCache>>,
     pub requests: &'a [Request],
     pub config: SpecConfig,
-    pub taps: &'a [usize],
+    pub taps: &'a Taps,
     pub active: Vec<usize>,
 }
 

@@ -100,7 +100,7 @@ pub fn drafts_after_taps(
     sorted.dedup();
     let ordered: Vec<Array> = layers.iter().map(|l| taps.captured[sorted.binary_search(l).unwrap()].clone()).collect();
     let context = mlx_rs::ops::concatenate(&ordered, -1).unwrap();
-    let view = host::target_view::TargetView::new(model.clone(), caches.clone());
+    let view = host::target_view::TargetView::new(model.clone(), caches.clone(), drafter.info.capabilities.ports);
     let mut rows = drafter.open(view.boxed(), 1, model.config.vocab_size as u32).unwrap();
     rows.prefill(prefix, Some(&context)).unwrap();
     rows.draft(last, depth, &[0]).unwrap().remove(0).tokens

@@ -71,6 +71,17 @@ pub fn row_span(x: &Array, r: usize, from: usize, to: usize) -> Result<Array, Ex
     row.take_axis(Array::from_slice(&span, &[span.len() as i32]), 1)
 }
 
+/// Refuses tapped hidden states that do not cover every row and position of the tokens they
+/// come with: `[rows, len, features]`.
+fn check_span(call: &str, taps: &Array, rows: usize, len: usize) -> Result<(), PluginError> {
+    match taps.shape() {
+        [r, l, _] if *r as usize == rows && *l as usize == len => Ok(()),
+        shape => Err(PluginError::invalid_argument(format!(
+            "{call}: tapped hidden states of shape {shape:?} for {rows} rows of {len} tokens"
+        ))),
+    }
+}
+
 /// The row bookkeeping of drafters whose state is a [`LayerContext`] per row: prefill and
 /// commit project the tapped rows the target kept, and rows are filtered, captured and
 /// restored as a whole.
@@ -113,6 +124,7 @@ impl ContextRows {
     ) -> Result<(), PluginError> {
         self.check_rows("prefill", tokens.rows as usize)?;
         let taps = taps.ok_or_else(|| PluginError::invalid_argument("prefill without tapped hidden states"))?;
+        check_span("prefill", &taps, tokens.rows as usize, tokens.len as usize)?;
         for (r, ctx) in self.contexts.iter_mut().enumerate() {
             project(ctx, &row_span(&taps, r, 0, tokens.len as usize)?)?;
         }
@@ -130,6 +142,7 @@ impl ContextRows {
         self.check_rows("commit", window.rows as usize)?;
         self.check_rows("commit's accepted counts", accepted.len())?;
         let taps = taps.ok_or_else(|| PluginError::invalid_argument("commit without tapped hidden states"))?;
+        check_span("commit", &taps, window.rows as usize, window.len as usize)?;
         for (r, ctx) in self.contexts.iter_mut().enumerate() {
             project(ctx, &row_span(&taps, r, 0, accepted[r] as usize + 1)?)?;
         }

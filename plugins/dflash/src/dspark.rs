@@ -92,8 +92,13 @@ impl DsparkConfig {
         }
         let c = meta.get("config").and_then(Value::as_object).ok_or_else(|| bad("config", "is missing"))?;
         let dims = meta.get("dims").and_then(Value::as_object).ok_or_else(|| bad("dims", "is missing"))?;
-        let int = |map: &serde_json::Map<String, Value>, key: &str, default: Option<i64>| -> Result<i64, PluginError> {
-            map.get(key).and_then(Value::as_i64).or(default).ok_or_else(|| bad(key, "is missing or not an integer"))
+        // Every dimension is required: a guessed one would only surface as a shape error later.
+        let int = |map: &serde_json::Map<String, Value>, section: &str, key: &str| -> Result<i64, PluginError> {
+            match map.get(key).and_then(Value::as_i64) {
+                Some(n) if n > 0 => Ok(n),
+                Some(n) => Err(bad(&format!("{section}.{key}"), &format!("= {n} must be positive"))),
+                None => Err(bad(&format!("{section}.{key}"), "is missing or not an integer")),
+            }
         };
         if let Some(head) = c.get("seqHead").and_then(Value::as_str) {
             if head != "markov" {
@@ -107,24 +112,27 @@ impl DsparkConfig {
             .iter()
             .map(|v| v.as_u64().map(|n| n as u32).ok_or_else(|| bad("config.tapLayers", "must hold integers")))
             .collect::<Result<Vec<_>, _>>()?;
-        let gamma = int(c, "gamma", Some(5))? as usize;
-        let sts_thresholds = c
-            .get("sts")
-            .and_then(|s| s.get("thresholds"))
-            .and_then(Value::as_array)
-            .map(|t| t.iter().map(|v| v.as_f64().unwrap_or(0.0) as f32).collect())
-            .unwrap_or_default();
+        let gamma = int(c, "config", "gamma")? as usize;
+        let sts_thresholds = match c.get("sts").and_then(|s| s.get("thresholds")) {
+            None => Vec::new(),
+            Some(t) => t
+                .as_array()
+                .ok_or_else(|| bad("config.sts.thresholds", "must be a list of numbers"))?
+                .iter()
+                .map(|v| v.as_f64().map(|x| x as f32).ok_or_else(|| bad("config.sts.thresholds", "must hold numbers")))
+                .collect::<Result<Vec<_>, _>>()?,
+        };
         Ok(DsparkConfig {
             gamma,
-            d_draft: int(c, "dDraft", Some(1024))? as i32,
-            n_layers: int(c, "nLayers", Some(5))? as usize,
-            n_heads: int(c, "nHeads", Some(8))? as i32,
-            markov_rank: int(c, "markovRank", Some(256))? as i32,
-            ff_mult: int(c, "ffMult", Some(2))? as i32,
+            d_draft: int(c, "config", "dDraft")? as i32,
+            n_layers: int(c, "config", "nLayers")? as usize,
+            n_heads: int(c, "config", "nHeads")? as i32,
+            markov_rank: int(c, "config", "markovRank")? as i32,
+            ff_mult: int(c, "config", "ffMult")? as i32,
             tap_layers,
             sts_thresholds,
-            hidden_size: int(dims, "hiddenSize", None)? as i32,
-            vocab_size: int(dims, "vocabSize", None)? as i32,
+            hidden_size: int(dims, "dims", "hiddenSize")? as i32,
+            vocab_size: int(dims, "dims", "vocabSize")? as i32,
             eps: dims.get("eps").and_then(Value::as_f64).unwrap_or(1e-6) as f32,
         })
     }

@@ -58,7 +58,6 @@ impl DraftProvider for NgramProvider {
             max_ngram: self.max_ngram,
             min_ngram: self.min_ngram,
             history: vec![Vec::new(); rows],
-            drafts: Vec::new(),
         })
     }
 }
@@ -68,8 +67,6 @@ pub struct NgramRows {
     min_ngram: usize,
     /// Every token each row has committed, in order.
     history: Vec<Vec<u32>>,
-    /// What the last `draft` proposed, so `commit` can check the window against it.
-    drafts: Vec<Vec<u32>>,
 }
 
 /// The longest trailing n-gram of `text` (n in `min..=max`) at its first earlier occurrence,
@@ -112,18 +109,18 @@ impl DraftRows for NgramRows {
 
     fn draft(&mut self, pending: &[u32], depth: usize, _steps: &[u64]) -> Result<Vec<Proposal>, PluginError> {
         self.check_rows("draft", pending.len())?;
-        self.drafts = self
+        let (min, max) = (self.min_ngram, self.max_ngram);
+        Ok(self
             .history
             .iter_mut()
             .zip(pending)
             .map(|(history, &p)| {
                 history.push(p);
-                let found = lookup(history, self.min_ngram, self.max_ngram, depth).to_vec();
+                let found = lookup(history, min, max, depth).to_vec();
                 history.pop();
-                found
+                Proposal::tokens(found)
             })
-            .collect();
-        Ok(self.drafts.iter().cloned().map(Proposal::tokens).collect())
+            .collect())
     }
 
     fn commit(&mut self, window: TokenRows<'_>, accepted: &[u32], _context: Option<Array>) -> Result<(), PluginError> {
