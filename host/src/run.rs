@@ -9,7 +9,7 @@ use serde::Serialize;
 use crate::generate::{generate, GenerateError, Request, Stats, StopReason};
 use crate::manifest::{Manifest, ManifestError};
 use crate::model::{Gemma4, ModelError};
-use crate::plugin::{Drafter, DrafterError};
+use crate::plugin::{DrafterError, LoadedDrafter};
 use crate::sampling::SamplingParams;
 use crate::speculative::{generate_speculative, probe_open, SpecConfig};
 use crate::tokenizer::{StreamDecoder, Tokenizer, TokenizerError};
@@ -31,7 +31,7 @@ pub enum RunError {
     #[error(transparent)]
     DrafterSetup(#[from] DrafterSetupError),
     #[error(transparent)]
-    Drafter(#[from] DrafterError),
+    LoadedDrafter(#[from] DrafterError),
     #[error(transparent)]
     Tokenizer(#[from] TokenizerError),
     #[error("{0}")]
@@ -185,7 +185,7 @@ pub enum DrafterSetupError {
     #[error(transparent)]
     Manifest(#[from] crate::manifest::ManifestError),
     #[error(transparent)]
-    Drafter(#[from] crate::plugin::DrafterError),
+    LoadedDrafter(#[from] crate::plugin::DrafterError),
 }
 
 /// What a draft length beyond the artifact's own limits will do: proposals are cut to
@@ -200,7 +200,8 @@ pub fn depth_warnings(info: &plugin_api::ProviderInfo, draft_tokens: usize) -> V
     }
     let trained = info.trained_depth as usize;
     if trained > 0 && draft_tokens > trained && trained != max {
-        warnings.push(format!("draft_tokens = {draft_tokens} exceeds the {trained} tokens the drafter was trained for"));
+        warnings
+            .push(format!("draft_tokens = {draft_tokens} exceeds the {trained} tokens the drafter was trained for"));
     }
     warnings
 }
@@ -210,11 +211,11 @@ pub fn depth_warnings(info: &plugin_api::ProviderInfo, draft_tokens: usize) -> V
 pub fn load_drafter(
     manifest: &Manifest,
     plugins_dir: &Path,
-) -> Result<Option<(Drafter, SpecConfig)>, DrafterSetupError> {
+) -> Result<Option<(LoadedDrafter, SpecConfig)>, DrafterSetupError> {
     let Some(spec) = &manifest.drafter else { return Ok(None) };
     let plugin = crate::plugin::select(plugins_dir, &spec.kind, spec.sha256.as_deref())?;
     manifest.check_drafter(&plugin.descriptor)?;
-    let drafter = Drafter::load(&plugin, spec.artifact.as_deref(), &spec.options_toml())?;
+    let drafter = LoadedDrafter::load(&plugin, spec.artifact.as_deref(), &spec.options_toml())?;
     Ok(Some((drafter, SpecConfig { draft_tokens: spec.draft_tokens as usize, verify: spec.verify })))
 }
 

@@ -13,7 +13,7 @@ use plugin_api::nn::Weights;
 use host::generate::{generate, Request};
 use host::model::{load, Gemma4};
 use host::plugin::load::load as load_library;
-use host::plugin::Drafter;
+use host::plugin::LoadedDrafter;
 use host::sampling::SamplingParams;
 use host::speculative::{generate_speculative, probe_open, SpecConfig, Verify};
 use host::target_view::TargetView;
@@ -24,19 +24,19 @@ fn fixture(name: &str) -> PathBuf {
     dir
 }
 
-fn setup(name: &str) -> (Rc<Gemma4>, Drafter) {
+fn setup(name: &str) -> (Rc<Gemma4>, LoadedDrafter) {
     host::runtime::init();
     let dir = fixture(name);
     let model = Rc::new(load(&dir.join("target")).unwrap());
     let plugin = load_library(&common::workspace_plugin("assistant"), None).unwrap();
-    let drafter = Drafter::load(&plugin, Some(&dir.join("assistant")), "").unwrap();
+    let drafter = LoadedDrafter::load(&plugin, Some(&dir.join("assistant")), "").unwrap();
     probe_open(&model, &drafter).unwrap();
     (model, drafter)
 }
 
 /// The assistant's drafts for a target that has processed all of `ids` but the last, which is
 /// the pending token: the state transformers' assistant drafts from.
-fn drafts_after(model: &Rc<Gemma4>, drafter: &Drafter, ids: &[u32], depth: usize) -> Vec<u32> {
+fn drafts_after(model: &Rc<Gemma4>, drafter: &LoadedDrafter, ids: &[u32], depth: usize) -> Vec<u32> {
     let (prefix, last) = ids.split_at(ids.len() - 1);
     let caches = Rc::new(RefCell::new(model.make_caches(1, 8)));
     let tokens = Array::from_slice(&prefix.iter().map(|&t| t as i32).collect::<Vec<_>>(), &[1, prefix.len() as i32]);

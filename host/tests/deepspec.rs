@@ -9,7 +9,7 @@ use std::rc::Rc;
 use host::generate::{generate, Request};
 use host::model::{load, Gemma4};
 use host::plugin::load::load as load_library;
-use host::plugin::Drafter;
+use host::plugin::LoadedDrafter;
 use host::sampling::SamplingParams;
 use host::speculative::{generate_speculative, probe_open, SpecConfig, Verify};
 use mlx_rs::Dtype;
@@ -21,11 +21,11 @@ fn fixture() -> PathBuf {
     dir
 }
 
-fn setup(options: &str) -> (Rc<Gemma4>, Drafter) {
+fn setup(options: &str) -> (Rc<Gemma4>, LoadedDrafter) {
     host::runtime::init();
     let model = Rc::new(load(&fixture().join("target")).unwrap());
     let plugin = load_library(&common::workspace_plugin("deepspec"), None).unwrap();
-    let drafter = Drafter::load(&plugin, Some(&fixture().join("drafter")), options).unwrap();
+    let drafter = LoadedDrafter::load(&plugin, Some(&fixture().join("drafter")), options).unwrap();
     probe_open(&model, &drafter).unwrap();
     (model, drafter)
 }

@@ -9,7 +9,7 @@ use std::rc::Rc;
 use host::generate::{generate, Request};
 use host::model::{load, Gemma4};
 use host::plugin::load::load as load_library;
-use host::plugin::Drafter;
+use host::plugin::LoadedDrafter;
 use host::sampling::SamplingParams;
 use host::speculative::{generate_speculative, probe_open, SpecConfig, Verify};
 use mlx_rs::Dtype;
@@ -21,12 +21,12 @@ fn fixture(name: &str) -> PathBuf {
     dir
 }
 
-fn setup(name: &str) -> (Rc<Gemma4>, Drafter) {
+fn setup(name: &str) -> (Rc<Gemma4>, LoadedDrafter) {
     host::runtime::init();
     let dir = fixture(name);
     let model = Rc::new(load(&dir.join("target")).unwrap());
     let plugin = load_library(&common::workspace_plugin("dflash"), None).unwrap();
-    let drafter = Drafter::load(&plugin, Some(&dir.join("drafter")), "").unwrap();
+    let drafter = LoadedDrafter::load(&plugin, Some(&dir.join("drafter")), "").unwrap();
     probe_open(&model, &drafter).unwrap();
     (model, drafter)
 }
@@ -81,6 +81,6 @@ fn rejection_sampling_with_sampled_drafts_keeps_the_targets_distribution() {
     let dir = fixture("gemma4-dense");
     let model = Rc::new(load(&dir.join("target")).unwrap());
     let plugin = load_library(&common::workspace_plugin("dflash"), None).unwrap();
-    let drafter = Drafter::load(&plugin, Some(&dir.join("drafter")), "sample_drafts = true").unwrap();
+    let drafter = LoadedDrafter::load(&plugin, Some(&dir.join("drafter")), "sample_drafts = true").unwrap();
     common::assert_rejection_keeps_the_first_token_distribution(&model, &drafter, 2);
 }

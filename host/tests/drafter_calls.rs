@@ -5,16 +5,16 @@ mod common;
 
 use common::{fixture, workspace_plugin};
 use host::plugin::load::load;
-use host::plugin::{Drafter, DrafterError};
+use host::plugin::{DrafterError, LoadedDrafter};
 use plugin_api::conformance::{check_root, Config, SyntheticTarget};
 use plugin_api::ErrorKind;
 
 const VOCAB: u32 = 32;
 
-fn open_misbehaving(mode: &str) -> host::plugin::drafter::DraftRows {
+fn open_misbehaving(mode: &str) -> host::plugin::drafter::DrafterGroup {
     host::runtime::init();
     let plugin = load(&fixture("misbehaving"), None).unwrap();
-    let drafter = Drafter::load(&plugin, None, &format!("mode = \"{mode}\"")).unwrap();
+    let drafter = LoadedDrafter::load(&plugin, None, &format!("mode = \"{mode}\"")).unwrap();
     let target = SyntheticTarget::new(VOCAB, 8, 2, 0).unwrap();
     let mut rows = drafter.open(target.view(), 2, VOCAB).unwrap();
     rows.prefill(&[1, 2, 3, 4], None).unwrap();
@@ -73,7 +73,7 @@ fn a_well_behaved_answer_passes_validation() {
 fn a_panic_in_the_plugins_load_becomes_an_error() {
     host::runtime::init();
     let plugin = load(&fixture("misbehaving"), None).unwrap();
-    let error = Drafter::load(&plugin, None, "mode = \"panic-in-load\"").err().unwrap();
+    let error = LoadedDrafter::load(&plugin, None, "mode = \"panic-in-load\"").err().unwrap();
     assert_eq!(
         error.to_string(),
         "drafter `misbehaving` failed in load: panicked: panicked in load: misbehaving drafter panics in load as asked"

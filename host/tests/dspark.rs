@@ -9,7 +9,7 @@ use std::rc::Rc;
 use host::generate::{generate, Request};
 use host::model::{load, Gemma4};
 use host::plugin::load::load as load_library;
-use host::plugin::Drafter;
+use host::plugin::LoadedDrafter;
 use host::sampling::SamplingParams;
 use host::speculative::{generate_speculative, probe_open, SpecConfig, Verify};
 use mlx_rs::Dtype;
@@ -21,12 +21,12 @@ fn fixture(name: &str) -> PathBuf {
     dir
 }
 
-fn drafter(name: &str, options: &str) -> (Rc<Gemma4>, Drafter) {
+fn drafter(name: &str, options: &str) -> (Rc<Gemma4>, LoadedDrafter) {
     host::runtime::init();
     let dir = fixture(name);
     let model = Rc::new(load(&dir.join("target")).unwrap());
     let plugin = load_library(&common::workspace_plugin("dflash"), None).unwrap();
-    let drafter = Drafter::load(&plugin, Some(&dir.join("drafter")), options).unwrap();
+    let drafter = LoadedDrafter::load(&plugin, Some(&dir.join("drafter")), options).unwrap();
     probe_open(&model, &drafter).unwrap();
     (model, drafter)
 }
@@ -56,7 +56,7 @@ fn drafts_equal_the_numpy_reference_with_and_without_truncation() {
 fn a_v1_checkpoint_is_refused_by_name() {
     host::runtime::init();
     let plugin = load_library(&common::workspace_plugin("dflash"), None).unwrap();
-    let error = Drafter::load(&plugin, Some(&fixture("v1")), "").err().unwrap().to_string();
+    let error = LoadedDrafter::load(&plugin, Some(&fixture("v1")), "").err().unwrap().to_string();
     assert!(error.contains("v1 single-vector DSpark checkpoint"), "{error}");
 }
 
@@ -110,7 +110,7 @@ fn a_missing_or_impossible_dimension_is_refused_naming_the_key() {
             Some(v) => map.insert(key.to_owned(), v.into()),
         };
         std::fs::write(work.path().join("dspark.json"), edited.to_string()).unwrap();
-        let error = Drafter::load(&plugin, Some(work.path()), "").err().unwrap().to_string();
+        let error = LoadedDrafter::load(&plugin, Some(work.path()), "").err().unwrap().to_string();
         assert!(error.contains(&format!("`{section}.{key}`")), "{section}.{key}: {error}");
     }
 }

@@ -11,12 +11,12 @@ use std::sync::Mutex;
 use host::generate::{generate, Generation, Request};
 use host::model::{load, Gemma4};
 use host::plugin::load::load as load_library;
-use host::plugin::Drafter as HostDrafter;
+use host::plugin::LoadedDrafter as HostDrafter;
 use host::sampling::{filtered_logprobs, SamplingParams};
 use host::speculative::{generate_speculative, SpecConfig, Verify};
 use mlx_rs::Array;
 use plugin_api::abi::{RowState, TokenRows};
-use plugin_api::sdk::{self, DraftProvider, DraftRows, Drafter, Options, Proposal, Target};
+use plugin_api::sdk::{self, DraftProvider, Drafter, GroupedDraftProvider, Options, Proposal, Target};
 use plugin_api::{Capabilities, Descriptor, PluginError, ProviderInfo};
 
 fn fixture(name: &str) -> PathBuf {
@@ -71,7 +71,7 @@ impl Drafter for Adversary {
         )
     }
     fn load(_: Option<&Path>, o: &Options) -> Result<AdversaryProvider, PluginError> {
-        Ok(AdversaryProvider { seed: o.get_or("seed", 0)?, vocab_guard: o.get_or("max_token", 0)? })
+        Ok(AdversaryProvider { seed: o.value("seed")?, vocab_guard: o.value("max_token")? })
     }
 }
 
@@ -99,7 +99,7 @@ fn mix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-impl DraftRows for AdversaryRows {
+impl GroupedDraftProvider for AdversaryRows {
     fn prefill(&mut self, _: TokenRows<'_>, _: Option<Array>) -> Result<(), PluginError> {
         Ok(())
     }
@@ -347,7 +347,7 @@ impl DraftProvider for Proposer {
     }
 }
 
-impl DraftRows for ProposerRows {
+impl GroupedDraftProvider for ProposerRows {
     fn prefill(&mut self, _: TokenRows<'_>, _: Option<Array>) -> Result<(), PluginError> {
         Ok(())
     }

@@ -349,7 +349,10 @@ fn run(root: DrafterRootRef, config: &Config, report: &mut Report) -> Option<()>
         // A drafter that reads tapped states must refuse states that do not cover its tokens.
         let short = context(config.rows, prefix_len - 1, config.seed + 2);
         let refused = open(&rows_a).and_then(|mut c| {
-            match c.prefill(TokenRows::new(&prefix, config.rows), short.as_ref().map(ArrayRef::new).into()).into_result() {
+            match c
+                .prefill(TokenRows::new(&prefix, config.rows), short.as_ref().map(ArrayRef::new).into())
+                .into_result()
+            {
                 Err(e) if e.kind != crate::ErrorKind::PANICKED => Ok(()),
                 Err(e) => Err(format!("panicked instead of refusing: {e}")),
                 Ok(()) => Err(format!("accepted {prefix_len} tokens with tapped states for {}", prefix_len - 1)),

@@ -11,18 +11,39 @@
 //! plugin-api = { path = "…/plugin-api" }
 //! ```
 //!
-//! 1. [`Drafter`](crate::sdk::Drafter): the [`Descriptor`](crate::Descriptor) (its `kind` is
-//!    what manifests name; declare every `[drafter.options]` key with its default), and
-//!    `load`, which reads the artifact directory and options into a provider. Refuse a bad
-//!    artifact here with [`PluginError::invalid_artifact`](crate::PluginError::invalid_artifact),
-//!    naming the file, key or tensor.
-//! 2. [`DraftProvider`](crate::sdk::DraftProvider): holds the weights; `open` checks the
-//!    target ([`Target::info`](crate::sdk::Target::info)) and refuses a mismatch naming both
-//!    values, then creates the rows.
-//! 3. [`DraftRows`](crate::sdk::DraftRows): per-row state. `prefill` and `commit` feed it what
-//!    the target accepted; `draft` proposes 0..=depth tokens per row and must not change the
-//!    committed state; `capture`/`append` snapshot and restore a row; `filter_rows` drops
-//!    rows.
+//! 1. [`Drafter`](crate::sdk::Drafter), the kind: the [`Descriptor`](crate::Descriptor) (its
+//!    `kind` is what manifests name; declare every `[drafter.options]` key with its default,
+//!    which [`Options::value`](crate::sdk::Options::value) then returns when the manifest
+//!    leaves the key out), and `load`, which reads the artifact directory and options into a
+//!    provider. Refuse a bad artifact here with
+//!    [`PluginError::invalid_artifact`](crate::PluginError::invalid_artifact), naming the file,
+//!    key or tensor.
+//! 2. [`DraftProvider`](crate::sdk::DraftProvider), a loaded artifact: holds the weights;
+//!    `open` checks the target ([`Target::info`](crate::sdk::Target::info)) and refuses a
+//!    mismatch naming both values, then creates the rows.
+//! 3. The rows, one of two ways:
+//!    - [`DraftSource`](crate::sdk::DraftSource), one row: `prefill` and `commit` feed it what
+//!      the target accepted; `draft` proposes 0..=depth tokens and must not change the
+//!      committed state; `snapshot`/`restore` carry it to another group.
+//!      [`SourceRows`](crate::sdk::SourceRows) makes the group of B rows from it, with the row
+//!      counts, filtering, capture and append done once, in the SDK.
+//!    - [`GroupedDraftProvider`](crate::sdk::GroupedDraftProvider), all B rows at once, for a
+//!      drafter whose rows cannot be handled apart.
+//!
+//! ## What the target lends
+//!
+//! A drafter declares in its [`Capabilities`](crate::Capabilities) the target ports it uses;
+//! the host refuses calls to any other.
+//! - `embed` and `logits`: the target's embedding (scaled or not) and its head with the final
+//!   softcap, through [`Target`](crate::sdk::Target).
+//! - `donors`: the K/V of the target's last sliding and last full layer, lent without a copy.
+//! - `taps`: the `context` of `prefill` and `commit`. With `tap_layers` empty it is the target's
+//!   final (normed) hidden states [B, N, H]; otherwise the outputs of those layers (index =
+//!   that layer's output, the layer count = after the final norm) concatenated in the listed
+//!   order on the feature axis [B, N, taps·H]. In `prefill` the N positions are the new prompt
+//!   tokens; in `commit` they are the window's positions, of which a row keeps
+//!   `0..=accepted[r]`. A [`DraftSource`](crate::sdk::DraftSource) receives its own row's kept
+//!   span, [1, kept, F].
 //!
 //! The SDK catches panics in every entry and turns them into errors. Randomness must come
 //! from the `steps` the host passes (never from mlx-rs's global key), and MLX's `compile`
@@ -39,14 +60,16 @@
 //! ```
 //! use std::path::Path;
 //!
-//! use plugin_api::abi::{RowState, TokenRows};
 //! use plugin_api::mlx_rs::Array;
-//! use plugin_api::sdk::{DraftProvider, DraftRows, Drafter, Options, Proposal, Target};
+//! use plugin_api::sdk::{DraftProvider, DraftSource, Drafter, Options, Proposal, Snapshot, SourceRows, Target};
 //! use plugin_api::{Capabilities, Descriptor, PluginError, ProviderInfo};
 //!
 //! pub struct Hello;
 //! pub struct HelloProvider { repeat: usize }
-//! pub struct HelloRows { rows: usize, repeat: usize }
+//!
+//! /// A row: this drafter keeps nothing of its rows.
+//! #[derive(Clone)]
+//! pub struct HelloRow;
 //!
 //! impl Drafter for Hello {
 //!     type Provider = HelloProvider;
@@ -56,12 +79,12 @@
 //!             .option("repeat", "2", "how many copies to propose")
 //!     }
 //!     fn load(_artifact: Option<&Path>, options: &Options) -> Result<HelloProvider, PluginError> {
-//!         Ok(HelloProvider { repeat: options.get_or("repeat", 2)? })
+//!         Ok(HelloProvider { repeat: options.value("repeat")? })
 //!     }
 //! }
 //!
 //! impl DraftProvider for HelloProvider {
-//!     type Rows = HelloRows;
+//!     type Rows = SourceRows<HelloRow>;
 //!     fn info(&self) -> ProviderInfo {
 //!         ProviderInfo {
 //!             id: "hello".into(),
@@ -71,31 +94,28 @@
 //!             capabilities: Capabilities::default(),
 //!         }
 //!     }
-//!     fn open(&self, _target: Target, rows: usize) -> Result<HelloRows, PluginError> {
-//!         Ok(HelloRows { rows, repeat: self.repeat })
+//!     fn open(&self, _target: Target, rows: usize) -> Result<SourceRows<HelloRow>, PluginError> {
+//!         Ok(SourceRows::new(self.repeat, HelloRow, rows, "hello/1"))
 //!     }
 //! }
 //!
-//! impl DraftRows for HelloRows {
-//!     fn prefill(&mut self, _: TokenRows<'_>, _: Option<Array>) -> Result<(), PluginError> {
+//! impl DraftSource for HelloRow {
+//!     type Shared = usize;
+//!     fn prefill(&mut self, _: &usize, _: &[u32], _: Option<&Array>) -> Result<(), PluginError> {
 //!         Ok(())
 //!     }
-//!     fn draft(&mut self, pending: &[u32], depth: usize, _: &[u64]) -> Result<Vec<Proposal>, PluginError> {
-//!         Ok(pending.iter().map(|&t| Proposal::tokens(vec![t; self.repeat.min(depth)])).collect())
+//!     fn draft(&mut self, repeat: &usize, _row: usize, pending: u32, depth: usize, _step: u64)
+//!         -> Result<Proposal, PluginError> {
+//!         Ok(Proposal::tokens(vec![pending; (*repeat).min(depth)]))
 //!     }
-//!     fn commit(&mut self, _: TokenRows<'_>, _: &[u32], _: Option<Array>) -> Result<(), PluginError> {
+//!     fn commit(&mut self, _: &usize, _: &[u32], _: Option<&Array>) -> Result<(), PluginError> {
 //!         Ok(())
 //!     }
-//!     fn filter_rows(&mut self, keep: &[u32]) -> Result<(), PluginError> {
-//!         self.rows = keep.len();
-//!         Ok(())
+//!     fn snapshot(&self) -> Snapshot {
+//!         Snapshot { processed: 0, ids: Vec::new(), tensors: Vec::new() }
 //!     }
-//!     fn append(&mut self, states: Vec<RowState>) -> Result<(), PluginError> {
-//!         self.rows += states.len();
-//!         Ok(())
-//!     }
-//!     fn capture(&mut self, _row: usize) -> Result<RowState, PluginError> {
-//!         Ok(RowState { namespace: "hello/1".into(), processed: 0, ids: Default::default(), tensors: Default::default() })
+//!     fn restore(_: &usize, _: Snapshot) -> Result<HelloRow, PluginError> {
+//!         Ok(HelloRow)
 //!     }
 //! }
 //!

@@ -165,7 +165,7 @@ pub struct SpeculativeBench {
 
 pub fn speculative(
     model: &std::rc::Rc<Gemma4>,
-    drafter: &crate::plugin::Drafter,
+    drafter: &crate::plugin::LoadedDrafter,
     request: &Request,
     config: crate::speculative::SpecConfig,
     pairs: usize,

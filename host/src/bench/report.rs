@@ -35,7 +35,7 @@ pub enum BenchRunError {
     #[error(transparent)]
     DrafterSetup(#[from] DrafterSetupError),
     #[error(transparent)]
-    Drafter(#[from] DrafterError),
+    LoadedDrafter(#[from] DrafterError),
     #[error(transparent)]
     Tokenizer(#[from] TokenizerError),
     #[error(transparent)]

@@ -6,8 +6,8 @@ use std::path::Path;
 use plugin_api::nn::{Embedding, Linear, Quantization, Rope, Weights, WeightsError};
 
 use super::config::{Gemma4Config, LayerType};
-use super::ModelError;
 use super::gemma4::{Attention, DecoderLayer, Gemma4, Mlp, Moe, PerLayerInput, PerLayerInputs, Router, SwitchGlu};
+use super::ModelError;
 
 /// Prefixes of the text model's tensors in the checkpoint formats we read.
 const PREFIXES: [&str; 4] = ["model.language_model.", "language_model.model.", "model.", ""];

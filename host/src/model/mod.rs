@@ -8,6 +8,6 @@ pub mod load;
 
 pub use cache::LayerCache;
 pub use config::Gemma4Config;
-pub use gemma4::{Gemma4, Taps};
 pub use error::ModelError;
+pub use gemma4::{Gemma4, Taps};
 pub use load::load;

@@ -6,6 +6,7 @@ use std::path::Path;
 use abi_stable::std_types::{ROption, RVec};
 use mlx_rs::Array;
 use plugin_api::abi::{DrafterRootRef, ProviderBox, RowGroupBox, RowState, TokenRows};
+use plugin_api::sdk::Proposal;
 use plugin_api::target::TargetViewBox;
 use plugin_api::{ArrayRef, PluginError, ProviderInfo};
 
@@ -22,32 +23,32 @@ pub enum DrafterError {
 }
 
 /// A loaded artifact of a plugin.
-pub struct Drafter {
+pub struct LoadedDrafter {
     kind: String,
     provider: ProviderBox,
     pub info: ProviderInfo,
 }
 
-impl Drafter {
+impl LoadedDrafter {
     /// Loads `artifact` (if any) with the manifest's options for this drafter, as TOML text.
-    pub fn load(plugin: &Plugin, artifact: Option<&Path>, options: &str) -> Result<Drafter, DrafterError> {
-        Drafter::load_root(plugin.root, plugin.descriptor.kind.as_str(), artifact, options)
+    pub fn load(plugin: &Plugin, artifact: Option<&Path>, options: &str) -> Result<LoadedDrafter, DrafterError> {
+        LoadedDrafter::load_root(plugin.root, plugin.descriptor.kind.as_str(), artifact, options)
     }
 
-    /// As [`Drafter::load`], from a root module already at hand (e.g. one linked in-process).
+    /// As [`LoadedDrafter::load`], from a root module already at hand (e.g. one linked in-process).
     pub fn load_root(
         root: DrafterRootRef,
         kind: &str,
         artifact: Option<&Path>,
         options: &str,
-    ) -> Result<Drafter, DrafterError> {
+    ) -> Result<LoadedDrafter, DrafterError> {
         let kind = kind.to_owned();
         let artifact = artifact.map(|p| p.to_string_lossy().into_owned()).unwrap_or_default();
         let provider = (root.load())(artifact.as_str().into(), options.into())
             .into_result()
             .map_err(|error| DrafterError::Plugin { kind: kind.clone(), call: "load", error })?;
         let info = provider.info();
-        Ok(Drafter { kind, provider, info })
+        Ok(LoadedDrafter { kind, provider, info })
     }
 
     /// The plugin kind this drafter comes from.
@@ -57,25 +58,18 @@ impl Drafter {
 
     /// Opens `rows` rows against a target of `vocab_size` tokens; an incompatible pairing is
     /// refused here.
-    pub fn open(&self, target: TargetViewBox, rows: usize, vocab_size: u32) -> Result<DraftRows, DrafterError> {
+    pub fn open(&self, target: TargetViewBox, rows: usize, vocab_size: u32) -> Result<DrafterGroup, DrafterError> {
         let group = self.provider.open(target, rows as u32).into_result().map_err(|error| DrafterError::Plugin {
             kind: self.kind.clone(),
             call: "open",
             error,
         })?;
-        Ok(DraftRows { kind: self.kind.clone(), group, rows, vocab_size, poisoned: false })
+        Ok(DrafterGroup { kind: self.kind.clone(), group, rows, vocab_size, poisoned: false })
     }
 }
 
-/// One row's validated proposal.
-#[derive(Debug, Default)]
-pub struct Proposal {
-    pub tokens: Vec<u32>,
-    pub probabilities: Option<Array>,
-}
-
 /// A drafter's row group, as the verify loop drives it.
-pub struct DraftRows {
+pub struct DrafterGroup {
     kind: String,
     group: RowGroupBox,
     rows: usize,
@@ -83,7 +77,7 @@ pub struct DraftRows {
     poisoned: bool,
 }
 
-impl DraftRows {
+impl DrafterGroup {
     pub fn is_poisoned(&self) -> bool {
         self.poisoned
     }

@@ -1,10 +1,10 @@
-//! Drafter plugins: finding and loading libraries, and driving the drafters they provide.
+//! LoadedDrafter plugins: finding and loading libraries, and driving the drafters they provide.
 
 pub mod drafter;
 pub mod load;
 pub mod registry;
 pub mod report;
 
-pub use drafter::{Drafter, DrafterError};
+pub use drafter::{DrafterError, LoadedDrafter};
 pub use load::{LoadError, Plugin};
 pub use registry::{select, Registry, RegistryEntry, SelectError};

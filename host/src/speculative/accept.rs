@@ -6,8 +6,8 @@ use mlx_rs::{Array, Dtype};
 
 use super::{Row, Verify};
 use crate::generate::{GenerateError, Request, StopReason};
-use crate::plugin::drafter::Proposal;
 use crate::sampling::{filtered_logprobs, gumbel_argmax, step_key, uniform, WindowTokens};
+use plugin_api::sdk::Proposal;
 
 /// Walks one row's window logits [W, V] (W ≥ drafts + 1), emitting the tokens it keeps and
 /// stopping at the first rejected draft, an end-of-sequence token or `max_tokens`. Returns how

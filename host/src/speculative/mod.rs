@@ -13,7 +13,7 @@ use plugin_api::{Ports, PrefillMode};
 
 use crate::generate::{check_request, GenerateError, Generation, Request, Stats, StopReason};
 use crate::model::{Gemma4, LayerCache, Taps as LayerTaps};
-use crate::plugin::{Drafter, DrafterError};
+use crate::plugin::{DrafterError, LoadedDrafter};
 use crate::target_view::TargetView;
 
 mod accept;
@@ -43,7 +43,7 @@ pub struct SpecConfig {
 
 /// Opens a drafter against the target without generating: a pairing the drafter refuses, or
 /// one the host cannot serve, fails here, before any request.
-pub fn probe_open(model: &Rc<Gemma4>, drafter: &Drafter) -> Result<(), DrafterError> {
+pub fn probe_open(model: &Rc<Gemma4>, drafter: &LoadedDrafter) -> Result<(), DrafterError> {
     let caches = Rc::new(RefCell::new(Vec::new()));
     let view = TargetView::new(model.clone(), caches, drafter.info.capabilities.ports);
     drafter.open(view.boxed(), 1, model.config.vocab_size as u32)?;
@@ -51,7 +51,7 @@ pub fn probe_open(model: &Rc<Gemma4>, drafter: &Drafter) -> Result<(), DrafterEr
 }
 
 /// What the host itself needs of a drafter: taps inside the target, a prefill it performs.
-fn check_pairing(model: &Gemma4, drafter: &Drafter) -> Result<(), DrafterError> {
+fn check_pairing(model: &Gemma4, drafter: &LoadedDrafter) -> Result<(), DrafterError> {
     let caps = &drafter.info.capabilities;
     let layers = model.config.num_hidden_layers as u32;
     let refuse = |reason: String| DrafterError::InvalidAnswer { kind: drafter.kind().to_owned(), call: "open", reason };
@@ -71,7 +71,7 @@ fn check_pairing(model: &Gemma4, drafter: &Drafter) -> Result<(), DrafterError> 
 /// request finishes by plain decoding; `Stats::drafter_error` says why.
 pub fn generate_speculative(
     model: &Rc<Gemma4>,
-    drafter: &Drafter,
+    drafter: &LoadedDrafter,
     request: &Request,
     config: SpecConfig,
     mut on_token: impl FnMut(u32),
@@ -124,7 +124,7 @@ impl Row {
 /// alone. `on_token(row, token)` sees every token as it is produced.
 pub fn generate_speculative_rows(
     model: &Rc<Gemma4>,
-    drafter: &Drafter,
+    drafter: &LoadedDrafter,
     requests: &[Request],
     config: SpecConfig,
     mut on_token: impl FnMut(usize, u32),
@@ -132,7 +132,7 @@ pub fn generate_speculative_rows(
     for request in requests {
         check_request(model, request)?;
     }
-    check_pairing(model, drafter).map_err(GenerateError::Drafter)?;
+    check_pairing(model, drafter).map_err(GenerateError::LoadedDrafter)?;
     let taps = Taps::of(drafter);
     let mut rows: Vec<Row> = requests.iter().map(|r| Row::new(r, config.draft_tokens)).collect();
 
@@ -166,7 +166,7 @@ enum Taps {
 }
 
 impl Taps {
-    fn of(drafter: &Drafter) -> Taps {
+    fn of(drafter: &LoadedDrafter) -> Taps {
         let caps = &drafter.info.capabilities;
         match (caps.ports.contains(Ports::TAPS), caps.tap_layers.is_empty()) {
             (false, _) => Taps::None,

@@ -5,15 +5,15 @@ use super::slot::DrafterSlot;
 use super::{forward, Row, Taps};
 use crate::generate::{GenerateError, Request, PREFILL_CHUNK};
 use crate::model::{Gemma4, LayerCache};
-use crate::plugin::drafter::DraftRows;
-use crate::plugin::{Drafter, DrafterError};
+use crate::plugin::drafter::DrafterGroup;
+use crate::plugin::{DrafterError, LoadedDrafter};
 use crate::target_view::TargetView;
 
 /// The batch's caches (joined) and its drafter. Opening the drafter is fatal when it fails;
 /// a failing drafter prefill only drops the drafter.
 pub(super) fn prefill_rows(
     model: &Gemma4,
-    drafter: &Drafter,
+    drafter: &LoadedDrafter,
     view: &TargetView,
     requests: &[Request],
     rows: &mut [Row],
@@ -22,7 +22,7 @@ pub(super) fn prefill_rows(
 ) -> Result<(Vec<LayerCache>, DrafterSlot), GenerateError> {
     let vocab = model.config.vocab_size as u32;
     let mut row_caches = Vec::with_capacity(requests.len());
-    let mut parts: Result<Vec<DraftRows>, String> = Ok(Vec::with_capacity(requests.len()));
+    let mut parts: Result<Vec<DrafterGroup>, String> = Ok(Vec::with_capacity(requests.len()));
     for (row, request) in rows.iter_mut().zip(requests) {
         let prefix = &request.prompt[..request.prompt.len() - 1];
         let mut own = model.make_caches(1, slack);
@@ -34,7 +34,7 @@ pub(super) fn prefill_rows(
         }
         row_caches.push(own);
         if let Ok(done) = parts.as_mut() {
-            let mut one = drafter.open(view.boxed(), 1, vocab).map_err(GenerateError::Drafter)?;
+            let mut one = drafter.open(view.boxed(), 1, vocab).map_err(GenerateError::LoadedDrafter)?;
             let prefilled = if prefix.is_empty() {
                 Ok(())
             } else {
@@ -71,7 +71,12 @@ fn join_caches(rows: Vec<Vec<LayerCache>>) -> Result<Vec<LayerCache>, GenerateEr
 }
 
 /// One drafter group holding the rows prefilled apart: each captured and appended in order.
-fn join_rows(drafter: &Drafter, view: &TargetView, parts: Vec<DraftRows>, vocab: u32) -> Result<DraftRows, DrafterError> {
+fn join_rows(
+    drafter: &LoadedDrafter,
+    view: &TargetView,
+    parts: Vec<DrafterGroup>,
+    vocab: u32,
+) -> Result<DrafterGroup, DrafterError> {
     let mut group = drafter.open(view.boxed(), 0, vocab)?;
     let mut states = Vec::with_capacity(parts.len());
     for mut part in parts {

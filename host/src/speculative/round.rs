@@ -10,7 +10,7 @@ use super::slot::DrafterSlot;
 use super::{forward, Row, SpecConfig, Taps};
 use crate::generate::{GenerateError, Request};
 use crate::model::{Gemma4, LayerCache};
-use crate::plugin::drafter::Proposal;
+use plugin_api::sdk::Proposal;
 
 /// The batch as the rounds see it: rows still generating, in the order of the caches and of
 /// the drafter's rows.

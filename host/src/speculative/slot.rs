@@ -1,17 +1,17 @@
 //! The drafter of a batch, or why it was dropped. A drafter that fails or breaks the contract
 //! is dropped here, in one place, and the batch finishes by plain decoding.
 
-use crate::plugin::drafter::DraftRows;
+use crate::plugin::drafter::DrafterGroup;
 use crate::plugin::DrafterError;
 
 pub(super) enum DrafterSlot {
-    Active(DraftRows),
+    Active(DrafterGroup),
     Dropped(String),
 }
 
 impl DrafterSlot {
     /// Calls the drafter while it is active; an error drops it, keeping why.
-    pub(super) fn call<T>(&mut self, call: impl FnOnce(&mut DraftRows) -> Result<T, DrafterError>) -> Option<T> {
+    pub(super) fn call<T>(&mut self, call: impl FnOnce(&mut DrafterGroup) -> Result<T, DrafterError>) -> Option<T> {
         let DrafterSlot::Active(rows) = self else { return None };
         match call(rows) {
             Ok(value) => Some(value),

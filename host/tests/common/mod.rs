@@ -31,7 +31,7 @@ pub fn plugins_dir_with(libraries: &[&Path]) -> tempfile::TempDir {
 /// outside them, and a chi-square with 3 degrees of freedom under 16.27 (significance 0.001).
 pub fn assert_rejection_keeps_the_first_token_distribution(
     model: &std::rc::Rc<host::model::Gemma4>,
-    drafter: &host::plugin::Drafter,
+    drafter: &host::plugin::LoadedDrafter,
     gamma: usize,
 ) {
     use host::generate::Request;
@@ -83,7 +83,7 @@ pub fn assert_rejection_keeps_the_first_token_distribution(
 /// pending token), with the drafter's tapped hidden states as its context.
 pub fn drafts_after_taps(
     model: &std::rc::Rc<host::model::Gemma4>,
-    drafter: &host::plugin::Drafter,
+    drafter: &host::plugin::LoadedDrafter,
     ids: &[u32],
     depth: usize,
 ) -> Vec<u32> {

@@ -8,7 +8,7 @@ pub mod ops;
 pub mod rope;
 pub mod weights;
 
-pub use context::{row_span, ContextRows, LayerContext, Project};
+pub use context::{row_span, LayerContext};
 pub use linear::{Embedding, Linear, Quantization};
 pub use rope::Rope;
 pub use weights::{Weights, WeightsError};

@@ -10,9 +10,8 @@ mod model;
 use std::path::Path;
 use std::rc::Rc;
 
-use plugin_api::abi::{RowState, TokenRows};
 use plugin_api::mlx_rs::Array;
-use plugin_api::sdk::{DraftProvider, DraftRows, Drafter, Options, Proposal, Target};
+use plugin_api::sdk::{taps, DraftProvider, DraftSource, Drafter, Options, Proposal, Snapshot, SourceRows, Target};
 use plugin_api::target::LayerKind;
 use plugin_api::{Capabilities, Descriptor, PluginError, Ports, ProviderInfo};
 
@@ -51,7 +50,7 @@ pub struct AssistantProvider {
 }
 
 impl DraftProvider for AssistantProvider {
-    type Rows = AssistantRows;
+    type Rows = SourceRows<AssistantRow>;
 
     fn info(&self) -> ProviderInfo {
         ProviderInfo {
@@ -63,7 +62,7 @@ impl DraftProvider for AssistantProvider {
         }
     }
 
-    fn open(&self, target: Target, rows: usize) -> Result<AssistantRows, PluginError> {
+    fn open(&self, target: Target, rows: usize) -> Result<SourceRows<AssistantRow>, PluginError> {
         let info = target.info();
         let c = &self.model.config;
         if info.hidden_size as i32 != c.backbone_hidden_size {
@@ -99,37 +98,39 @@ impl DraftProvider for AssistantProvider {
                 )));
             }
         }
-        Ok(AssistantRows { model: self.model.clone(), target, hidden: vec![None; rows], processed: vec![0; rows] })
+        let shared = Shared { model: self.model.clone(), target };
+        Ok(SourceRows::new(shared, AssistantRow::default(), rows, NAMESPACE))
     }
 }
 
-pub struct AssistantRows {
+/// What the rows of a group share.
+pub struct Shared {
     model: Rc<Assistant>,
     target: Target,
-    /// Per row, the target hidden [1, 1, T] that produced the row's pending token.
-    hidden: Vec<Option<Array>>,
-    processed: Vec<u64>,
 }
 
-/// Row `r` of x [B, L, T] at position `at`, as [1, 1, T].
-fn row_at(x: &Array, r: usize, at: usize) -> Result<Array, PluginError> {
-    let row = x.take_axis(Array::from_slice(&[r as i32], &[1]), 0)?;
-    Ok(row.take_axis(Array::from_slice(&[at as i32], &[1]), 1)?)
+/// A row: the target hidden [1, 1, T] that produced the row's pending token (none before the
+/// first prefill), and how many tokens it has seen.
+#[derive(Clone, Default)]
+pub struct AssistantRow {
+    hidden: Option<Array>,
+    processed: u64,
 }
 
-impl AssistantRows {
-    fn check_rows(&self, what: &str, got: usize) -> Result<(), PluginError> {
-        if got != self.hidden.len() {
-            return Err(PluginError::invalid_argument(format!(
-                "{what} has {got} rows, the group has {}",
-                self.hidden.len()
-            )));
-        }
-        Ok(())
-    }
+/// Position `at` of a row's context [1, L, T], as [1, 1, T].
+fn position(context: &Array, at: usize) -> Result<Array, PluginError> {
+    Ok(context.take_axis(Array::from_slice(&[at as i32], &[1]), 1)?)
+}
 
-    /// Drafts `depth` tokens for the rows in `rows`, all of which have a hidden.
-    fn draft_rows(&self, rows: &[usize], pending: &[u32], depth: usize) -> Result<Vec<Vec<u32>>, PluginError> {
+impl Shared {
+    /// Drafts `depth` tokens for the group's rows `rows` (each with its hidden) in one pass.
+    fn draft_rows(
+        &self,
+        rows: &[usize],
+        hiddens: &[Array],
+        pending: &[u32],
+        depth: usize,
+    ) -> Result<Vec<Vec<u32>>, PluginError> {
         let donors = self.target.read_donors()?;
         let take = |a: &Array| -> Result<Array, PluginError> {
             let index: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
@@ -144,9 +145,8 @@ impl AssistantRows {
             })
         };
         let (sliding, full) = (select(&donors.sliding)?, select(&donors.full)?);
-        let hidden_rows: Vec<Array> = rows.iter().map(|&r| self.hidden[r].clone().expect("checked")).collect();
-        let mut hidden = plugin_api::mlx_rs::ops::concatenate(&hidden_rows, 0)?;
-        let mut ids: Vec<i32> = rows.iter().map(|&r| pending[r] as i32).collect();
+        let mut hidden = plugin_api::mlx_rs::ops::concatenate(hiddens, 0)?;
+        let mut ids: Vec<i32> = pending.iter().map(|&t| t as i32).collect();
         let mut drafted = vec![Vec::with_capacity(depth); rows.len()];
         // Every step of a round queries at the pending token's position: one past the target's
         // last cached position.
@@ -165,79 +165,61 @@ impl AssistantRows {
     }
 }
 
-impl DraftRows for AssistantRows {
-    fn prefill(&mut self, tokens: TokenRows<'_>, context: Option<Array>) -> Result<(), PluginError> {
-        self.check_rows("prefill", tokens.rows as usize)?;
-        let context =
-            context.ok_or_else(|| PluginError::invalid_argument("prefill without the target's hidden states"))?;
-        let last = tokens.len as usize - 1;
-        for r in 0..self.hidden.len() {
-            self.hidden[r] = Some(row_at(&context, r, last)?);
-            self.processed[r] += tokens.len as u64;
+impl DraftSource for AssistantRow {
+    type Shared = Shared;
+
+    fn prefill(&mut self, _: &Shared, tokens: &[u32], context: Option<&Array>) -> Result<(), PluginError> {
+        if tokens.is_empty() {
+            return Ok(());
         }
+        self.hidden = Some(position(taps(context, "prefill")?, tokens.len() - 1)?);
+        self.processed += tokens.len() as u64;
         Ok(())
     }
 
-    fn draft(&mut self, pending: &[u32], depth: usize, _steps: &[u64]) -> Result<Vec<Proposal>, PluginError> {
-        self.check_rows("draft", pending.len())?;
-        // Rows with no target hidden yet (an empty prefill) propose nothing this round.
-        let ready: Vec<usize> = (0..pending.len()).filter(|&r| self.hidden[r].is_some()).collect();
-        let mut proposals: Vec<Proposal> = pending.iter().map(|_| Proposal::default()).collect();
+    fn draft(&mut self, s: &Shared, row: usize, pending: u32, depth: usize, _: u64) -> Result<Proposal, PluginError> {
+        match &self.hidden {
+            Some(hidden) if depth > 0 => {
+                Ok(Proposal::tokens(s.draft_rows(&[row], std::slice::from_ref(hidden), &[pending], depth)?.remove(0)))
+            }
+            _ => Ok(Proposal::default()),
+        }
+    }
+
+    /// The rows with a hidden (rows with an empty prefill propose nothing) in one pass.
+    fn draft_rows(
+        s: &Shared,
+        rows: &mut [AssistantRow],
+        pending: &[u32],
+        depth: usize,
+        _steps: &[u64],
+    ) -> Result<Vec<Proposal>, PluginError> {
+        let mut proposals: Vec<Proposal> = rows.iter().map(|_| Proposal::default()).collect();
+        let ready: Vec<usize> = (0..rows.len()).filter(|&r| rows[r].hidden.is_some()).collect();
         if depth == 0 || ready.is_empty() {
             return Ok(proposals);
         }
-        for (r, tokens) in ready.iter().zip(self.draft_rows(&ready, pending, depth)?) {
-            proposals[*r] = Proposal::tokens(tokens);
+        let hiddens: Vec<Array> = ready.iter().map(|&r| rows[r].hidden.clone().expect("ready")).collect();
+        let heads: Vec<u32> = ready.iter().map(|&r| pending[r]).collect();
+        for (&r, tokens) in ready.iter().zip(s.draft_rows(&ready, &hiddens, &heads, depth)?) {
+            proposals[r] = Proposal::tokens(tokens);
         }
         Ok(proposals)
     }
 
-    fn commit(&mut self, window: TokenRows<'_>, accepted: &[u32], context: Option<Array>) -> Result<(), PluginError> {
-        self.check_rows("commit", window.rows as usize)?;
-        let context =
-            context.ok_or_else(|| PluginError::invalid_argument("commit without the target's hidden states"))?;
-        for (r, &a) in accepted.iter().enumerate() {
-            // The hidden at the last kept position produced the row's next pending token.
-            self.hidden[r] = Some(row_at(&context, r, a as usize)?);
-            self.processed[r] += a as u64 + 1;
-        }
+    fn commit(&mut self, _: &Shared, kept: &[u32], context: Option<&Array>) -> Result<(), PluginError> {
+        // The hidden at the last kept position produced the row's next pending token.
+        self.hidden = Some(position(taps(context, "commit")?, kept.len() - 1)?);
+        self.processed += kept.len() as u64;
         Ok(())
     }
 
-    fn filter_rows(&mut self, keep: &[u32]) -> Result<(), PluginError> {
-        if let Some(&bad) = keep.iter().find(|&&r| r as usize >= self.hidden.len()) {
-            return Err(PluginError::invalid_argument(format!("filter_rows keeps row {bad} of {}", self.hidden.len())));
-        }
-        self.hidden = keep.iter().map(|&r| self.hidden[r as usize].clone()).collect();
-        self.processed = keep.iter().map(|&r| self.processed[r as usize]).collect();
-        Ok(())
+    fn snapshot(&self) -> Snapshot {
+        Snapshot { processed: self.processed, ids: Vec::new(), tensors: self.hidden.iter().cloned().collect() }
     }
 
-    fn append(&mut self, states: Vec<RowState>) -> Result<(), PluginError> {
-        for state in states {
-            if state.namespace.as_str() != NAMESPACE {
-                return Err(PluginError::invalid_argument(format!(
-                    "row state of namespace `{}` given to the assistant ({NAMESPACE})",
-                    state.namespace
-                )));
-            }
-            self.hidden.push(state.tensors.into_iter().next().map(plugin_api::OwnedArray::into_array));
-            self.processed.push(state.processed);
-        }
-        Ok(())
-    }
-
-    fn capture(&mut self, row: usize) -> Result<RowState, PluginError> {
-        let hidden = self
-            .hidden
-            .get(row)
-            .ok_or_else(|| PluginError::invalid_argument(format!("capture of row {row} of {}", self.hidden.len())))?;
-        Ok(RowState {
-            namespace: NAMESPACE.into(),
-            processed: self.processed[row],
-            ids: Default::default(),
-            tensors: hidden.iter().cloned().map(plugin_api::OwnedArray::new).collect(),
-        })
+    fn restore(_: &Shared, snapshot: Snapshot) -> Result<AssistantRow, PluginError> {
+        Ok(AssistantRow { hidden: snapshot.tensors.into_iter().next(), processed: snapshot.processed })
     }
 }
 

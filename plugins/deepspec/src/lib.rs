@@ -10,10 +10,10 @@ mod model;
 use std::path::Path;
 use std::rc::Rc;
 
-use plugin_api::abi::{RowState, TokenRows};
 use plugin_api::mlx_rs::{Array, Dtype};
-use plugin_api::nn::ContextRows;
-use plugin_api::sdk::{draw, DraftProvider, DraftRows, Drafter, Options, Proposal, Target};
+use plugin_api::sdk::{
+    draw, taps, DraftProvider, DraftSource, Drafter, Options, Proposal, Snapshot, SourceRows, Target,
+};
 use plugin_api::{Capabilities, Descriptor, PluginError, Ports, ProviderInfo};
 
 pub use model::{Context, Deepspec};
@@ -55,8 +55,8 @@ impl Drafter for DeepspecDrafter {
         Ok(DeepspecProvider {
             model: Rc::new(model),
             id,
-            threshold: options.get_or("confidence_threshold", 0.0f32)?,
-            sample: options.get_or("sample_drafts", false)?,
+            threshold: options.value("confidence_threshold")?,
+            sample: options.value("sample_drafts")?,
         })
     }
 }
@@ -69,7 +69,7 @@ pub struct DeepspecProvider {
 }
 
 impl DraftProvider for DeepspecProvider {
-    type Rows = DeepspecRows;
+    type Rows = SourceRows<DeepspecRow>;
 
     fn info(&self) -> ProviderInfo {
         let c = &self.model.config;
@@ -88,7 +88,7 @@ impl DraftProvider for DeepspecProvider {
         }
     }
 
-    fn open(&self, target: Target, rows: usize) -> Result<DeepspecRows, PluginError> {
+    fn open(&self, target: Target, rows: usize) -> Result<SourceRows<DeepspecRow>, PluginError> {
         let info = target.info();
         let c = &self.model.config;
         let refuse = |what: &str, ours: u32, theirs: u32| {
@@ -110,27 +110,27 @@ impl DraftProvider for DeepspecProvider {
                 info.num_layers
             )));
         }
-        Ok(DeepspecRows {
-            model: self.model.clone(),
-            rows: ContextRows::new(rows, NAMESPACE),
-            threshold: self.threshold,
-            sample: self.sample,
-        })
+        let shared = Shared { model: self.model.clone(), threshold: self.threshold, sample: self.sample };
+        Ok(SourceRows::new(shared, DeepspecRow::default(), rows, NAMESPACE))
     }
 }
 
-pub struct DeepspecRows {
+/// What the rows of a group share.
+pub struct Shared {
     model: Rc<Deepspec>,
-    rows: ContextRows,
     threshold: f32,
     sample: bool,
 }
 
-impl DeepspecRows {
-    fn draft_row(&self, r: usize, anchor: u32, depth: usize, step: u64) -> Result<Proposal, PluginError> {
+/// A row: the projected context of every committed position.
+#[derive(Clone, Default)]
+pub struct DeepspecRow(Context);
+
+impl Shared {
+    fn draft(&self, context: &Context, anchor: u32, depth: usize, step: u64) -> Result<Proposal, PluginError> {
         let draw = |k: usize, q: &[f32]| draw(q, uniform(step + k as u64));
         let sampler: Option<plugin_api::sdk::Draw<'_>> = if self.sample { Some(&draw) } else { None };
-        let block = self.model.block(&self.rows.contexts[r], anchor, sampler)?;
+        let block = self.model.block(context, anchor, sampler)?;
         let cut = if self.threshold > 0.0 {
             block.confidences.iter().position(|&c| c < self.threshold).unwrap_or(block.tokens.len())
         } else {
@@ -150,39 +150,37 @@ impl DeepspecRows {
     }
 }
 
-impl DraftRows for DeepspecRows {
-    fn prefill(&mut self, tokens: TokenRows<'_>, context: Option<Array>) -> Result<(), PluginError> {
-        let model = &self.model;
-        self.rows.prefill(tokens, context, &|ctx, taps| Ok(model.extend(ctx, taps)?))
+impl DraftSource for DeepspecRow {
+    type Shared = Shared;
+
+    fn prefill(&mut self, s: &Shared, _tokens: &[u32], context: Option<&Array>) -> Result<(), PluginError> {
+        Ok(s.model.extend(&mut self.0, taps(context, "prefill")?)?)
     }
 
-    fn draft(&mut self, pending: &[u32], depth: usize, steps: &[u64]) -> Result<Vec<Proposal>, PluginError> {
-        self.rows.check_rows("draft", pending.len())?;
-        (0..pending.len())
-            .map(|r| {
-                if depth == 0 || self.rows.contexts[r].is_empty() {
-                    return Ok(Proposal::default());
-                }
-                self.draft_row(r, pending[r], depth, steps.get(r).copied().unwrap_or(0))
-            })
-            .collect()
+    fn draft(
+        &mut self,
+        s: &Shared,
+        _row: usize,
+        pending: u32,
+        depth: usize,
+        step: u64,
+    ) -> Result<Proposal, PluginError> {
+        if depth == 0 || self.0.is_empty() {
+            return Ok(Proposal::default());
+        }
+        s.draft(&self.0, pending, depth, step)
     }
 
-    fn commit(&mut self, window: TokenRows<'_>, accepted: &[u32], context: Option<Array>) -> Result<(), PluginError> {
-        let model = &self.model;
-        self.rows.commit(window, accepted, context, &|ctx, taps| Ok(model.extend(ctx, taps)?))
+    fn commit(&mut self, s: &Shared, _kept: &[u32], context: Option<&Array>) -> Result<(), PluginError> {
+        Ok(s.model.extend(&mut self.0, taps(context, "commit")?)?)
     }
 
-    fn filter_rows(&mut self, keep: &[u32]) -> Result<(), PluginError> {
-        self.rows.filter_rows(keep)
+    fn snapshot(&self) -> Snapshot {
+        self.0.snapshot()
     }
 
-    fn append(&mut self, states: Vec<RowState>) -> Result<(), PluginError> {
-        self.rows.append(states)
-    }
-
-    fn capture(&mut self, row: usize) -> Result<RowState, PluginError> {
-        self.rows.capture(row)
+    fn restore(_: &Shared, snapshot: Snapshot) -> Result<DeepspecRow, PluginError> {
+        Ok(DeepspecRow(Context::restore(snapshot)))
     }
 }
 

@@ -10,10 +10,10 @@ mod model;
 use std::path::Path;
 use std::rc::Rc;
 
-use plugin_api::abi::{RowState, TokenRows};
 use plugin_api::mlx_rs::{Array, Dtype};
-use plugin_api::nn::ContextRows;
-use plugin_api::sdk::{draw, DraftProvider, DraftRows, Drafter, Options, Proposal, Target};
+use plugin_api::sdk::{
+    draw, taps, DraftProvider, DraftSource, Drafter, Options, Proposal, Snapshot, SourceRows, Target,
+};
 use plugin_api::{Capabilities, Descriptor, PluginError, Ports, ProviderInfo};
 
 pub use dspark::Dspark;
@@ -92,9 +92,9 @@ impl Drafter for DflashDrafter {
         };
         let id = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
         let settings = Settings {
-            sample_drafts: options.get_or("sample_drafts", false)?,
-            sts: options.get_or("sts", true)?,
-            min_confidence: options.get_or("min_confidence", 0.0f32)?,
+            sample_drafts: options.value("sample_drafts")?,
+            sts: options.value("sts")?,
+            min_confidence: options.value("min_confidence")?,
         };
         Ok(DflashProvider { network: Rc::new(network), id, settings })
     }
@@ -127,7 +127,7 @@ impl DflashProvider {
 }
 
 impl DraftProvider for DflashProvider {
-    type Rows = DflashRows;
+    type Rows = SourceRows<DflashRow>;
 
     fn info(&self) -> ProviderInfo {
         ProviderInfo {
@@ -139,7 +139,7 @@ impl DraftProvider for DflashProvider {
         }
     }
 
-    fn open(&self, target: Target, rows: usize) -> Result<DflashRows, PluginError> {
+    fn open(&self, target: Target, rows: usize) -> Result<SourceRows<DflashRow>, PluginError> {
         let info = target.info();
         let refuse = |what: &str, ours: String, theirs: String| {
             Err(PluginError::incompatible_target(format!("the drafter's {what} is {ours}, the target's is {theirs}")))
@@ -187,26 +187,26 @@ impl DraftProvider for DflashProvider {
                 info.num_layers, info.num_layers
             )));
         }
-        Ok(DflashRows {
-            network: self.network.clone(),
-            target,
-            rows: ContextRows::new(rows, NAMESPACE),
-            settings: self.settings,
-        })
+        let shared = Shared { network: self.network.clone(), target, settings: self.settings };
+        Ok(SourceRows::new(shared, DflashRow::default(), rows, NAMESPACE))
     }
 }
 
-pub struct DflashRows {
+/// What the rows of a group share.
+pub struct Shared {
     network: Rc<Network>,
     target: Target,
-    rows: ContextRows,
     settings: Settings,
 }
 
-impl DflashRows {
-    fn draft_row(&self, r: usize, pending: u32, depth: usize, step: u64) -> Result<Proposal, PluginError> {
+/// A row: the projected context of every committed position.
+#[derive(Clone, Default)]
+pub struct DflashRow(Context);
+
+impl Shared {
+    fn draft(&self, context: &Context, pending: u32, depth: usize, step: u64) -> Result<Proposal, PluginError> {
         match &*self.network {
-            Network::Zlab(m) => self.draft_zlab(m, r, pending, depth, step),
+            Network::Zlab(m) => self.draft_zlab(m, context, pending, depth, step),
             Network::Dspark(m) => {
                 let thresholds: Vec<f32> = (0..m.config.gamma)
                     .map(|k| {
@@ -221,18 +221,25 @@ impl DflashRows {
                 let draw = |k: usize, q: &[f32]| draw(q, uniform(step + k as u64));
                 let sampler: Option<plugin_api::sdk::Draw<'_>> =
                     if self.settings.sample_drafts { Some(&draw) } else { None };
-                let d = m.draft(&self.rows.contexts[r], &self.target, pending, depth, &thresholds, sampler)?;
+                let d = m.draft(context, &self.target, pending, depth, &thresholds, sampler)?;
                 Ok(Proposal { tokens: d.tokens, probabilities: d.probabilities })
             }
         }
     }
 
-    fn draft_zlab(&self, m: &Dflash, r: usize, pending: u32, depth: usize, step: u64) -> Result<Proposal, PluginError> {
+    fn draft_zlab(
+        &self,
+        m: &Dflash,
+        context: &Context,
+        pending: u32,
+        depth: usize,
+        step: u64,
+    ) -> Result<Proposal, PluginError> {
         let c = &m.config;
         let mut ids = vec![pending as i32];
         ids.extend(std::iter::repeat_n(c.mask_token_id as i32, depth));
         let embedded = self.target.embed(&Array::from_slice(&ids, &[1, ids.len() as i32]), true)?;
-        let hidden = m.block(&self.rows.contexts[r], &embedded)?;
+        let hidden = m.block(context, &embedded)?;
         let after_first: Vec<i32> = (1..ids.len() as i32).collect();
         let hidden = hidden.take_axis(Array::from_slice(&after_first, &[depth as i32]), 1)?;
         let logits = self.target.logits_from_hidden(&hidden)?.reshape(&[depth as i32, -1])?;
@@ -254,40 +261,38 @@ impl DflashRows {
     }
 }
 
-impl DraftRows for DflashRows {
-    fn prefill(&mut self, tokens: TokenRows<'_>, context: Option<Array>) -> Result<(), PluginError> {
-        let network = &self.network;
-        self.rows.prefill(tokens, context, &|ctx, taps| network.extend(ctx, taps))
+impl DraftSource for DflashRow {
+    type Shared = Shared;
+
+    fn prefill(&mut self, s: &Shared, _tokens: &[u32], context: Option<&Array>) -> Result<(), PluginError> {
+        s.network.extend(&mut self.0, taps(context, "prefill")?)
     }
 
-    fn draft(&mut self, pending: &[u32], depth: usize, steps: &[u64]) -> Result<Vec<Proposal>, PluginError> {
-        self.rows.check_rows("draft", pending.len())?;
-        let depth = depth.min(self.network.max_draft_tokens());
-        (0..pending.len())
-            .map(|r| {
-                if depth == 0 || self.rows.contexts[r].is_empty() {
-                    return Ok(Proposal::default());
-                }
-                self.draft_row(r, pending[r], depth, steps.get(r).copied().unwrap_or(0))
-            })
-            .collect()
+    fn draft(
+        &mut self,
+        s: &Shared,
+        _row: usize,
+        pending: u32,
+        depth: usize,
+        step: u64,
+    ) -> Result<Proposal, PluginError> {
+        let depth = depth.min(s.network.max_draft_tokens());
+        if depth == 0 || self.0.is_empty() {
+            return Ok(Proposal::default());
+        }
+        s.draft(&self.0, pending, depth, step)
     }
 
-    fn commit(&mut self, window: TokenRows<'_>, accepted: &[u32], context: Option<Array>) -> Result<(), PluginError> {
-        let network = &self.network;
-        self.rows.commit(window, accepted, context, &|ctx, taps| network.extend(ctx, taps))
+    fn commit(&mut self, s: &Shared, _kept: &[u32], context: Option<&Array>) -> Result<(), PluginError> {
+        s.network.extend(&mut self.0, taps(context, "commit")?)
     }
 
-    fn filter_rows(&mut self, keep: &[u32]) -> Result<(), PluginError> {
-        self.rows.filter_rows(keep)
+    fn snapshot(&self) -> Snapshot {
+        self.0.snapshot()
     }
 
-    fn append(&mut self, states: Vec<RowState>) -> Result<(), PluginError> {
-        self.rows.append(states)
-    }
-
-    fn capture(&mut self, row: usize) -> Result<RowState, PluginError> {
-        self.rows.capture(row)
+    fn restore(_: &Shared, snapshot: Snapshot) -> Result<DflashRow, PluginError> {
+        Ok(DflashRow(Context::restore(snapshot)))
     }
 }
 

@@ -4,9 +4,8 @@
 
 use std::path::Path;
 
-use plugin_api::abi::{RowState, TokenRows};
 use plugin_api::mlx_rs::Array;
-use plugin_api::sdk::{DraftProvider, DraftRows, Drafter, Options, Proposal, Target};
+use plugin_api::sdk::{DraftProvider, DraftSource, Drafter, Options, Proposal, Snapshot, SourceRows, Target};
 use plugin_api::{Capabilities, Descriptor, PluginError, ProviderInfo};
 
 pub struct Ngram;
@@ -24,28 +23,32 @@ impl Drafter for Ngram {
     }
 
     fn load(_artifact: Option<&Path>, options: &Options) -> Result<NgramProvider, PluginError> {
-        let max_ngram: usize = options.get_or("max_ngram", 3)?;
-        let min_ngram: usize = options.get_or("min_ngram", 1)?;
+        let max_ngram: usize = options.value("max_ngram")?;
+        let min_ngram: usize = options.value("min_ngram")?;
         if min_ngram == 0 || min_ngram > max_ngram {
             return Err(PluginError::invalid_options(format!(
                 "need 1 <= min_ngram <= max_ngram, got min_ngram = {min_ngram}, max_ngram = {max_ngram}"
             )));
         }
-        Ok(NgramProvider { max_ngram, min_ngram })
+        Ok(NgramProvider(Lengths { min: min_ngram, max: max_ngram }))
     }
 }
 
-pub struct NgramProvider {
-    max_ngram: usize,
-    min_ngram: usize,
+/// The n-gram lengths looked up, longest first.
+#[derive(Clone, Copy)]
+pub struct Lengths {
+    min: usize,
+    max: usize,
 }
 
+pub struct NgramProvider(Lengths);
+
 impl DraftProvider for NgramProvider {
-    type Rows = NgramRows;
+    type Rows = SourceRows<History>;
 
     fn info(&self) -> ProviderInfo {
         ProviderInfo {
-            id: format!("ngram-{}-{}", self.min_ngram, self.max_ngram).into(),
+            id: format!("ngram-{}-{}", self.0.min, self.0.max).into(),
             weights_bytes: 0,
             namespace: NAMESPACE.into(),
             trained_depth: 0,
@@ -53,21 +56,14 @@ impl DraftProvider for NgramProvider {
         }
     }
 
-    fn open(&self, _target: Target, rows: usize) -> Result<NgramRows, PluginError> {
-        Ok(NgramRows {
-            max_ngram: self.max_ngram,
-            min_ngram: self.min_ngram,
-            history: vec![Vec::new(); rows],
-        })
+    fn open(&self, _target: Target, rows: usize) -> Result<SourceRows<History>, PluginError> {
+        Ok(SourceRows::new(self.0, History::default(), rows, NAMESPACE))
     }
 }
 
-pub struct NgramRows {
-    max_ngram: usize,
-    min_ngram: usize,
-    /// Every token each row has committed, in order.
-    history: Vec<Vec<u32>>,
-}
+/// Every token a row has committed, in order.
+#[derive(Clone, Default)]
+pub struct History(Vec<u32>);
 
 /// The longest trailing n-gram of `text` (n in `min..=max`) at its first earlier occurrence,
 /// and up to `depth` tokens that followed it there.
@@ -86,94 +82,32 @@ pub fn lookup(text: &[u32], min: usize, max: usize, depth: usize) -> &[u32] {
     &[]
 }
 
-impl NgramRows {
-    fn check_rows(&self, what: &str, got: usize) -> Result<(), PluginError> {
-        if got != self.history.len() {
-            return Err(PluginError::invalid_argument(format!(
-                "{what} has {got} rows, the group has {}",
-                self.history.len()
-            )));
-        }
-        Ok(())
-    }
-}
+impl DraftSource for History {
+    type Shared = Lengths;
 
-impl DraftRows for NgramRows {
-    fn prefill(&mut self, tokens: TokenRows<'_>, _context: Option<Array>) -> Result<(), PluginError> {
-        self.check_rows("prefill", tokens.rows as usize)?;
-        for (r, history) in self.history.iter_mut().enumerate() {
-            history.extend_from_slice(tokens.row(r));
-        }
+    fn prefill(&mut self, _: &Lengths, tokens: &[u32], _context: Option<&Array>) -> Result<(), PluginError> {
+        self.0.extend_from_slice(tokens);
         Ok(())
     }
 
-    fn draft(&mut self, pending: &[u32], depth: usize, _steps: &[u64]) -> Result<Vec<Proposal>, PluginError> {
-        self.check_rows("draft", pending.len())?;
-        let (min, max) = (self.min_ngram, self.max_ngram);
-        Ok(self
-            .history
-            .iter_mut()
-            .zip(pending)
-            .map(|(history, &p)| {
-                history.push(p);
-                let found = lookup(history, min, max, depth).to_vec();
-                history.pop();
-                Proposal::tokens(found)
-            })
-            .collect())
+    fn draft(&mut self, n: &Lengths, _row: usize, pending: u32, depth: usize, _: u64) -> Result<Proposal, PluginError> {
+        self.0.push(pending);
+        let found = lookup(&self.0, n.min, n.max, depth).to_vec();
+        self.0.pop();
+        Ok(Proposal::tokens(found))
     }
 
-    fn commit(&mut self, window: TokenRows<'_>, accepted: &[u32], _context: Option<Array>) -> Result<(), PluginError> {
-        self.check_rows("commit", window.rows as usize)?;
-        self.check_rows("commit's accepted counts", accepted.len())?;
-        for (r, history) in self.history.iter_mut().enumerate() {
-            let keep = accepted[r] as usize + 1;
-            let row = window.row(r);
-            if keep > row.len() {
-                return Err(PluginError::invalid_argument(format!(
-                    "row {r} accepted {} drafts of a window of {}",
-                    accepted[r],
-                    row.len()
-                )));
-            }
-            history.extend_from_slice(&row[..keep]);
-        }
+    fn commit(&mut self, _: &Lengths, kept: &[u32], _context: Option<&Array>) -> Result<(), PluginError> {
+        self.0.extend_from_slice(kept);
         Ok(())
     }
 
-    fn filter_rows(&mut self, keep: &[u32]) -> Result<(), PluginError> {
-        let rows = self.history.len();
-        if let Some(&bad) = keep.iter().find(|&&r| r as usize >= rows) {
-            return Err(PluginError::invalid_argument(format!("filter_rows keeps row {bad} of {rows}")));
-        }
-        self.history = keep.iter().map(|&r| self.history[r as usize].clone()).collect();
-        Ok(())
+    fn snapshot(&self) -> Snapshot {
+        Snapshot { processed: self.0.len() as u64, ids: self.0.clone(), tensors: Vec::new() }
     }
 
-    fn append(&mut self, states: Vec<RowState>) -> Result<(), PluginError> {
-        for state in states {
-            if state.namespace.as_str() != NAMESPACE {
-                return Err(PluginError::invalid_argument(format!(
-                    "row state of namespace `{}` given to ngram ({NAMESPACE})",
-                    state.namespace
-                )));
-            }
-            self.history.push(state.ids.into_vec());
-        }
-        Ok(())
-    }
-
-    fn capture(&mut self, row: usize) -> Result<RowState, PluginError> {
-        let history = self
-            .history
-            .get(row)
-            .ok_or_else(|| PluginError::invalid_argument(format!("capture of row {row} of {}", self.history.len())))?;
-        Ok(RowState {
-            namespace: NAMESPACE.into(),
-            processed: history.len() as u64,
-            ids: history.clone().into(),
-            tensors: Default::default(),
-        })
+    fn restore(_: &Lengths, snapshot: Snapshot) -> Result<History, PluginError> {
+        Ok(History(snapshot.ids))
     }
 }
 

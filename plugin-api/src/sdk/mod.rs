@@ -1,6 +1,8 @@
-//! The SDK: a drafter author implements [`Drafter`], [`DraftProvider`] and [`DraftRows`] in
-//! plain Rust and exports them with [`export_drafter!`](crate::export_drafter). The adapters
-//! here turn them into the ABI objects and guard every entry: a panic becomes a
+//! The SDK: a drafter author implements [`Drafter`] (the kind), [`DraftProvider`] (a loaded
+//! artifact) and either [`DraftSource`] (one row; [`SourceRows`] makes the group) or
+//! [`GroupedDraftProvider`] (B rows driven by the verify loop) in plain Rust, and exports them
+//! with [`export_drafter!`](crate::export_drafter). The adapters here turn them into the ABI
+//! objects ([`ProviderAbi`], [`RowGroupAbi`]) and guard every entry: a panic becomes a
 //! [`PluginError`] of kind `PANICKED` instead of crossing the boundary.
 
 use std::collections::BTreeSet;
@@ -36,22 +38,34 @@ pub trait Drafter: 'static {
 
 /// A loaded artifact, from which row groups are opened against a target.
 pub trait DraftProvider: 'static {
-    type Rows: DraftRows;
+    type Rows: GroupedDraftProvider;
+    /// The artifact's id, size, state namespace and concrete capabilities.
     fn info(&self) -> ProviderInfo;
-    /// Refuse an incompatible target here, naming both values.
+    /// Opens `rows` empty rows. Refuse an incompatible target here, naming both values.
     fn open(&self, target: Target, rows: usize) -> Result<Self::Rows, PluginError>;
 }
 
-/// B rows of drafter state; see [`RowGroupAbi`](crate::abi::RowGroupAbi) for each call's
-/// meaning.
-pub trait DraftRows: 'static {
+/// B rows of drafter state, driven by the host's verify loop (see
+/// [`RowGroupAbi`](crate::abi::RowGroupAbi) for the contract of each call). Drafters whose rows
+/// are independent implement [`DraftSource`] instead and use [`SourceRows`].
+pub trait GroupedDraftProvider: 'static {
+    /// Every row's new prompt tokens (equal length), with their context.
     fn prefill(&mut self, tokens: TokenRows<'_>, context: Option<Array>) -> Result<(), PluginError>;
+    /// Up to `depth` tokens per row after its `pending` token, without changing committed
+    /// state; `steps[r]` is row r's output index, the only source of randomness.
     fn draft(&mut self, pending: &[u32], depth: usize, steps: &[u64]) -> Result<Vec<Proposal>, PluginError>;
+    /// What the target kept of each row's window: positions `0..=accepted[r]`.
     fn commit(&mut self, window: TokenRows<'_>, accepted: &[u32], context: Option<Array>) -> Result<(), PluginError>;
+    /// Keeps only the listed rows, in that order.
     fn filter_rows(&mut self, keep: &[u32]) -> Result<(), PluginError>;
+    /// Adds rows restored from captured states, after the existing ones.
     fn append(&mut self, states: Vec<RowState>) -> Result<(), PluginError>;
+    /// A snapshot of one row, for another group of the same namespace.
     fn capture(&mut self, row: usize) -> Result<RowState, PluginError>;
 }
+
+mod source;
+pub use source::{taps, DraftSource, Snapshot, SourceRows};
 
 /// One row's proposal, in plain Rust.
 #[derive(Debug, Default)]
@@ -88,8 +102,31 @@ impl Options {
             .transpose()
     }
 
-    pub fn get_or<T: DeserializeOwned>(&self, key: &str, default: T) -> Result<T, PluginError> {
-        Ok(self.get(key)?.unwrap_or(default))
+    /// The value of `key`: the manifest's, else the default the descriptor declares for it.
+    pub fn value<T: DeserializeOwned>(&self, key: &str) -> Result<T, PluginError> {
+        self.get(key)?.ok_or_else(|| PluginError::invalid_options(format!("option `{key}` is required")))
+    }
+
+    /// Fills every option the manifest left out with the descriptor's default (a TOML value;
+    /// an empty default means none).
+    fn fill_defaults(&mut self, descriptor: &Descriptor) -> Result<(), PluginError> {
+        for option in descriptor.options.iter().filter(|o| !o.default.is_empty()) {
+            if self.table.contains_key(option.key.as_str()) {
+                continue;
+            }
+            let parsed = format!("value = {}", option.default)
+                .parse::<toml::Table>()
+                .ok()
+                .and_then(|mut t| t.remove("value"))
+                .ok_or_else(|| {
+                    PluginError::invalid_options(format!(
+                        "the descriptor's default for `{}` is not a TOML value: {}",
+                        option.key, option.default
+                    ))
+                })?;
+            self.table.insert(option.key.to_string(), parsed);
+        }
+        Ok(())
     }
 
     pub fn keys(&self) -> impl Iterator<Item = &str> {
@@ -203,7 +240,7 @@ fn owned(context: ROption<ArrayRef<'_>>) -> Option<Array> {
     context.into_option().map(|c| c.to_array())
 }
 
-impl<R: DraftRows> RowGroupAbi for RowsAdapter<R> {
+impl<R: GroupedDraftProvider> RowGroupAbi for RowsAdapter<R> {
     fn prefill(&mut self, tokens: TokenRows<'_>, context: ROption<ArrayRef<'_>>) -> RResult<(), PluginError> {
         guard("prefill", || self.0.prefill(tokens, owned(context)))
     }
@@ -254,8 +291,10 @@ extern "C" fn descriptor_entry<D: Drafter>() -> RResult<Descriptor, PluginError>
 
 extern "C" fn load_entry<D: Drafter>(artifact: RStr<'_>, options: RStr<'_>) -> RResult<ProviderBox, PluginError> {
     guard("load", || {
-        let options = Options::parse(options.as_str())?;
-        options.check_known(&D::descriptor())?;
+        let descriptor = D::descriptor();
+        let mut options = Options::parse(options.as_str())?;
+        options.check_known(&descriptor)?;
+        options.fill_defaults(&descriptor)?;
         let artifact = (!artifact.is_empty()).then(|| Path::new(artifact.as_str()));
         let provider = D::load(artifact, &options)?;
         Ok(ProviderAbi_TO::from_value(ProviderAdapter(provider), TD_Opaque))

@@ -1,0 +1,180 @@
+//! Drafters whose rows are independent write one row, a [`DraftSource`], and get the group of
+//! rows the verify loop drives, [`SourceRows`], with the row bookkeeping (row counts, filter,
+//! capture, append, each row's slice of the tapped states) written once, here.
+
+use mlx_rs::Array;
+
+use super::{GroupedDraftProvider, Proposal};
+use crate::abi::{RowState, TokenRows};
+use crate::nn::row_span;
+use crate::{OwnedArray, PluginError};
+
+/// One row's state, as a row state carries it across groups.
+pub struct Snapshot {
+    /// Tokens of the row the state covers.
+    pub processed: u64,
+    pub ids: Vec<u32>,
+    pub tensors: Vec<Array>,
+}
+
+/// One row of drafter state. `Shared` is what every row of a group uses alike: weights,
+/// settings, the [`Target`](super::Target).
+pub trait DraftSource: Clone + 'static {
+    type Shared: 'static;
+
+    /// New prompt tokens of this row, with the tapped hidden states [1, N, F] when the drafter
+    /// declared the `taps` port.
+    fn prefill(&mut self, shared: &Self::Shared, tokens: &[u32], context: Option<&Array>) -> Result<(), PluginError>;
+
+    /// Up to `depth` tokens to follow `pending`; the committed state must not change. `row` is
+    /// this row's index in the group (for target reads such as donors); `step` is the output
+    /// index of the first draft, the only source of randomness.
+    fn draft(
+        &mut self,
+        shared: &Self::Shared,
+        row: usize,
+        pending: u32,
+        depth: usize,
+        step: u64,
+    ) -> Result<Proposal, PluginError>;
+
+    /// Every row's proposal. One row at a time by default; override to draft rows in one pass.
+    fn draft_rows(
+        shared: &Self::Shared,
+        rows: &mut [Self],
+        pending: &[u32],
+        depth: usize,
+        steps: &[u64],
+    ) -> Result<Vec<Proposal>, PluginError> {
+        rows.iter_mut().enumerate().map(|(r, row)| row.draft(shared, r, pending[r], depth, steps[r])).collect()
+    }
+
+    /// What the target kept of this row's window: the pending token and the accepted drafts,
+    /// with their tapped hidden states [1, kept, F] when the drafter declared the `taps` port.
+    fn commit(&mut self, shared: &Self::Shared, kept: &[u32], context: Option<&Array>) -> Result<(), PluginError>;
+
+    fn snapshot(&self) -> Snapshot;
+
+    fn restore(shared: &Self::Shared, snapshot: Snapshot) -> Result<Self, PluginError>;
+}
+
+/// The tapped hidden states a drafter that declared the `taps` port receives in `call`.
+pub fn taps<'a>(context: Option<&'a Array>, call: &str) -> Result<&'a Array, PluginError> {
+    context.ok_or_else(|| PluginError::invalid_argument(format!("{call} without the target's tapped hidden states")))
+}
+
+/// The rows of a group, for a [`DraftSource`].
+pub struct SourceRows<S: DraftSource> {
+    pub shared: S::Shared,
+    pub rows: Vec<S>,
+    /// The drafter's state namespace (see [`ProviderInfo::namespace`](crate::ProviderInfo)).
+    namespace: &'static str,
+}
+
+impl<S: DraftSource> SourceRows<S> {
+    /// `rows` copies of `empty`.
+    pub fn new(shared: S::Shared, empty: S, rows: usize, namespace: &'static str) -> Self {
+        SourceRows { shared, rows: vec![empty; rows], namespace }
+    }
+
+    /// Refuses a call that speaks of another number of rows.
+    fn check_rows(&self, what: &str, got: usize) -> Result<(), PluginError> {
+        if got != self.rows.len() {
+            return Err(PluginError::invalid_argument(format!(
+                "{what} has {got} rows, the group has {}",
+                self.rows.len()
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Refuses tapped hidden states that do not cover every row and position of their tokens:
+/// `[rows, len, features]`.
+fn check_span(call: &str, context: &Option<Array>, rows: usize, len: usize) -> Result<(), PluginError> {
+    match context.as_ref().map(|c| c.shape()) {
+        None => Ok(()),
+        Some([r, l, _]) if *r as usize == rows && *l as usize == len => Ok(()),
+        Some(shape) => Err(PluginError::invalid_argument(format!(
+            "{call}: tapped hidden states of shape {shape:?} for {rows} rows of {len} tokens"
+        ))),
+    }
+}
+
+impl<S: DraftSource> GroupedDraftProvider for SourceRows<S> {
+    fn prefill(&mut self, tokens: TokenRows<'_>, context: Option<Array>) -> Result<(), PluginError> {
+        self.check_rows("prefill", tokens.rows as usize)?;
+        check_span("prefill", &context, tokens.rows as usize, tokens.len as usize)?;
+        for (r, row) in self.rows.iter_mut().enumerate() {
+            let span = context.as_ref().map(|c| row_span(c, r, 0, tokens.len as usize)).transpose()?;
+            row.prefill(&self.shared, tokens.row(r), span.as_ref())?;
+        }
+        Ok(())
+    }
+
+    fn draft(&mut self, pending: &[u32], depth: usize, steps: &[u64]) -> Result<Vec<Proposal>, PluginError> {
+        self.check_rows("draft", pending.len())?;
+        self.check_rows("draft's steps", steps.len())?;
+        S::draft_rows(&self.shared, &mut self.rows, pending, depth, steps)
+    }
+
+    fn commit(&mut self, window: TokenRows<'_>, accepted: &[u32], context: Option<Array>) -> Result<(), PluginError> {
+        self.check_rows("commit", window.rows as usize)?;
+        self.check_rows("commit's accepted counts", accepted.len())?;
+        check_span("commit", &context, window.rows as usize, window.len as usize)?;
+        for (r, row) in self.rows.iter_mut().enumerate() {
+            let kept = accepted[r] as usize + 1;
+            let tokens = window.row(r);
+            if kept > tokens.len() {
+                return Err(PluginError::invalid_argument(format!(
+                    "row {r} accepted {} drafts of a window of {}",
+                    accepted[r],
+                    tokens.len()
+                )));
+            }
+            let span = context.as_ref().map(|c| row_span(c, r, 0, kept)).transpose()?;
+            row.commit(&self.shared, &tokens[..kept], span.as_ref())?;
+        }
+        Ok(())
+    }
+
+    fn filter_rows(&mut self, keep: &[u32]) -> Result<(), PluginError> {
+        if let Some(&bad) = keep.iter().find(|&&r| r as usize >= self.rows.len()) {
+            return Err(PluginError::invalid_argument(format!("filter_rows keeps row {bad} of {}", self.rows.len())));
+        }
+        self.rows = keep.iter().map(|&r| self.rows[r as usize].clone()).collect();
+        Ok(())
+    }
+
+    fn append(&mut self, states: Vec<RowState>) -> Result<(), PluginError> {
+        for state in states {
+            if state.namespace.as_str() != self.namespace {
+                return Err(PluginError::invalid_argument(format!(
+                    "row state of namespace `{}` given to a group of `{}`",
+                    state.namespace, self.namespace
+                )));
+            }
+            let snapshot = Snapshot {
+                processed: state.processed,
+                ids: state.ids.into_vec(),
+                tensors: state.tensors.into_iter().map(OwnedArray::into_array).collect(),
+            };
+            self.rows.push(S::restore(&self.shared, snapshot)?);
+        }
+        Ok(())
+    }
+
+    fn capture(&mut self, row: usize) -> Result<RowState, PluginError> {
+        let state = self
+            .rows
+            .get(row)
+            .ok_or_else(|| PluginError::invalid_argument(format!("capture of row {row} of {}", self.rows.len())))?
+            .snapshot();
+        Ok(RowState {
+            namespace: self.namespace.into(),
+            processed: state.processed,
+            ids: state.ids.into(),
+            tensors: state.tensors.into_iter().map(OwnedArray::new).collect(),
+        })
+    }
+}
