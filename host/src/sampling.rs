@@ -162,23 +162,7 @@ pub fn gumbel_argmax(logprobs: &[f32], temperature: f32, seed: u64, step: u64) -
     best.1
 }
 
-/// The key of output position `step` under `seed`.
-pub fn step_key(seed: u64, step: u64) -> u64 {
-    splitmix(seed ^ (step.wrapping_add(1)).wrapping_mul(0x9E37_79B9_7F4A_7C15))
-}
-
-/// A uniform draw in (0, 1) for `index` under `key`.
-pub fn uniform(key: u64, index: u64) -> f64 {
-    let bits = splitmix(key ^ splitmix(index.wrapping_add(0xD1B5_4A32_D192_ED03)));
-    ((bits >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-}
-
-fn splitmix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
+pub use plugin_api::random::{step_key, uniform};
 
 #[cfg(test)]
 mod tests {

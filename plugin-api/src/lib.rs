@@ -56,6 +56,7 @@ pub mod descriptor;
 pub mod error;
 pub mod guide;
 pub mod nn;
+pub mod random;
 pub mod sdk;
 pub mod target;
 pub mod tensor;

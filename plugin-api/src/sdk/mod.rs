@@ -174,28 +174,7 @@ impl Target {
 /// drafts (position, probabilities) → token.
 pub type Draw<'a> = &'a dyn Fn(usize, &[f32]) -> u32;
 
-/// Draws a token from probabilities `q` (they need not be normalized) with the uniform `u`.
-pub fn draw(q: &[f32], u: f64) -> u32 {
-    let mut left = u * q.iter().map(|&p| p as f64).sum::<f64>();
-    for (token, &p) in q.iter().enumerate() {
-        if left < p as f64 {
-            return token as u32;
-        }
-        left -= p as f64;
-    }
-    q.iter().rposition(|&p| p > 0.0).unwrap_or(0) as u32
-}
-
-/// A uniform in [0, 1) that depends only on (`stream`, `step`): drafters derive their
-/// randomness from the steps the host passes, so a draft is the same whenever it is asked for
-/// the same output position.
-pub fn uniform(stream: u64, step: u64) -> f64 {
-    let mut z = (stream ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15)).wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^= z >> 31;
-    (z >> 11) as f64 / (1u64 << 53) as f64
-}
+pub use crate::random::draw;
 
 /// Runs one plugin entry, turning a panic into a `PANICKED` error that names the entry.
 pub fn guard<T>(entry: &str, body: impl FnOnce() -> Result<T, PluginError>) -> RResult<T, PluginError> {

@@ -186,7 +186,7 @@ impl DraftSource for DeepspecRow {
 
 /// The uniform for the draft of output step `step`.
 fn uniform(step: u64) -> f64 {
-    plugin_api::sdk::uniform(0xDEE5_9EC0, step)
+    plugin_api::random::uniform(0xDEE5_9EC0, step)
 }
 
 plugin_api::export_drafter!(DeepspecDrafter);

@@ -298,7 +298,7 @@ impl DraftSource for DflashRow {
 
 /// The uniform for the draft of output step `step`.
 fn uniform(step: u64) -> f64 {
-    plugin_api::sdk::uniform(0xDF1A_5D00, step)
+    plugin_api::random::uniform(0xDF1A_5D00, step)
 }
 
 plugin_api::export_drafter!(DflashDrafter);
