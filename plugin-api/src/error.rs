@@ -92,3 +92,10 @@ impl From<mlx_rs::error::Exception> for PluginError {
         PluginError::new(ErrorKind::MLX, e.to_string())
     }
 }
+
+/// A checkpoint's tensors that cannot be read or have the wrong shape make a bad artifact.
+impl From<crate::nn::WeightsError> for PluginError {
+    fn from(e: crate::nn::WeightsError) -> Self {
+        PluginError::invalid_artifact(e.to_string())
+    }
+}

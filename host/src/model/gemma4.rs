@@ -23,11 +23,7 @@ pub struct Attention {
     pub rope: Rope,
 }
 
-pub struct Mlp {
-    pub gate_proj: Linear,
-    pub up_proj: Linear,
-    pub down_proj: Linear,
-}
+pub use plugin_api::nn::Mlp;
 
 /// Experts stacked on a leading axis: [E, out, in] (quantized when their scales exist).
 pub struct SwitchGlu {
@@ -231,9 +227,9 @@ impl DecoderLayer {
         let h = x.add(rms_norm(&attn, Some(&self.post_attention_layernorm), eps)?)?;
 
         let ff = match &self.moe {
-            None => self.mlp.forward(&rms_norm(&h, Some(&self.pre_feedforward_layernorm), eps)?)?,
+            None => self.mlp.geglu(&rms_norm(&h, Some(&self.pre_feedforward_layernorm), eps)?)?,
             Some(moe) => {
-                let dense = self.mlp.forward(&rms_norm(&h, Some(&self.pre_feedforward_layernorm), eps)?)?;
+                let dense = self.mlp.geglu(&rms_norm(&h, Some(&self.pre_feedforward_layernorm), eps)?)?;
                 let dense = rms_norm(&dense, Some(&moe.post_feedforward_layernorm_1), eps)?;
                 let routed = moe.forward(&h, eps)?;
                 dense.add(rms_norm(&routed, Some(&moe.post_feedforward_layernorm_2), eps)?)?
@@ -306,12 +302,6 @@ fn rope_rows(rope: &Rope, x: &Array, offsets: &[i32]) -> Result<Array, Exception
         .map(|(r, &o)| rope.apply(&x.take_axis(Array::from_slice(&[r as i32], &[1]), 0)?, o))
         .collect::<Result<_, _>>()?;
     mlx_rs::ops::concatenate(&rows, 0)
-}
-
-impl Mlp {
-    fn forward(&self, x: &Array) -> Result<Array, Exception> {
-        self.down_proj.forward(&geglu(&self.gate_proj.forward(x)?, &self.up_proj.forward(x)?)?)
-    }
 }
 
 impl Moe {

@@ -6,8 +6,8 @@ use std::path::Path;
 
 use plugin_api::mlx_rs::error::Exception;
 use plugin_api::mlx_rs::{Array, Dtype};
-use plugin_api::nn::ops::{attention, geglu, rms_norm, Mask};
-use plugin_api::nn::{Embedding, Linear, Rope, Weights, WeightsError};
+use plugin_api::nn::ops::{attention, rms_norm, Mask};
+use plugin_api::nn::{Embedding, Linear, Mlp, Rope, Weights};
 use plugin_api::target::DonorLayer;
 use plugin_api::PluginError;
 
@@ -17,12 +17,6 @@ pub struct Attention {
     pub q_proj: Linear,
     pub o_proj: Linear,
     pub q_norm: Array,
-}
-
-pub struct Mlp {
-    pub gate_proj: Linear,
-    pub up_proj: Linear,
-    pub down_proj: Linear,
 }
 
 pub struct Layer {
@@ -65,21 +59,16 @@ pub struct Step {
     pub next_hidden: Array,
 }
 
-fn artifact_error(e: WeightsError) -> PluginError {
-    PluginError::invalid_artifact(e.to_string())
-}
-
 impl Assistant {
     pub fn load(dir: &Path) -> Result<Assistant, PluginError> {
         let config = AssistantConfig::load(dir)?;
-        let w = Weights::load_dir(dir).map_err(artifact_error)?;
+        let w = Weights::load_dir(dir)?;
+        let vb = w.view();
         let c = &config;
         let (d, t) = (c.hidden_size, c.backbone_hidden_size);
-        let lin = |name: &str, out: i32, inp: i32| Linear::load(&w, name, out, inp, None).map_err(artifact_error);
-        let norm = |name: &str, dims: i32| w.shaped(&format!("{name}.weight"), &[dims]).map_err(artifact_error);
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for i in 0..c.num_hidden_layers {
-            let p = format!("model.layers.{i}");
+            let l = vb.pp(format_args!("model.layers.{i}"));
             let hd = c.layer_head_dim(i);
             let layer_type = c.layer_types[i];
             let rope = match layer_type {
@@ -89,22 +78,19 @@ impl Assistant {
                         .map_err(PluginError::from)?
                 }
             };
+            let attn = l.pp("self_attn");
             layers.push(Layer {
                 self_attn: Attention {
-                    q_proj: lin(&format!("{p}.self_attn.q_proj"), c.num_attention_heads * hd, d)?,
-                    o_proj: lin(&format!("{p}.self_attn.o_proj"), d, c.num_attention_heads * hd)?,
-                    q_norm: norm(&format!("{p}.self_attn.q_norm"), hd)?,
+                    q_proj: attn.linear("q_proj", c.num_attention_heads * hd, d)?,
+                    o_proj: attn.linear("o_proj", d, c.num_attention_heads * hd)?,
+                    q_norm: attn.norm("q_norm", hd)?,
                 },
-                mlp: Mlp {
-                    gate_proj: lin(&format!("{p}.mlp.gate_proj"), c.intermediate_size, d)?,
-                    up_proj: lin(&format!("{p}.mlp.up_proj"), c.intermediate_size, d)?,
-                    down_proj: lin(&format!("{p}.mlp.down_proj"), d, c.intermediate_size)?,
-                },
-                input_layernorm: norm(&format!("{p}.input_layernorm"), d)?,
-                post_attention_layernorm: norm(&format!("{p}.post_attention_layernorm"), d)?,
-                pre_feedforward_layernorm: norm(&format!("{p}.pre_feedforward_layernorm"), d)?,
-                post_feedforward_layernorm: norm(&format!("{p}.post_feedforward_layernorm"), d)?,
-                layer_scalar: w.optional(&format!("{p}.layer_scalar")),
+                mlp: Mlp::load(&l.pp("mlp"), d, c.intermediate_size)?,
+                input_layernorm: l.norm("input_layernorm", d)?,
+                post_attention_layernorm: l.norm("post_attention_layernorm", d)?,
+                pre_feedforward_layernorm: l.norm("pre_feedforward_layernorm", d)?,
+                post_feedforward_layernorm: l.norm("post_feedforward_layernorm", d)?,
+                layer_scalar: l.optional("layer_scalar"),
                 layer_type,
                 head_dim: hd,
                 rope,
@@ -113,9 +99,9 @@ impl Assistant {
         // The centroid head needs its tensors: some artifacts declare centroids and ship none,
         // and then the tied head is the one that works.
         let masked_embedding = if c.use_ordered_embeddings && w.contains("masked_embedding.centroids.weight") {
-            let centroids = lin("masked_embedding.centroids", c.num_centroids, d)?;
-            let token_ordering =
-                w.shaped("masked_embedding.token_ordering", &[c.vocab_size]).map_err(artifact_error)?;
+            let masked = vb.pp("masked_embedding");
+            let centroids = masked.linear("centroids", c.num_centroids, d)?;
+            let token_ordering = masked.tensor("token_ordering", &[c.vocab_size])?;
             if c.num_centroids <= 0 || c.vocab_size % c.num_centroids != 0 || c.centroid_intermediate_top_k <= 0 {
                 return Err(PluginError::invalid_artifact(format!(
                     "{}: centroid head needs num_centroids dividing vocab_size {} and centroid_intermediate_top_k > 0",
@@ -131,10 +117,10 @@ impl Assistant {
             None
         };
         Ok(Assistant {
-            pre_projection: lin("pre_projection", d, 2 * t)?,
-            post_projection: lin("post_projection", t, d)?,
-            embed_tokens: Embedding::load(&w, "model.embed_tokens", c.vocab_size, d, None).map_err(artifact_error)?,
-            norm: norm("model.norm", d)?,
+            pre_projection: vb.linear("pre_projection", d, 2 * t)?,
+            post_projection: vb.linear("post_projection", t, d)?,
+            embed_tokens: vb.embedding("model.embed_tokens", c.vocab_size, d)?,
+            norm: vb.norm("model.norm", d)?,
             layers,
             masked_embedding,
             weight_bytes: w.nbytes(),
@@ -165,10 +151,7 @@ impl Assistant {
             let attn = layer.attend(&r, positions, donors, &self.config, eps)?;
             h = h.add(rms_norm(&attn, Some(&layer.post_attention_layernorm), eps)?)?;
             let f = rms_norm(&h, Some(&layer.pre_feedforward_layernorm), eps)?;
-            let f = layer
-                .mlp
-                .down_proj
-                .forward(&geglu(&layer.mlp.gate_proj.forward(&f)?, &layer.mlp.up_proj.forward(&f)?)?)?;
+            let f = layer.mlp.geglu(&f)?;
             h = h.add(rms_norm(&f, Some(&layer.post_feedforward_layernorm), eps)?)?;
             if let Some(s) = &layer.layer_scalar {
                 h = h.multiply(s)?;

@@ -7,8 +7,8 @@ use std::path::Path;
 
 use plugin_api::mlx_rs::error::Exception;
 use plugin_api::mlx_rs::{Array, Dtype};
-use plugin_api::nn::ops::{attention, geglu, rms_norm, scalar, softcap, Mask};
-use plugin_api::nn::{Embedding, Linear, Rope, Weights, WeightsError};
+use plugin_api::nn::ops::{attention, rms_norm, scalar, softcap, Mask};
+use plugin_api::nn::{Embedding, Linear, Mlp, Rope, Weights};
 use plugin_api::PluginError;
 
 use crate::config::DeepspecConfig;
@@ -19,12 +19,6 @@ pub struct Attention {
     pub o_proj: Linear,
     pub q_norm: Array,
     pub k_norm: Array,
-}
-
-pub struct Mlp {
-    pub gate_proj: Linear,
-    pub up_proj: Linear,
-    pub down_proj: Linear,
 }
 
 pub struct Layer {
@@ -69,14 +63,10 @@ pub struct Block {
     pub logits: Array,
 }
 
-fn artifact_error(e: WeightsError) -> PluginError {
-    PluginError::invalid_artifact(e.to_string())
-}
-
 impl Deepspec {
     pub fn load(dir: &Path) -> Result<Deepspec, PluginError> {
         let config = DeepspecConfig::load(dir)?;
-        let w = Weights::load_dir(dir).map_err(artifact_error)?;
+        let w = Weights::load_dir(dir)?;
         let c = &config;
         let (h, hd, r) = (c.hidden_size, c.head_dim, c.markov_rank);
         // In an MLX-quantized sibling, a module is quantized when its scales are there.
@@ -87,52 +77,44 @@ impl Deepspec {
                 dir.display()
             )));
         }
-        let lin = |name: &str, out: i32, inp: i32| Linear::load(&w, name, out, inp, q(name)).map_err(artifact_error);
-        let norm = |name: &str, dims: i32| w.shaped(&format!("{name}.weight"), &[dims]).map_err(artifact_error);
+        let quantized = |path: &str| q(path);
+        let vb = w.view_quantized(&quantized);
         let layers = (0..c.num_hidden_layers)
             .map(|i| {
-                let p = format!("layers.{i}");
+                let l = vb.pp(format_args!("layers.{i}"));
+                let attn = l.pp("self_attn");
                 Ok(Layer {
                     self_attn: Attention {
-                        q_proj: lin(&format!("{p}.self_attn.q_proj"), c.num_attention_heads * hd, h)?,
-                        k_proj: lin(&format!("{p}.self_attn.k_proj"), c.num_key_value_heads * hd, h)?,
-                        o_proj: lin(&format!("{p}.self_attn.o_proj"), h, c.num_attention_heads * hd)?,
-                        q_norm: norm(&format!("{p}.self_attn.q_norm"), hd)?,
-                        k_norm: norm(&format!("{p}.self_attn.k_norm"), hd)?,
+                        q_proj: attn.linear("q_proj", c.num_attention_heads * hd, h)?,
+                        k_proj: attn.linear("k_proj", c.num_key_value_heads * hd, h)?,
+                        o_proj: attn.linear("o_proj", h, c.num_attention_heads * hd)?,
+                        q_norm: attn.norm("q_norm", hd)?,
+                        k_norm: attn.norm("k_norm", hd)?,
                     },
-                    mlp: Mlp {
-                        gate_proj: lin(&format!("{p}.mlp.gate_proj"), c.intermediate_size, h)?,
-                        up_proj: lin(&format!("{p}.mlp.up_proj"), c.intermediate_size, h)?,
-                        down_proj: lin(&format!("{p}.mlp.down_proj"), h, c.intermediate_size)?,
-                    },
-                    input_layernorm: norm(&format!("{p}.input_layernorm"), h)?,
-                    post_attention_layernorm: norm(&format!("{p}.post_attention_layernorm"), h)?,
-                    pre_feedforward_layernorm: norm(&format!("{p}.pre_feedforward_layernorm"), h)?,
-                    post_feedforward_layernorm: norm(&format!("{p}.post_feedforward_layernorm"), h)?,
-                    layer_scalar: w.optional(&format!("{p}.layer_scalar")),
+                    mlp: Mlp::load(&l.pp("mlp"), h, c.intermediate_size)?,
+                    input_layernorm: l.norm("input_layernorm", h)?,
+                    post_attention_layernorm: l.norm("post_attention_layernorm", h)?,
+                    pre_feedforward_layernorm: l.norm("pre_feedforward_layernorm", h)?,
+                    post_feedforward_layernorm: l.norm("post_feedforward_layernorm", h)?,
+                    layer_scalar: l.optional("layer_scalar"),
                 })
             })
             .collect::<Result<Vec<_>, PluginError>>()?;
         let rope = Rope::proportional(hd, (hd as f32 * c.partial_rotary_factor) as i32, c.rope_theta, 1.0)?;
         let (confidence_head, confidence_bias) = if c.enable_confidence_head {
-            (
-                Some(lin("confidence_head.proj", 1, h + r)?),
-                Some(w.shaped("confidence_head.proj.bias", &[1]).map_err(artifact_error)?),
-            )
+            (Some(vb.linear("confidence_head.proj", 1, h + r)?), Some(vb.tensor("confidence_head.proj.bias", &[1])?))
         } else {
             (None, None)
         };
         Ok(Deepspec {
-            embed_tokens: Embedding::load(&w, "embed_tokens", c.vocab_size, h, q("embed_tokens"))
-                .map_err(artifact_error)?,
-            fc: lin("fc", h, c.target_layer_ids.len() as i32 * h)?,
-            hidden_norm: norm("hidden_norm", h)?,
-            norm: norm("norm", h)?,
-            lm_head: lin("lm_head", c.vocab_size, h)?,
+            embed_tokens: vb.embedding("embed_tokens", c.vocab_size, h)?,
+            fc: vb.linear("fc", h, c.target_layer_ids.len() as i32 * h)?,
+            hidden_norm: vb.norm("hidden_norm", h)?,
+            norm: vb.norm("norm", h)?,
+            lm_head: vb.linear("lm_head", c.vocab_size, h)?,
             markov_head: MarkovHead {
-                markov_w1: Embedding::load(&w, "markov_head.markov_w1", c.vocab_size, r, None)
-                    .map_err(artifact_error)?,
-                markov_w2: lin("markov_head.markov_w2", c.vocab_size, r)?,
+                markov_w1: w.view().embedding("markov_head.markov_w1", c.vocab_size, r)?,
+                markov_w2: vb.linear("markov_head.markov_w2", c.vocab_size, r)?,
             },
             confidence_head,
             confidence_bias,
@@ -197,10 +179,7 @@ impl Deepspec {
             let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[1, gamma, c.num_attention_heads * c.head_dim])?;
             h = h.add(rms_norm(&a.o_proj.forward(&out)?, Some(&layer.post_attention_layernorm), eps)?)?;
             let f = rms_norm(&h, Some(&layer.pre_feedforward_layernorm), eps)?;
-            let f = layer
-                .mlp
-                .down_proj
-                .forward(&geglu(&layer.mlp.gate_proj.forward(&f)?, &layer.mlp.up_proj.forward(&f)?)?)?;
+            let f = layer.mlp.geglu(&f)?;
             h = h.add(rms_norm(&f, Some(&layer.post_feedforward_layernorm), eps)?)?;
             if let Some(s) = &layer.layer_scalar {
                 h = h.multiply(s)?;

@@ -8,7 +8,7 @@ use std::path::Path;
 use plugin_api::mlx_rs::error::Exception;
 use plugin_api::mlx_rs::{Array, Dtype};
 use plugin_api::nn::ops::{attention, gelu_approx, rms_norm, Mask};
-use plugin_api::nn::{Weights, WeightsError};
+use plugin_api::nn::Weights;
 use plugin_api::sdk::{Draw, Target};
 use plugin_api::PluginError;
 use serde_json::Value;
@@ -64,10 +64,6 @@ pub struct DsparkDraft {
     pub tokens: Vec<u32>,
     pub confidences: Vec<f32>,
     pub probabilities: Option<Array>,
-}
-
-fn artifact_error(e: WeightsError) -> PluginError {
-    PluginError::invalid_artifact(e.to_string())
 }
 
 impl DsparkConfig {
@@ -141,10 +137,10 @@ impl DsparkConfig {
 impl Dspark {
     pub fn load(dir: &Path) -> Result<Dspark, PluginError> {
         let config = DsparkConfig::load(dir)?;
-        let w = Weights::load_file(&dir.join("model.safetensors")).map_err(artifact_error)?;
+        let w = Weights::load_file(&dir.join("model.safetensors"))?;
         let c = &config;
         let (d, h, v, r, f) = (c.d_draft, c.hidden_size, c.vocab_size, c.markov_rank, c.ff_mult * c.d_draft);
-        let t = |name: &str, shape: &[i32]| w.shaped(name, shape).map_err(artifact_error);
+        let t = |name: &str, shape: &[i32]| w.shaped(name, shape);
         let bb = (0..c.n_layers)
             .map(|i| {
                 let n = |x: &str| format!("bb.{i}.{x}");

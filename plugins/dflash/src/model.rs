@@ -9,7 +9,7 @@ use std::path::Path;
 use plugin_api::mlx_rs::error::Exception;
 use plugin_api::mlx_rs::Array;
 use plugin_api::nn::ops::{attention, rms_norm, Mask};
-use plugin_api::nn::{Linear, Rope, Weights, WeightsError};
+use plugin_api::nn::{Linear, Mlp, Rope, Weights};
 use plugin_api::PluginError;
 
 use crate::config::DflashConfig;
@@ -21,12 +21,6 @@ pub struct Attention {
     pub o_proj: Linear,
     pub q_norm: Array,
     pub k_norm: Array,
-}
-
-pub struct Mlp {
-    pub gate_proj: Linear,
-    pub up_proj: Linear,
-    pub down_proj: Linear,
 }
 
 pub struct Layer {
@@ -49,46 +43,38 @@ pub struct Dflash {
 
 pub use plugin_api::nn::LayerContext as Context;
 
-fn artifact_error(e: WeightsError) -> PluginError {
-    PluginError::invalid_artifact(e.to_string())
-}
-
 impl Dflash {
     pub fn load(dir: &Path) -> Result<Dflash, PluginError> {
         let config = DflashConfig::load(dir)?;
-        let w = Weights::load_dir(dir).map_err(artifact_error)?;
+        let w = Weights::load_dir(dir)?;
+        let vb = w.view();
         let c = &config;
         let (h, hd) = (c.hidden_size, c.head_dim);
-        let lin = |name: &str, out: i32, inp: i32| Linear::load(&w, name, out, inp, None).map_err(artifact_error);
-        let norm = |name: &str, dims: i32| w.shaped(&format!("{name}.weight"), &[dims]).map_err(artifact_error);
         let taps = c.target_layer_ids.len() as i32;
         let layers = (0..c.num_hidden_layers)
             .map(|i| {
-                let p = format!("layers.{i}");
+                let l = vb.pp(format_args!("layers.{i}"));
+                let attn = l.pp("self_attn");
                 Ok(Layer {
                     self_attn: Attention {
-                        q_proj: lin(&format!("{p}.self_attn.q_proj"), c.num_attention_heads * hd, h)?,
-                        k_proj: lin(&format!("{p}.self_attn.k_proj"), c.num_key_value_heads * hd, h)?,
-                        v_proj: lin(&format!("{p}.self_attn.v_proj"), c.num_key_value_heads * hd, h)?,
-                        o_proj: lin(&format!("{p}.self_attn.o_proj"), h, c.num_attention_heads * hd)?,
-                        q_norm: norm(&format!("{p}.self_attn.q_norm"), hd)?,
-                        k_norm: norm(&format!("{p}.self_attn.k_norm"), hd)?,
+                        q_proj: attn.linear("q_proj", c.num_attention_heads * hd, h)?,
+                        k_proj: attn.linear("k_proj", c.num_key_value_heads * hd, h)?,
+                        v_proj: attn.linear("v_proj", c.num_key_value_heads * hd, h)?,
+                        o_proj: attn.linear("o_proj", h, c.num_attention_heads * hd)?,
+                        q_norm: attn.norm("q_norm", hd)?,
+                        k_norm: attn.norm("k_norm", hd)?,
                     },
-                    mlp: Mlp {
-                        gate_proj: lin(&format!("{p}.mlp.gate_proj"), c.intermediate_size, h)?,
-                        up_proj: lin(&format!("{p}.mlp.up_proj"), c.intermediate_size, h)?,
-                        down_proj: lin(&format!("{p}.mlp.down_proj"), h, c.intermediate_size)?,
-                    },
-                    input_layernorm: norm(&format!("{p}.input_layernorm"), h)?,
-                    post_attention_layernorm: norm(&format!("{p}.post_attention_layernorm"), h)?,
+                    mlp: Mlp::load(&l.pp("mlp"), h, c.intermediate_size)?,
+                    input_layernorm: l.norm("input_layernorm", h)?,
+                    post_attention_layernorm: l.norm("post_attention_layernorm", h)?,
                     window: c.windows[i],
                 })
             })
             .collect::<Result<Vec<_>, PluginError>>()?;
         Ok(Dflash {
-            fc: lin("fc", h, taps * h)?,
-            hidden_norm: norm("hidden_norm", h)?,
-            norm: norm("norm", h)?,
+            fc: vb.linear("fc", h, taps * h)?,
+            hidden_norm: vb.norm("hidden_norm", h)?,
+            norm: vb.norm("norm", h)?,
             layers,
             rope: Rope::Default { dims: hd, base: c.rope_theta },
             weight_bytes: w.nbytes(),
@@ -147,9 +133,7 @@ impl Dflash {
             let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[1, l, c.num_attention_heads * c.head_dim])?;
             h = h.add(a.o_proj.forward(&out)?)?;
             let f = rms_norm(&h, Some(&layer.post_attention_layernorm), eps)?;
-            let gate = layer.mlp.gate_proj.forward(&f)?;
-            let silu = gate.multiply(plugin_api::mlx_rs::ops::sigmoid(&gate)?)?;
-            h = h.add(layer.mlp.down_proj.forward(&silu.multiply(layer.mlp.up_proj.forward(&f)?)?)?)?;
+            h = h.add(layer.mlp.swiglu(&f)?)?;
         }
         rms_norm(&h, Some(&self.norm), eps)
     }
