@@ -15,24 +15,36 @@ use host::speculative::{generate_speculative, probe_open, SpecConfig, Verify};
 use mlx_rs::Dtype;
 use plugin_api::nn::Weights;
 
-fn fixture() -> PathBuf {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/deepspec/gemma4-dense");
+/// A fixture: `gemma4-dense` (K=V, as released) or `gemma4-dense-v-proj` (a separate v_proj).
+fn fixture_of(name: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/deepspec").join(name);
     assert!(dir.join("drafter/config.json").exists(), "{} is missing: run `make oracle`", dir.display());
     dir
 }
 
-fn setup(options: &str) -> (Rc<Gemma4>, LoadedDrafter) {
+fn setup_of(name: &str, options: &str) -> (Rc<Gemma4>, LoadedDrafter) {
     host::runtime::init();
-    let model = Rc::new(load(&fixture().join("target")).unwrap());
+    let dir = fixture_of(name);
+    let model = Rc::new(load(&dir.join("target")).unwrap());
     let plugin = load_library(&common::workspace_plugin("deepspec"), None).unwrap();
-    let drafter = LoadedDrafter::load(&plugin, Some(&fixture().join("drafter")), options).unwrap();
+    let drafter = LoadedDrafter::load(&plugin, Some(&dir.join("drafter")), options).unwrap();
     probe_open(&model, &drafter).unwrap();
     (model, drafter)
 }
 
+fn setup(options: &str) -> (Rc<Gemma4>, LoadedDrafter) {
+    setup_of("gemma4-dense", options)
+}
+
 #[test]
 fn drafts_and_truncation_equal_dspark_mlx_for_several_target_states() {
-    let oracle = Weights::load_file(&fixture().join("oracle.safetensors")).unwrap();
+    for name in ["gemma4-dense", "gemma4-dense-v-proj"] {
+        drafts_equal_the_oracle(name);
+    }
+}
+
+fn drafts_equal_the_oracle(name: &str) {
+    let oracle = Weights::load_file(&fixture_of(name).join("oracle.safetensors")).unwrap();
     let ids = |key: &str| -> Vec<u32> {
         let a = oracle.get(key).unwrap().as_dtype(Dtype::Int32).unwrap();
         // A threshold can cut a draft to nothing: an empty array.
@@ -46,11 +58,11 @@ fn drafts_and_truncation_equal_dspark_mlx_for_several_target_states() {
         ("confidence_threshold = 0.3", "drafts_t03"),
         ("confidence_threshold = 0.6", "drafts_t06"),
     ] {
-        let (model, drafter) = setup(options);
+        let (model, drafter) = setup_of(name, options);
         for state in [0, 5, 20] {
             let input = ids(&format!("state{state}.input_ids"));
             let expected = ids(&format!("state{state}.{key}"));
-            assert_eq!(common::drafts_after_taps(&model, &drafter, &input, 4), expected, "{key}, state {state}");
+            assert_eq!(common::drafts_after_taps(&model, &drafter, &input, 4), expected, "{name}: {key}, state {state}");
         }
     }
 }

@@ -50,6 +50,7 @@
 #![allow(non_local_definitions)]
 
 pub mod abi;
+pub mod config;
 #[cfg(feature = "conformance")]
 pub mod conformance;
 pub mod descriptor;

@@ -64,10 +64,11 @@ H = 64
 V = 512
 
 
-def drafter_config() -> Dict[str, Any]:
+def drafter_config(k_eq_v: bool = True) -> Dict[str, Any]:
     """config.json as DeepSpec writes Gemma 4 DSpark drafters (deepspec/modeling/dspark/gemma4/
     config.py:build_draft_config: a copy of the target's gemma4_text text_config plus the DSpark
-    fields), shrunk to the tiny target."""
+    fields), shrunk to the tiny target. `k_eq_v=False` is the variant with a separate v_proj,
+    which dspark-mlx serves too."""
     return {
         "architectures": ["Gemma4DSparkModel"],
         "model_type": "gemma4_text",            # dspark-mlx picks its arch by this (registry.py)
@@ -75,7 +76,7 @@ def drafter_config() -> Dict[str, Any]:
         "target_text_model_type": "gemma4_text",
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "attention_k_eq_v": True,
+        "attention_k_eq_v": k_eq_v,
         "block_size": 4,
         "confidence_head_with_markov": True,
         "dtype": "float32",
@@ -143,6 +144,8 @@ def drafter_weights(cfg: Dict[str, Any], seed: int) -> Dict[str, np.ndarray]:
         w[p + "layer_scalar"] = (0.5 + rng.random(1)).astype(np.float32)
         w[p + "self_attn.q_proj.weight"] = mat(nh * hd, H)
         w[p + "self_attn.k_proj.weight"] = mat(nkv * hd, H)      # K = V: no v_proj
+        if not cfg["attention_k_eq_v"]:
+            w[p + "self_attn.v_proj.weight"] = mat(nkv * hd, H)
         w[p + "self_attn.o_proj.weight"] = mat(H, nh * hd)
         w[p + "self_attn.q_norm.weight"] = norm(hd)
         w[p + "self_attn.k_norm.weight"] = norm(hd)
@@ -245,6 +248,9 @@ def chunked_check(drafter, ctx: np.ndarray, anchor: int, chunks: List[int]) -> f
     return f32(biased[0]), f32(conf[0])
 
 
+VARIANTS = {"gemma4-dense": True, "gemma4-dense-v-proj": False}   # name: attention_k_eq_v
+
+
 def make(out_root: Path, name: str = "gemma4-dense", max_tries: int = 400) -> Dict[str, Any]:
     t0 = time.time()
     out = out_root / name
@@ -261,7 +267,7 @@ def make(out_root: Path, name: str = "gemma4-dense", max_tries: int = 400) -> Di
     seq = prompt_ids + tokens
 
     target, _tok = mlx_lm.load(str(out / "target"))
-    cfg = drafter_config()
+    cfg = drafter_config(VARIANTS[name])
     tl = cfg["target_layer_ids"]
     (out / "drafter" / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     dfm._patch_model(target, tl)
@@ -347,6 +353,7 @@ def make(out_root: Path, name: str = "gemma4-dense", max_tries: int = 400) -> Di
                                 "dspark_mlx.loop._confident_prefix_length"]},
         "target": {"dir": "target", "same_as": "tests/fixtures/dflash/gemma4-dense/target"},
         "drafter": {"dir": "drafter", "weights_seed": seed, "seed_tries": tries,
+                    "attention_k_eq_v": cfg["attention_k_eq_v"],
                     "block_size": bs, "target_layer_ids": tl,
                     "mask_token_id": cfg["mask_token_id"], "markov_rank": cfg["markov_rank"],
                     "head_dim": drafter.args.head_dim,
@@ -372,10 +379,12 @@ def make(out_root: Path, name: str = "gemma4-dense", max_tries: int = 400) -> Di
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=FIXTURES)
+    ap.add_argument("--only", nargs="*", choices=sorted(VARIANTS), help="fixtures to (re)generate")
     args = ap.parse_args()
     mx.set_default_device(mx.cpu)
-    meta = make(args.out)
-    print(json.dumps({k: meta[k] for k in ("drafter", "truncation", "stats", "seconds")}))
+    for name in args.only or VARIANTS:
+        meta = make(args.out, name)
+        print(json.dumps({k: meta[k] for k in ("drafter", "truncation", "stats", "seconds")}))
     return 0
 
 

@@ -1,11 +1,11 @@
-//! A `Gemma4DSparkModel` `config.json`: a copied Gemma 4 text config (full attention with K=V
-//! and proportional RoPE) plus the block, taps, Markov and confidence heads.
+//! A `Gemma4DSparkModel` `config.json`: a copied Gemma 4 text config (full attention, K=V or
+//! a separate `v_proj`, proportional RoPE) plus the block, taps, Markov and confidence heads.
 
 use std::path::Path;
 
+use plugin_api::config::ConfigFile;
 use plugin_api::nn::Quantization;
 use plugin_api::PluginError;
-use serde_json::{Map, Value};
 
 #[derive(Debug, Clone)]
 pub struct DeepspecConfig {
@@ -20,6 +20,8 @@ pub struct DeepspecConfig {
     pub final_logit_softcapping: Option<f32>,
     pub rope_theta: f32,
     pub partial_rotary_factor: f32,
+    /// Values are the keys' projection (no `v_proj`), as released DSpark drafters have it.
+    pub attention_k_eq_v: bool,
     pub block_size: usize,
     pub mask_token_id: u32,
     pub target_layer_ids: Vec<u32>,
@@ -32,101 +34,68 @@ pub struct DeepspecConfig {
 
 impl DeepspecConfig {
     pub fn load(dir: &Path) -> Result<DeepspecConfig, PluginError> {
-        let file = dir.join("config.json");
-        let text = std::fs::read_to_string(&file)
-            .map_err(|e| PluginError::invalid_artifact(format!("{}: {e}", file.display())))?;
-        let root: Value = serde_json::from_str(&text)
-            .map_err(|e| PluginError::invalid_artifact(format!("{}: not valid JSON: {e}", file.display())))?;
-        let bad = |key: &str, why: &str| PluginError::invalid_artifact(format!("{}: `{key}` {why}", file.display()));
-        let c: &Map<String, Value> = root.as_object().ok_or_else(|| bad("config", "is not an object"))?;
-        let arch = c
-            .get("architectures")
-            .and_then(Value::as_array)
-            .and_then(|a| a.first())
-            .and_then(Value::as_str)
-            .unwrap_or("");
+        let file = ConfigFile::load(&dir.join("config.json"))?;
+        let c = file.root()?;
+        let arch = c.opt_strings("architectures")?.and_then(|a| a.first().copied()).unwrap_or("");
         if arch != "Gemma4DSparkModel" {
-            return Err(bad(
-                "architectures",
-                &format!("= [{arch:?}] is not a DeepSpec DSpark model (Gemma4DSparkModel)"),
-            ));
+            return Err(
+                c.error("architectures", format!("= [{arch:?}] is not a DeepSpec DSpark model (Gemma4DSparkModel)"))
+            );
         }
-        let int = |key: &str| -> Result<i64, PluginError> {
-            c.get(key).and_then(Value::as_i64).ok_or_else(|| bad(key, "is missing or not an integer"))
-        };
-        let string = |key: &str, default: &str| c.get(key).and_then(Value::as_str).unwrap_or(default).to_owned();
-        let flag = |key: &str, default: bool| c.get(key).and_then(Value::as_bool).unwrap_or(default);
-        if !flag("attention_k_eq_v", false) {
-            return Err(bad("attention_k_eq_v", "must be true (only K=V attention is implemented)"));
-        }
-        let activation = string("hidden_activation", "gelu_pytorch_tanh");
+        let activation = c.str_or("hidden_activation", "gelu_pytorch_tanh")?;
         if activation != "gelu_pytorch_tanh" {
-            return Err(bad(
-                "hidden_activation",
-                &format!("= {activation:?} is not supported (only gelu_pytorch_tanh)"),
-            ));
+            return Err(
+                c.error("hidden_activation", format!("= {activation:?} is not supported (only gelu_pytorch_tanh)"))
+            );
         }
-        let markov = string("markov_head_type", "vanilla");
+        let markov = c.str_or("markov_head_type", "vanilla")?;
         if markov != "vanilla" {
-            return Err(bad("markov_head_type", &format!("= {markov:?} is not supported (only \"vanilla\")")));
+            return Err(c.error("markov_head_type", format!("= {markov:?} is not supported (only \"vanilla\")")));
         }
-        if flag("enable_confidence_head", true) && !flag("confidence_head_with_markov", true) {
-            return Err(bad("confidence_head_with_markov", "= false is not supported"));
+        let enable_confidence_head = c.bool_or("enable_confidence_head", true)?;
+        if enable_confidence_head && !c.bool_or("confidence_head_with_markov", true)? {
+            return Err(c.error("confidence_head_with_markov", "= false is not supported"));
         }
-        let rope = c.get("rope_parameters").and_then(|r| r.get("full_attention"));
-        let rope_value = |key: &str, default: f64| {
-            rope.and_then(|r| r.get(key)).or_else(|| c.get(key)).and_then(Value::as_f64).unwrap_or(default) as f32
+        // The full-attention RoPE, from `rope_parameters.full_attention` or the top level.
+        let rope = c.section("rope_parameters", "rope_parameters")?;
+        let full = match rope {
+            Some(r) => r.section("full_attention", "rope_parameters.full_attention")?,
+            None => None,
         };
-        let head_dim = c
-            .get("global_head_dim")
-            .or_else(|| c.get("head_dim"))
-            .and_then(Value::as_i64)
-            .ok_or_else(|| bad("global_head_dim", "is missing"))?;
-        let kv_heads = c
-            .get("num_global_key_value_heads")
-            .or_else(|| c.get("num_key_value_heads"))
-            .and_then(Value::as_i64)
-            .ok_or_else(|| bad("num_global_key_value_heads", "is missing"))?;
-        let quantization = match c.get("quantization") {
-            None | Some(Value::Null) => None,
-            Some(q) => {
-                if let Some(mode) = q.get("mode").and_then(Value::as_str) {
-                    if mode != "affine" {
-                        return Err(bad("quantization.mode", &format!("= {mode:?} is not supported (only affine)")));
-                    }
-                }
-                let bits =
-                    q.get("bits").and_then(Value::as_i64).ok_or_else(|| bad("quantization.bits", "is missing"))?;
-                Some(Quantization {
-                    group_size: q.get("group_size").and_then(Value::as_i64).unwrap_or(64) as i32,
-                    bits: bits as i32,
-                })
+        let rope_value = |key: &str, default: f64| -> Result<f32, PluginError> {
+            let value = match full {
+                Some(f) => f.opt_float(key)?,
+                None => None,
+            };
+            Ok(value.map_or_else(|| c.float_or(key, default), Ok)? as f32)
+        };
+        let either = |a: &str, b: &str| -> Result<i64, PluginError> {
+            match c.opt_int(a)? {
+                Some(n) if n > 0 => Ok(n),
+                Some(n) => Err(c.error(a, format!("= {n} must be positive"))),
+                None => c.int(b),
             }
         };
-        let taps =
-            c.get("target_layer_ids").and_then(Value::as_array).ok_or_else(|| bad("target_layer_ids", "is missing"))?;
         Ok(DeepspecConfig {
-            hidden_size: int("hidden_size")? as i32,
-            num_hidden_layers: int("num_hidden_layers")? as usize,
-            num_attention_heads: int("num_attention_heads")? as i32,
-            num_key_value_heads: kv_heads as i32,
-            head_dim: head_dim as i32,
-            intermediate_size: int("intermediate_size")? as i32,
-            vocab_size: int("vocab_size")? as i32,
-            rms_norm_eps: c.get("rms_norm_eps").and_then(Value::as_f64).unwrap_or(1e-6) as f32,
-            final_logit_softcapping: c.get("final_logit_softcapping").and_then(Value::as_f64).map(|v| v as f32),
-            rope_theta: rope_value("rope_theta", 1_000_000.0),
-            partial_rotary_factor: rope_value("partial_rotary_factor", 0.25),
-            block_size: int("block_size")? as usize,
-            mask_token_id: int("mask_token_id")? as u32,
-            target_layer_ids: taps
-                .iter()
-                .map(|v| v.as_u64().map(|n| n as u32).ok_or_else(|| bad("target_layer_ids", "must hold integers")))
-                .collect::<Result<_, _>>()?,
-            num_target_layers: int("num_target_layers")? as u32,
-            markov_rank: int("markov_rank")? as i32,
-            enable_confidence_head: flag("enable_confidence_head", true),
-            quantization,
+            hidden_size: c.int("hidden_size")? as i32,
+            num_hidden_layers: c.int("num_hidden_layers")? as usize,
+            num_attention_heads: c.int("num_attention_heads")? as i32,
+            num_key_value_heads: either("num_global_key_value_heads", "num_key_value_heads")? as i32,
+            head_dim: either("global_head_dim", "head_dim")? as i32,
+            intermediate_size: c.int("intermediate_size")? as i32,
+            vocab_size: c.int("vocab_size")? as i32,
+            rms_norm_eps: c.float_or("rms_norm_eps", 1e-6)? as f32,
+            final_logit_softcapping: c.opt_float("final_logit_softcapping")?.map(|v| v as f32),
+            rope_theta: rope_value("rope_theta", 1_000_000.0)?,
+            partial_rotary_factor: rope_value("partial_rotary_factor", 0.25)?,
+            attention_k_eq_v: c.bool_or("attention_k_eq_v", true)?,
+            block_size: c.int("block_size")? as usize,
+            mask_token_id: c.opt_int("mask_token_id")?.ok_or_else(|| c.error("mask_token_id", "is missing"))? as u32,
+            target_layer_ids: c.u32_list("target_layer_ids")?,
+            num_target_layers: c.int("num_target_layers")? as u32,
+            markov_rank: c.int("markov_rank")? as i32,
+            enable_confidence_head,
+            quantization: c.quantization()?,
         })
     }
 }

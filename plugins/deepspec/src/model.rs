@@ -1,4 +1,4 @@
-//! The DeepSpec DSpark network: Gemma 4 layers (K=V, proportional RoPE, scale 1.0) over a
+//! The DeepSpec DSpark network: Gemma 4 layers (K=V or a v_proj, proportional RoPE, scale 1.0) over a
 //! projected context, a block drafted in one non-causal pass, its own untied head, then the
 //! Markov correction chained on the drafted tokens and a confidence per position. Fields
 //! follow the checkpoint's tensor names.
@@ -16,6 +16,8 @@ use crate::config::DeepspecConfig;
 pub struct Attention {
     pub q_proj: Linear,
     pub k_proj: Linear,
+    /// Absent with `attention_k_eq_v`: the values are the keys' projection.
+    pub v_proj: Option<Linear>,
     pub o_proj: Linear,
     pub q_norm: Array,
     pub k_norm: Array,
@@ -87,6 +89,9 @@ impl Deepspec {
                     self_attn: Attention {
                         q_proj: attn.linear("q_proj", c.num_attention_heads * hd, h)?,
                         k_proj: attn.linear("k_proj", c.num_key_value_heads * hd, h)?,
+                        v_proj: (!c.attention_k_eq_v)
+                            .then(|| attn.linear("v_proj", c.num_key_value_heads * hd, h))
+                            .transpose()?,
                         o_proj: attn.linear("o_proj", h, c.num_attention_heads * hd)?,
                         q_norm: attn.norm("q_norm", hd)?,
                         k_norm: attn.norm("k_norm", hd)?,
@@ -133,8 +138,13 @@ impl Deepspec {
     /// Keys (normed, roped at `start`..) and values (scale-less normed, no RoPE) of rows x.
     fn key_values(&self, layer: &Layer, x: &Array, start: i32) -> Result<(Array, Array), Exception> {
         let eps = self.config.rms_norm_eps;
-        let raw = self.heads(&layer.self_attn.k_proj.forward(x)?, self.config.num_key_value_heads)?;
-        let values = rms_norm(&raw, None, eps)?.transpose_axes(&[0, 2, 1, 3])?;
+        let kv_heads = self.config.num_key_value_heads;
+        let raw = self.heads(&layer.self_attn.k_proj.forward(x)?, kv_heads)?;
+        let raw_values = match &layer.self_attn.v_proj {
+            Some(v_proj) => self.heads(&v_proj.forward(x)?, kv_heads)?,
+            None => raw.clone(),
+        };
+        let values = rms_norm(&raw_values, None, eps)?.transpose_axes(&[0, 2, 1, 3])?;
         let keys = self
             .rope
             .apply(&rms_norm(&raw, Some(&layer.self_attn.k_norm), eps)?.transpose_axes(&[0, 2, 1, 3])?, start)?;
