@@ -120,6 +120,26 @@ impl<'a> Section<'a> {
         self.typed(key, |v| v.as_array()?.iter().map(|n| n.as_f64().map(|x| x as f32)).collect(), "a list of numbers")
     }
 
+    /// `layer_types`, if present: per layer, whether it attends over a sliding window. Its
+    /// length must be `layers`.
+    pub fn sliding_layers(&self, layers: usize) -> Result<Option<Vec<bool>>, PluginError> {
+        let Some(types) = self.opt_strings("layer_types")? else { return Ok(None) };
+        if types.len() != layers {
+            return Err(self.error("layer_types", format!("has {} entries for {layers} layers", types.len())));
+        }
+        let kinds =
+            types
+                .iter()
+                .map(|t| match *t {
+                    "sliding_attention" => Ok(true),
+                    "full_attention" => Ok(false),
+                    other => Err(self
+                        .error("layer_types", format!("has {other:?}, expected sliding_attention or full_attention"))),
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+        Ok(Some(kinds))
+    }
+
     /// mlx-lm's `quantization` block (affine only), if present.
     pub fn quantization(&self) -> Result<Option<Quantization>, PluginError> {
         let Some(q) = self.section("quantization", "quantization")? else { return Ok(None) };

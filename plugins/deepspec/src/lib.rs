@@ -348,7 +348,10 @@ mod conformance {
                 ("\"markov_head_type\": \"vanilla\"", "\"markov_head_type\": \"gated\""),
                 "`markov_head_type` = \"gated\" is not supported",
             ),
-            (("\"attention_k_eq_v\": true", "\"attention_k_eq_v\": false"), "`attention_k_eq_v` must be true"),
+            (
+                ("\"confidence_head_with_markov\": true", "\"confidence_head_with_markov\": false"),
+                "`confidence_head_with_markov` = false is not supported",
+            ),
             (
                 ("\"hidden_activation\": \"gelu_pytorch_tanh\"", "\"hidden_activation\": \"silu\""),
                 "`hidden_activation` = \"silu\" is not supported",

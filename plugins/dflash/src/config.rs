@@ -3,8 +3,8 @@
 
 use std::path::Path;
 
+use plugin_api::config::ConfigFile;
 use plugin_api::PluginError;
-use serde_json::{Map, Value};
 
 #[derive(Debug, Clone)]
 pub struct DflashConfig {
@@ -27,93 +27,66 @@ pub struct DflashConfig {
 
 impl DflashConfig {
     pub fn load(dir: &Path) -> Result<DflashConfig, PluginError> {
-        let file = dir.join("config.json");
-        let text = std::fs::read_to_string(&file)
-            .map_err(|e| PluginError::invalid_artifact(format!("{}: {e}", file.display())))?;
-        let root: Value = serde_json::from_str(&text)
-            .map_err(|e| PluginError::invalid_artifact(format!("{}: not valid JSON: {e}", file.display())))?;
-        let bad = |key: &str, why: &str| PluginError::invalid_artifact(format!("{}: `{key}` {why}", file.display()));
-        let c = root.as_object().ok_or_else(|| bad("config", "is not an object"))?;
-        let d = c.get("dflash_config").and_then(Value::as_object).ok_or_else(|| bad("dflash_config", "is missing"))?;
-        if c.get("architectures")
-            .and_then(Value::as_array)
-            .is_some_and(|a| a.iter().any(|v| v.as_str() == Some("DFlash2DraftModel")))
-        {
-            return Err(bad("architectures", "= DFlash2DraftModel (DFlash 2) is not supported"));
+        let file = ConfigFile::load(&dir.join("config.json"))?;
+        let c = file.root()?;
+        let d = c.section("dflash_config", "dflash_config")?.ok_or_else(|| c.error("dflash_config", "is missing"))?;
+        if c.opt_strings("architectures")?.is_some_and(|a| a.contains(&"DFlash2DraftModel")) {
+            return Err(c.error("architectures", "= DFlash2DraftModel (DFlash 2) is not supported"));
         }
-        let int = |map: &Map<String, Value>, key: &str| -> Result<i64, PluginError> {
-            map.get(key).and_then(Value::as_i64).ok_or_else(|| bad(key, "is missing or not an integer"))
-        };
         for (key, default) in [("input_embedding_scale", 1.0), ("output_multiplier", 1.0)] {
-            let value = d.get(key).and_then(Value::as_f64).unwrap_or(default);
+            let value = d.float_or(key, default)?;
             if value != default {
-                return Err(bad(
-                    &format!("dflash_config.{key}"),
-                    &format!("= {value} is not supported (only {default})"),
-                ));
+                return Err(d.error(key, format!("= {value} is not supported (only {default})")));
             }
         }
-        if c.get("is_causal").and_then(Value::as_bool) == Some(true) {
-            return Err(bad("is_causal", "= true is not supported"));
+        if c.bool_or("is_causal", false)? {
+            return Err(c.error("is_causal", "= true is not supported"));
         }
-        if let Some(act) = c.get("hidden_act").and_then(Value::as_str) {
-            if act != "silu" {
-                return Err(bad("hidden_act", &format!("= {act} is not supported (only silu)")));
-            }
+        let act = c.str_or("hidden_act", "silu")?;
+        if act != "silu" {
+            return Err(c.error("hidden_act", format!("= {act} is not supported (only silu)")));
         }
-        let num_hidden_layers = int(c, "num_hidden_layers")? as usize;
-        let sliding_window = c.get("sliding_window").and_then(Value::as_i64);
-        let windows = match c.get("layer_types").and_then(Value::as_array) {
+        let num_hidden_layers = c.int("num_hidden_layers")? as usize;
+        let windows = match c.sliding_layers(num_hidden_layers)? {
             None => vec![None; num_hidden_layers],
-            Some(types) => types
-                .iter()
-                .map(|t| match (t.as_str(), sliding_window) {
-                    (Some("full_attention"), _) => Ok(None),
-                    (Some("sliding_attention"), Some(w)) => Ok(Some(w as usize)),
-                    (Some("sliding_attention"), None) => Err(bad("sliding_window", "is missing for sliding layers")),
-                    _ => Err(bad("layer_types", &format!("has {t}, expected sliding_attention or full_attention"))),
-                })
-                .collect::<Result<Vec<_>, _>>()?,
+            Some(kinds) if kinds.iter().any(|&s| s) => {
+                let window = c.int("sliding_window")? as usize;
+                kinds.into_iter().map(|sliding| sliding.then_some(window)).collect()
+            }
+            Some(kinds) => vec![None; kinds.len()],
         };
-        if windows.len() != num_hidden_layers {
-            return Err(bad("layer_types", &format!("has {} entries for {num_hidden_layers} layers", windows.len())));
-        }
-        let rope_theta = c
-            .get("rope_theta")
-            .and_then(Value::as_f64)
-            .or_else(|| c.get("rope_parameters").and_then(|r| r.get("rope_theta")).and_then(Value::as_f64))
-            .unwrap_or(10_000.0) as f32;
-        let taps = d
-            .get("target_layer_ids")
-            .and_then(Value::as_array)
-            .ok_or_else(|| bad("dflash_config.target_layer_ids", "is missing"))?;
-        let target_layer_ids = taps
-            .iter()
-            .map(|v| {
-                v.as_u64().map(|n| n as u32).ok_or_else(|| bad("dflash_config.target_layer_ids", "must hold integers"))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let block_size =
-            d.get("block_size").or_else(|| c.get("block_size")).and_then(Value::as_u64).unwrap_or(16) as usize;
+        let rope_theta = match c.opt_float("rope_theta")? {
+            Some(theta) => theta,
+            None => match c.section("rope_parameters", "rope_parameters")? {
+                Some(r) => r.float_or("rope_theta", 10_000.0)?,
+                None => 10_000.0,
+            },
+        } as f32;
+        let block_size = match d.opt_int("block_size")? {
+            Some(n) => n,
+            None => c.opt_int("block_size")?.unwrap_or(16),
+        };
         if block_size < 2 {
-            return Err(bad("block_size", "must be at least 2"));
+            return Err(d.error("block_size", "must be at least 2"));
         }
-        let softcap =
-            d.get("final_logit_softcapping").or_else(|| c.get("final_logit_softcapping")).and_then(Value::as_f64);
+        let softcap = match d.opt_float("final_logit_softcapping")? {
+            Some(cap) => Some(cap),
+            None => c.opt_float("final_logit_softcapping")?,
+        };
         Ok(DflashConfig {
-            hidden_size: int(c, "hidden_size")? as i32,
+            hidden_size: c.int("hidden_size")? as i32,
             num_hidden_layers,
-            num_attention_heads: int(c, "num_attention_heads")? as i32,
-            num_key_value_heads: int(c, "num_key_value_heads")? as i32,
-            head_dim: int(c, "head_dim")? as i32,
-            intermediate_size: int(c, "intermediate_size")? as i32,
-            rms_norm_eps: c.get("rms_norm_eps").and_then(Value::as_f64).unwrap_or(1e-6) as f32,
+            num_attention_heads: c.int("num_attention_heads")? as i32,
+            num_key_value_heads: c.int("num_key_value_heads")? as i32,
+            head_dim: c.int("head_dim")? as i32,
+            intermediate_size: c.int("intermediate_size")? as i32,
+            rms_norm_eps: c.float_or("rms_norm_eps", 1e-6)? as f32,
             rope_theta,
             windows,
-            block_size,
-            num_target_layers: int(c, "num_target_layers")? as u32,
-            target_layer_ids,
-            mask_token_id: int(d, "mask_token_id")? as u32,
+            block_size: block_size as usize,
+            num_target_layers: c.int("num_target_layers")? as u32,
+            target_layer_ids: d.u32_list("target_layer_ids")?,
+            mask_token_id: d.opt_int("mask_token_id")?.ok_or_else(|| d.error("mask_token_id", "is missing"))? as u32,
             final_logit_softcapping: softcap.map(|s| s as f32),
         })
     }

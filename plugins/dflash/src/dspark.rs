@@ -5,13 +5,13 @@
 
 use std::path::Path;
 
+use plugin_api::config::ConfigFile;
 use plugin_api::mlx_rs::error::Exception;
 use plugin_api::mlx_rs::{Array, Dtype};
 use plugin_api::nn::ops::{attention, gelu_approx, rms_norm, Mask};
 use plugin_api::nn::Weights;
 use plugin_api::sdk::{Draw, Target};
 use plugin_api::PluginError;
-use serde_json::Value;
 
 use crate::model::Context;
 
@@ -68,68 +68,43 @@ pub struct DsparkDraft {
 
 impl DsparkConfig {
     pub fn load(dir: &Path) -> Result<DsparkConfig, PluginError> {
-        let file = dir.join("dspark.json");
-        let text = std::fs::read_to_string(&file)
-            .map_err(|e| PluginError::invalid_artifact(format!("{}: {e}", file.display())))?;
-        let meta: Value = serde_json::from_str(&text)
-            .map_err(|e| PluginError::invalid_artifact(format!("{}: not valid JSON: {e}", file.display())))?;
-        let bad = |key: &str, why: &str| PluginError::invalid_artifact(format!("{}: `{key}` {why}", file.display()));
-        match meta.get("variant").and_then(Value::as_str) {
+        let file = ConfigFile::load(&dir.join("dspark.json"))?;
+        let meta = file.root()?;
+        match meta.opt_str("variant")? {
             Some("dspark") | Some("dflash") => {}
             other => {
-                return Err(bad(
+                return Err(meta.error(
                     "variant",
-                    &format!(
+                    format!(
                         "is {}: a v1 single-vector DSpark checkpoint, superseded and not servable (retrain a v2 one)",
                         other.map_or("absent".to_string(), |v| format!("{v:?}"))
                     ),
                 ))
             }
         }
-        let c = meta.get("config").and_then(Value::as_object).ok_or_else(|| bad("config", "is missing"))?;
-        let dims = meta.get("dims").and_then(Value::as_object).ok_or_else(|| bad("dims", "is missing"))?;
         // Every dimension is required: a guessed one would only surface as a shape error later.
-        let int = |map: &serde_json::Map<String, Value>, section: &str, key: &str| -> Result<i64, PluginError> {
-            match map.get(key).and_then(Value::as_i64) {
-                Some(n) if n > 0 => Ok(n),
-                Some(n) => Err(bad(&format!("{section}.{key}"), &format!("= {n} must be positive"))),
-                None => Err(bad(&format!("{section}.{key}"), "is missing or not an integer")),
-            }
-        };
-        if let Some(head) = c.get("seqHead").and_then(Value::as_str) {
-            if head != "markov" {
-                return Err(bad("config.seqHead", &format!("= {head:?} is not supported (only \"markov\")")));
-            }
+        let c = meta.section("config", "config")?.ok_or_else(|| meta.error("config", "is missing"))?;
+        let dims = meta.section("dims", "dims")?.ok_or_else(|| meta.error("dims", "is missing"))?;
+        let head = c.str_or("seqHead", "markov")?;
+        if head != "markov" {
+            return Err(c.error("seqHead", format!("= {head:?} is not supported (only \"markov\")")));
         }
-        let tap_layers = c
-            .get("tapLayers")
-            .and_then(Value::as_array)
-            .ok_or_else(|| bad("config.tapLayers", "is missing"))?
-            .iter()
-            .map(|v| v.as_u64().map(|n| n as u32).ok_or_else(|| bad("config.tapLayers", "must hold integers")))
-            .collect::<Result<Vec<_>, _>>()?;
-        let gamma = int(c, "config", "gamma")? as usize;
-        let sts_thresholds = match c.get("sts").and_then(|s| s.get("thresholds")) {
+        let sts_thresholds = match c.section("sts", "config.sts")? {
+            Some(sts) => sts.opt_floats("thresholds")?.unwrap_or_default(),
             None => Vec::new(),
-            Some(t) => t
-                .as_array()
-                .ok_or_else(|| bad("config.sts.thresholds", "must be a list of numbers"))?
-                .iter()
-                .map(|v| v.as_f64().map(|x| x as f32).ok_or_else(|| bad("config.sts.thresholds", "must hold numbers")))
-                .collect::<Result<Vec<_>, _>>()?,
         };
         Ok(DsparkConfig {
-            gamma,
-            d_draft: int(c, "config", "dDraft")? as i32,
-            n_layers: int(c, "config", "nLayers")? as usize,
-            n_heads: int(c, "config", "nHeads")? as i32,
-            markov_rank: int(c, "config", "markovRank")? as i32,
-            ff_mult: int(c, "config", "ffMult")? as i32,
-            tap_layers,
+            gamma: c.int("gamma")? as usize,
+            d_draft: c.int("dDraft")? as i32,
+            n_layers: c.int("nLayers")? as usize,
+            n_heads: c.int("nHeads")? as i32,
+            markov_rank: c.int("markovRank")? as i32,
+            ff_mult: c.int("ffMult")? as i32,
+            tap_layers: c.u32_list("tapLayers")?,
             sts_thresholds,
-            hidden_size: int(dims, "dims", "hiddenSize")? as i32,
-            vocab_size: int(dims, "dims", "vocabSize")? as i32,
-            eps: dims.get("eps").and_then(Value::as_f64).unwrap_or(1e-6) as f32,
+            hidden_size: dims.int("hiddenSize")? as i32,
+            vocab_size: dims.int("vocabSize")? as i32,
+            eps: dims.float_or("eps", 1e-6)? as f32,
         })
     }
 }
