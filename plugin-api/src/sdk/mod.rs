@@ -65,7 +65,7 @@ pub trait GroupedDraftProvider: 'static {
 }
 
 mod source;
-pub use source::{taps, DraftSource, Snapshot, SourceRows};
+pub use source::{taps, ContextDrafter, ContextRow, DraftSource, Snapshot, SourceRows};
 
 /// One row's proposal, in plain Rust.
 #[derive(Debug, Default)]

@@ -2,11 +2,13 @@
 //! rows the verify loop drives, [`SourceRows`], with the row bookkeeping (row counts, filter,
 //! capture, append, each row's slice of the tapped states) written once, here.
 
+use std::marker::PhantomData;
+
 use mlx_rs::Array;
 
 use super::{GroupedDraftProvider, Proposal};
 use crate::abi::{RowState, TokenRows};
-use crate::nn::row_span;
+use crate::nn::{row_span, LayerContext};
 use crate::{OwnedArray, PluginError};
 
 /// One row's state, as a row state carries it across groups.
@@ -176,5 +178,56 @@ impl<S: DraftSource> GroupedDraftProvider for SourceRows<S> {
             ids: state.ids.into(),
             tensors: state.tensors.into_iter().map(OwnedArray::new).collect(),
         })
+    }
+}
+
+/// A drafter whose row is the projected context of its committed positions (DFlash, DSpark,
+/// DeepSpec): it only says how tapped states extend a context and how a context drafts.
+pub trait ContextDrafter: 'static {
+    /// Appends the context of new positions from their tapped hidden states [1, N, F].
+    fn extend(&self, context: &mut LayerContext, taps: &Array) -> Result<(), PluginError>;
+    /// Up to `depth` (≥ 1) tokens after `pending` from a non-empty context.
+    fn draft(&self, context: &LayerContext, pending: u32, depth: usize, step: u64) -> Result<Proposal, PluginError>;
+}
+
+/// The row of a [`ContextDrafter`]; `SourceRows<ContextRow<M>>` is its group.
+pub struct ContextRow<M>(pub LayerContext, PhantomData<fn() -> M>);
+
+impl<M> Default for ContextRow<M> {
+    fn default() -> Self {
+        ContextRow(LayerContext::default(), PhantomData)
+    }
+}
+
+impl<M> Clone for ContextRow<M> {
+    fn clone(&self) -> Self {
+        ContextRow(self.0.clone(), PhantomData)
+    }
+}
+
+impl<M: ContextDrafter> DraftSource for ContextRow<M> {
+    type Shared = M;
+
+    fn prefill(&mut self, m: &M, _tokens: &[u32], context: Option<&Array>) -> Result<(), PluginError> {
+        m.extend(&mut self.0, taps(context, "prefill")?)
+    }
+
+    fn draft(&mut self, m: &M, _row: usize, pending: u32, depth: usize, step: u64) -> Result<Proposal, PluginError> {
+        if depth == 0 || self.0.is_empty() {
+            return Ok(Proposal::default());
+        }
+        m.draft(&self.0, pending, depth, step)
+    }
+
+    fn commit(&mut self, m: &M, _kept: &[u32], context: Option<&Array>) -> Result<(), PluginError> {
+        m.extend(&mut self.0, taps(context, "commit")?)
+    }
+
+    fn snapshot(&self) -> Snapshot {
+        self.0.snapshot()
+    }
+
+    fn restore(_: &M, snapshot: Snapshot) -> Result<Self, PluginError> {
+        Ok(ContextRow(LayerContext::restore(snapshot), PhantomData))
     }
 }

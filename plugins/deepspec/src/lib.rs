@@ -12,7 +12,7 @@ use std::rc::Rc;
 
 use plugin_api::mlx_rs::{Array, Dtype};
 use plugin_api::sdk::{
-    draw, taps, DraftProvider, DraftSource, Drafter, Options, Proposal, Snapshot, SourceRows, Target,
+    draw, ContextDrafter, ContextRow, DraftProvider, Drafter, Options, Proposal, SourceRows, Target,
 };
 use plugin_api::{Capabilities, Descriptor, PluginError, Ports, ProviderInfo};
 
@@ -69,7 +69,7 @@ pub struct DeepspecProvider {
 }
 
 impl DraftProvider for DeepspecProvider {
-    type Rows = SourceRows<DeepspecRow>;
+    type Rows = SourceRows<ContextRow<Shared>>;
 
     fn info(&self) -> ProviderInfo {
         let c = &self.model.config;
@@ -88,7 +88,7 @@ impl DraftProvider for DeepspecProvider {
         }
     }
 
-    fn open(&self, target: Target, rows: usize) -> Result<SourceRows<DeepspecRow>, PluginError> {
+    fn open(&self, target: Target, rows: usize) -> Result<SourceRows<ContextRow<Shared>>, PluginError> {
         let info = target.info();
         let c = &self.model.config;
         let refuse = |what: &str, ours: u32, theirs: u32| {
@@ -111,7 +111,7 @@ impl DraftProvider for DeepspecProvider {
             )));
         }
         let shared = Shared { model: self.model.clone(), threshold: self.threshold, sample: self.sample };
-        Ok(SourceRows::new(shared, DeepspecRow::default(), rows, NAMESPACE))
+        Ok(SourceRows::new(shared, ContextRow::default(), rows, NAMESPACE))
     }
 }
 
@@ -122,12 +122,8 @@ pub struct Shared {
     sample: bool,
 }
 
-/// A row: the projected context of every committed position.
-#[derive(Clone, Default)]
-pub struct DeepspecRow(Context);
-
 impl Shared {
-    fn draft(&self, context: &Context, anchor: u32, depth: usize, step: u64) -> Result<Proposal, PluginError> {
+    fn draft_block(&self, context: &Context, anchor: u32, depth: usize, step: u64) -> Result<Proposal, PluginError> {
         let draw = |k: usize, q: &[f32]| draw(q, uniform(step + k as u64));
         let sampler: Option<plugin_api::sdk::Draw<'_>> = if self.sample { Some(&draw) } else { None };
         let block = self.model.block(context, anchor, sampler)?;
@@ -150,37 +146,13 @@ impl Shared {
     }
 }
 
-impl DraftSource for DeepspecRow {
-    type Shared = Shared;
-
-    fn prefill(&mut self, s: &Shared, _tokens: &[u32], context: Option<&Array>) -> Result<(), PluginError> {
-        Ok(s.model.extend(&mut self.0, taps(context, "prefill")?)?)
+impl ContextDrafter for Shared {
+    fn extend(&self, context: &mut Context, taps: &Array) -> Result<(), PluginError> {
+        Ok(self.model.extend(context, taps)?)
     }
 
-    fn draft(
-        &mut self,
-        s: &Shared,
-        _row: usize,
-        pending: u32,
-        depth: usize,
-        step: u64,
-    ) -> Result<Proposal, PluginError> {
-        if depth == 0 || self.0.is_empty() {
-            return Ok(Proposal::default());
-        }
-        s.draft(&self.0, pending, depth, step)
-    }
-
-    fn commit(&mut self, s: &Shared, _kept: &[u32], context: Option<&Array>) -> Result<(), PluginError> {
-        Ok(s.model.extend(&mut self.0, taps(context, "commit")?)?)
-    }
-
-    fn snapshot(&self) -> Snapshot {
-        self.0.snapshot()
-    }
-
-    fn restore(_: &Shared, snapshot: Snapshot) -> Result<DeepspecRow, PluginError> {
-        Ok(DeepspecRow(Context::restore(snapshot)))
+    fn draft(&self, context: &Context, anchor: u32, depth: usize, step: u64) -> Result<Proposal, PluginError> {
+        self.draft_block(context, anchor, depth, step)
     }
 }
 

@@ -12,7 +12,7 @@ use std::rc::Rc;
 
 use plugin_api::mlx_rs::{Array, Dtype};
 use plugin_api::sdk::{
-    draw, taps, DraftProvider, DraftSource, Drafter, Options, Proposal, Snapshot, SourceRows, Target,
+    draw, ContextDrafter, ContextRow, DraftProvider, Drafter, Options, Proposal, SourceRows, Target,
 };
 use plugin_api::{Capabilities, Descriptor, PluginError, Ports, ProviderInfo};
 
@@ -127,7 +127,7 @@ impl DflashProvider {
 }
 
 impl DraftProvider for DflashProvider {
-    type Rows = SourceRows<DflashRow>;
+    type Rows = SourceRows<ContextRow<Shared>>;
 
     fn info(&self) -> ProviderInfo {
         ProviderInfo {
@@ -139,7 +139,7 @@ impl DraftProvider for DflashProvider {
         }
     }
 
-    fn open(&self, target: Target, rows: usize) -> Result<SourceRows<DflashRow>, PluginError> {
+    fn open(&self, target: Target, rows: usize) -> Result<SourceRows<ContextRow<Shared>>, PluginError> {
         let info = target.info();
         let refuse = |what: &str, ours: String, theirs: String| {
             Err(PluginError::incompatible_target(format!("the drafter's {what} is {ours}, the target's is {theirs}")))
@@ -188,7 +188,7 @@ impl DraftProvider for DflashProvider {
             )));
         }
         let shared = Shared { network: self.network.clone(), target, settings: self.settings };
-        Ok(SourceRows::new(shared, DflashRow::default(), rows, NAMESPACE))
+        Ok(SourceRows::new(shared, ContextRow::default(), rows, NAMESPACE))
     }
 }
 
@@ -199,32 +199,25 @@ pub struct Shared {
     settings: Settings,
 }
 
-/// A row: the projected context of every committed position.
-#[derive(Clone, Default)]
-pub struct DflashRow(Context);
-
 impl Shared {
-    fn draft(&self, context: &Context, pending: u32, depth: usize, step: u64) -> Result<Proposal, PluginError> {
-        match &*self.network {
-            Network::Zlab(m) => self.draft_zlab(m, context, pending, depth, step),
-            Network::Dspark(m) => {
-                let thresholds: Vec<f32> = (0..m.config.gamma)
-                    .map(|k| {
-                        let sts = if self.settings.sts {
-                            m.config.sts_thresholds.get(k).copied().unwrap_or(0.0)
-                        } else {
-                            0.0
-                        };
-                        sts.max(self.settings.min_confidence)
-                    })
-                    .collect();
-                let draw = |k: usize, q: &[f32]| draw(q, uniform(step + k as u64));
-                let sampler: Option<plugin_api::sdk::Draw<'_>> =
-                    if self.settings.sample_drafts { Some(&draw) } else { None };
-                let d = m.draft(context, &self.target, pending, depth, &thresholds, sampler)?;
-                Ok(Proposal { tokens: d.tokens, probabilities: d.probabilities })
-            }
-        }
+    fn draft_dspark(
+        &self,
+        m: &Dspark,
+        context: &Context,
+        pending: u32,
+        depth: usize,
+        step: u64,
+    ) -> Result<Proposal, PluginError> {
+        let thresholds: Vec<f32> = (0..m.config.gamma)
+            .map(|k| {
+                let sts = if self.settings.sts { m.config.sts_thresholds.get(k).copied().unwrap_or(0.0) } else { 0.0 };
+                sts.max(self.settings.min_confidence)
+            })
+            .collect();
+        let draw = |k: usize, q: &[f32]| draw(q, uniform(step + k as u64));
+        let sampler: Option<plugin_api::sdk::Draw<'_>> = if self.settings.sample_drafts { Some(&draw) } else { None };
+        let d = m.draft(context, &self.target, pending, depth, &thresholds, sampler)?;
+        Ok(Proposal { tokens: d.tokens, probabilities: d.probabilities })
     }
 
     fn draft_zlab(
@@ -261,38 +254,17 @@ impl Shared {
     }
 }
 
-impl DraftSource for DflashRow {
-    type Shared = Shared;
-
-    fn prefill(&mut self, s: &Shared, _tokens: &[u32], context: Option<&Array>) -> Result<(), PluginError> {
-        s.network.extend(&mut self.0, taps(context, "prefill")?)
+impl ContextDrafter for Shared {
+    fn extend(&self, context: &mut Context, taps: &Array) -> Result<(), PluginError> {
+        self.network.extend(context, taps)
     }
 
-    fn draft(
-        &mut self,
-        s: &Shared,
-        _row: usize,
-        pending: u32,
-        depth: usize,
-        step: u64,
-    ) -> Result<Proposal, PluginError> {
-        let depth = depth.min(s.network.max_draft_tokens());
-        if depth == 0 || self.0.is_empty() {
-            return Ok(Proposal::default());
+    fn draft(&self, context: &Context, pending: u32, depth: usize, step: u64) -> Result<Proposal, PluginError> {
+        let depth = depth.min(self.network.max_draft_tokens());
+        match &*self.network {
+            Network::Zlab(m) => self.draft_zlab(m, context, pending, depth, step),
+            Network::Dspark(m) => self.draft_dspark(m, context, pending, depth, step),
         }
-        s.draft(&self.0, pending, depth, step)
-    }
-
-    fn commit(&mut self, s: &Shared, _kept: &[u32], context: Option<&Array>) -> Result<(), PluginError> {
-        s.network.extend(&mut self.0, taps(context, "commit")?)
-    }
-
-    fn snapshot(&self) -> Snapshot {
-        self.0.snapshot()
-    }
-
-    fn restore(_: &Shared, snapshot: Snapshot) -> Result<DflashRow, PluginError> {
-        Ok(DflashRow(Context::restore(snapshot)))
     }
 }
 
