@@ -10,7 +10,7 @@ FIXTURES := cargo build --manifest-path tests/fixtures/Cargo.toml --target-dir t
 ORACLE_PY := tests/oracle/.venv/bin/python
 BENCH_MODEL := target/bench-model
 
-.PHONY: setup build fixtures run test doctor oracle bench
+.PHONY: setup build fixtures run test doctor oracle bench demo-model training-smoke
 
 setup:
 	@bash scripts/setup.sh
@@ -22,13 +22,25 @@ build: setup
 fixtures: setup
 	$(FIXTURES)
 
-# Generates text with the embedded default manifest (a small random-init Gemma 4).
+# Generates text with the embedded default manifest (the trained demo target, models/kjv-gemma4).
 run: build
 	./target/release/host run --manifest manifests/default.toml
 
-test: setup fixtures
+test: setup fixtures training-smoke
 	cargo build --workspace
 	cargo test --workspace
+
+# The training scripts on a tiny configuration: the loss falls and an interrupted run resumes.
+training-smoke:
+	bash training/setup.sh
+	training/.venv/bin/python training/smoke_test.py
+
+# Reproduces the demo target from the corpus (about an hour on 2 cores; resumes if interrupted):
+# trains, writes models/kjv-gemma4 (bfloat16), measures it on the held-out text.
+demo-model:
+	bash training/setup.sh
+	training/.venv/bin/python training/train_target.py
+	training/.venv/bin/python training/evaluate_target.py
 
 doctor: build
 	./target/release/host doctor
@@ -39,6 +51,7 @@ doctor: build
 oracle: setup
 	bash tests/oracle/setup-venv.sh
 	$(ORACLE_PY) tests/oracle/gemma4_oracle.py
+	$(ORACLE_PY) tests/oracle/demo_oracle.py
 	$(ORACLE_PY) tests/oracle/dflash_oracle.py
 	$(ORACLE_PY) tests/oracle/dspark_oracle.py
 	$(ORACLE_PY) tests/oracle/deepspec_oracle.py
@@ -49,7 +62,7 @@ oracle: setup
 bench: build
 	bash tests/oracle/setup-venv.sh
 	[ -e $(BENCH_MODEL)/config.json ] || $(ORACLE_PY) tests/oracle/gemma4_oracle.py --bench $(BENCH_MODEL)
-	./target/release/host bench --manifest manifests/bench.toml
+	./target/release/host bench --manifest manifests/bench.toml --mlx-lm-python $(ORACLE_PY)
 	./target/release/host bench --manifest manifests/bench-ngram.toml
 	./target/release/host bench --manifest manifests/assistant.toml
 	./target/release/host bench --manifest manifests/dflash.toml
