@@ -262,5 +262,8 @@ fn a_drafter_calling_a_port_it_did_not_declare_is_refused_naming_it() {
     let view = host::target_view::TargetView::new(model, caches, plugin_api::Ports::EMBED);
     use plugin_api::target::TargetViewAbi;
     let error = view.read_donors().into_result().err().unwrap();
-    assert!(error.message.contains("`donors` port was not declared") && error.message.contains("declared: embed"), "{error}");
+    assert!(
+        error.message.contains("`donors` port was not declared") && error.message.contains("declared: embed"),
+        "{error}"
+    );
 }

@@ -62,7 +62,11 @@ fn drafts_equal_the_oracle(name: &str) {
         for state in [0, 5, 20] {
             let input = ids(&format!("state{state}.input_ids"));
             let expected = ids(&format!("state{state}.{key}"));
-            assert_eq!(common::drafts_after_taps(&model, &drafter, &input, 4), expected, "{name}: {key}, state {state}");
+            assert_eq!(
+                common::drafts_after_taps(&model, &drafter, &input, 4),
+                expected,
+                "{name}: {key}, state {state}"
+            );
         }
     }
 }
