@@ -10,10 +10,8 @@ use host::sampling::SamplingParams;
 use mlx_rs::{Array, Dtype};
 use plugin_api::nn::Weights;
 
-fn fixture(name: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/gemma4").join(name);
-    assert!(dir.join("oracle.safetensors").exists(), "{} is missing: run `make oracle`", dir.display());
-    dir
+fn repo(path: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(path)
 }
 
 /// Largest absolute difference between two logits arrays of the same shape.
@@ -68,16 +66,23 @@ fn greedy(model: &Gemma4, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<Array>) {
     (tokens, all)
 }
 
-/// Checks one fixture: prompt logits and every step's logits within `tolerance`, tokens exact,
-/// and the same tokens through the plain decoding loop.
+/// Checks one random fixture, whose generation wraps the sliding window several times.
 fn check(name: &str, tolerance: f32) {
+    let dir = repo("tests/fixtures/gemma4").join(name);
+    check_model(name, &dir, &dir, 3, tolerance);
+}
+
+/// Checks a checkpoint against its oracle: prompt logits and every step's logits within
+/// `tolerance`, tokens exact, and the same tokens through the plain decoding loop; prompt and
+/// generation together must pass the sliding window `wraps` times.
+fn check_model(name: &str, model_dir: &Path, oracle_dir: &Path, wraps: usize, tolerance: f32) {
     host::runtime::init();
-    let dir = fixture(name);
-    let model = load(&dir).unwrap_or_else(|e| panic!("{name}: {e}"));
-    let o = oracle(&dir);
+    assert!(oracle_dir.join("oracle.safetensors").exists(), "{} is missing: run `make oracle`", oracle_dir.display());
+    let model = load(model_dir).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let o = oracle(oracle_dir);
     assert!(o.tokens.len() >= 64, "{name}: the oracle holds only {} tokens", o.tokens.len());
     assert!(
-        o.prompt.len() + o.tokens.len() > 3 * model.config.sliding_window,
+        o.prompt.len() + o.tokens.len() > wraps * model.config.sliding_window,
         "{name}: the generation must wrap the window"
     );
 
@@ -141,4 +146,10 @@ fn quantized_4_bit() {
 #[test]
 fn bfloat16_weights() {
     check("bf16", BF16);
+}
+
+/// The shipped demo target (trained, bfloat16) on a held-out prompt.
+#[test]
+fn trained_demo_target() {
+    check_model("kjv-demo", &repo("models/kjv-gemma4"), &repo("tests/fixtures/kjv-demo"), 1, BF16);
 }

@@ -215,7 +215,7 @@ mod tests {
     fn rejection_never_takes_a_draft_the_target_cannot_draw() {
         // The target gives token 2 no mass (top_k = 1 keeps only token 5); a residual draw
         // must then come from the target's support.
-        let mut logits = vec![0.0f32; V];
+        let mut logits = [0.0f32; V];
         logits[5] = 4.0;
         let mut request = request(10, 1.0);
         request.sampling.top_k = 1;
