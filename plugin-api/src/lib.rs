@@ -4,8 +4,10 @@
 //! host's target model then verifies. Host and plugins are built apart, possibly by different
 //! people, so what crosses between them is ABI-stable (`abi_stable`) and described here once.
 //! Authors write plain Rust against [`sdk`]; the [`abi`] and [`target`] modules are the wire.
-//! [`nn`] holds the MLX building blocks host and drafters share (weights, linear layers,
-//! norms, RoPE, attention), so that a drafter computes exactly as the target does.
+//! [`nn`] holds the MLX building blocks host and drafters share (a prefix view over weights,
+//! linear layers, norms, RoPE, attention, the gated MLP), so that a drafter computes exactly as
+//! the target does; [`config`] reads artifact configs and [`random`] is the one source of
+//! randomness.
 //!
 //! ## Ownership
 //! Host and plugins link the same `libmlx.so` and each keep their own static copy of mlx-c and
@@ -45,7 +47,11 @@
 //! that they have none) and an older host ignores what it does not know.
 //!
 //! ## Writing a drafter
-//! See [`guide`].
+//! Three roles, in [`sdk`]: a [`DraftProvider`](sdk::DraftProvider) is a loaded artifact
+//! (weights, options); a [`GroupedDraftProvider`](sdk::GroupedDraftProvider) is the B rows the
+//! host's verify loop drives; a [`DraftSource`](sdk::DraftSource) is one row, of which
+//! [`SourceRows`](sdk::SourceRows) makes the group. Beneath them the ABI's `ProviderAbi` and
+//! `RowGroupAbi` cross the boundary. See [`guide`].
 
 #![allow(non_local_definitions)]
 

@@ -57,7 +57,7 @@ impl<'a> WeightsView<'a> {
         Embedding::load(self.weights, &path, vocab, dims, self.quantization(&path))
     }
 
-    /// The weight of norm `name`: `{name}.weight` of shape [dims].
+    /// The weight of norm `name`: `{name}.weight` of shape `[dims]`.
     pub fn norm(&self, name: &str, dims: i32) -> Result<Array, WeightsError> {
         self.weights.shaped(&self.path(format!("{name}.weight")), &[dims])
     }

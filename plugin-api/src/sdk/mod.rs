@@ -46,7 +46,7 @@ pub trait DraftProvider: 'static {
 }
 
 /// B rows of drafter state, driven by the host's verify loop (see
-/// [`RowGroupAbi`](crate::abi::RowGroupAbi) for the contract of each call). Drafters whose rows
+/// [`RowGroupAbi`] for the contract of each call). Drafters whose rows
 /// are independent implement [`DraftSource`] instead and use [`SourceRows`].
 pub trait GroupedDraftProvider: 'static {
     /// Every row's new prompt tokens (equal length), with their context.
