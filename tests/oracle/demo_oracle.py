@@ -5,8 +5,10 @@ tests/fixtures/kjv-demo/ for host/tests/gemma4_parity.rs.
     tests/oracle/.venv/bin/python tests/oracle/demo_oracle.py
 
 The prompt is the opening of a held-out chapter (training never saw it), long enough that the
-prompt and the 64 greedy steps together pass the sliding window. Logits are stored in bfloat16,
-the dtype the model computes them in, so nothing is rounded away.
+prompt and the 64 greedy steps together pass the sliding window: the first held-out chapter
+whose greedy steps all have a top-1/top-2 margin of at least MIN_MARGIN, so that tokens are
+compared where they are not near-ties. Logits are stored in bfloat16, the dtype the model
+computes them in, so nothing is rounded away.
 """
 
 import json
@@ -32,16 +34,22 @@ MODEL = ROOT / "models" / "kjv-gemma4"
 OUT = ROOT / "tests" / "fixtures" / "kjv-demo"
 N_TOKENS = 64
 PROMPT_TOKENS = 112
+MIN_MARGIN = 0.125      # two bfloat16 steps at the logits' magnitude
 
 
 def main() -> None:
     mx.set_default_device(mx.cpu)
     model, tokenizer = mlx_lm.load(str(MODEL))
-    doc = corpus.load("heldout")[2]
-    ids = tokenizer.encode(doc["text"])[:PROMPT_TOKENS]
     window = json.loads((MODEL / "config.json").read_text())["sliding_window"]
-    assert len(ids) + N_TOKENS > window, "the generation must pass the sliding window"
-    res = greedy_oracle(model, ids, N_TOKENS)
+    for doc in corpus.load("heldout"):
+        ids = tokenizer.encode(doc["text"])[:PROMPT_TOKENS]
+        if len(ids) + N_TOKENS <= window:
+            continue
+        res = greedy_oracle(model, ids, N_TOKENS)
+        if res["token_margins"].min() >= MIN_MARGIN:
+            break
+    else:
+        raise SystemExit(f"no held-out chapter gives greedy margins of {MIN_MARGIN}")
     gs_tokens, _ = generate_step_oracle(model, ids, N_TOKENS)
     assert np.array_equal(gs_tokens, res["tokens"]), "mlx-lm's generate_step disagrees"
     OUT.mkdir(parents=True, exist_ok=True)
