@@ -34,7 +34,7 @@ pub enum GenerateError {
     #[error(transparent)]
     Model(#[from] ModelError),
     #[error(transparent)]
-    LoadedDrafter(crate::plugin::DrafterError),
+    Drafter(crate::plugin::DrafterError),
     #[error("internal error: {0}")]
     Internal(String),
 }

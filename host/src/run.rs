@@ -31,7 +31,7 @@ pub enum RunError {
     #[error(transparent)]
     DrafterSetup(#[from] DrafterSetupError),
     #[error(transparent)]
-    LoadedDrafter(#[from] DrafterError),
+    Drafter(#[from] DrafterError),
     #[error(transparent)]
     Tokenizer(#[from] TokenizerError),
     #[error("{0}")]
@@ -185,7 +185,7 @@ pub enum DrafterSetupError {
     #[error(transparent)]
     Manifest(#[from] crate::manifest::ManifestError),
     #[error(transparent)]
-    LoadedDrafter(#[from] crate::plugin::DrafterError),
+    Drafter(#[from] crate::plugin::DrafterError),
 }
 
 /// What a draft length beyond the artifact's own limits will do: proposals are cut to

@@ -35,7 +35,7 @@ pub enum BenchRunError {
     #[error(transparent)]
     DrafterSetup(#[from] DrafterSetupError),
     #[error(transparent)]
-    LoadedDrafter(#[from] DrafterError),
+    Drafter(#[from] DrafterError),
     #[error(transparent)]
     Tokenizer(#[from] TokenizerError),
     #[error(transparent)]

@@ -1,4 +1,4 @@
-//! LoadedDrafter plugins: finding and loading libraries, and driving the drafters they provide.
+//! Drafter plugins: finding and loading libraries, and driving the drafters they provide.
 
 pub mod drafter;
 pub mod load;

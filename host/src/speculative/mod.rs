@@ -132,7 +132,7 @@ pub fn generate_speculative_rows(
     for request in requests {
         check_request(model, request)?;
     }
-    check_pairing(model, drafter).map_err(GenerateError::LoadedDrafter)?;
+    check_pairing(model, drafter).map_err(GenerateError::Drafter)?;
     let taps = Taps::of(drafter);
     let mut rows: Vec<Row> = requests.iter().map(|r| Row::new(r, config.draft_tokens)).collect();
 

@@ -34,7 +34,7 @@ pub(super) fn prefill_rows(
         }
         row_caches.push(own);
         if let Ok(done) = parts.as_mut() {
-            let mut one = drafter.open(view.boxed(), 1, vocab).map_err(GenerateError::LoadedDrafter)?;
+            let mut one = drafter.open(view.boxed(), 1, vocab).map_err(GenerateError::Drafter)?;
             let prefilled = if prefix.is_empty() {
                 Ok(())
             } else {
