@@ -85,6 +85,10 @@ pub fn run(options: &RunOptions, mut on_event: impl FnMut(RunEvent)) -> Result<R
         None => generate(&model, &request, on_token)?,
         Some((drafter, config)) => generate_speculative(&model, drafter, &request, *config, on_token)?,
     };
+    let rest = stream.finish();
+    if !rest.is_empty() {
+        on_event(RunEvent::Text(&rest));
+    }
     Ok(RunOutput { text: stream.text(), tokens: generation.tokens, stop: generation.stop, stats: generation.stats })
 }
 

@@ -160,6 +160,11 @@ fn run_prints_the_contracts_json_and_speculation_changes_nothing_but_speed() {
         assert!(plain["stats"].get(key).is_some(), "stats lack `{key}`: {}", plain["stats"]);
     }
     assert!(plain["text"].is_string());
+    // Streaming writes exactly the text the JSON reports (and a final newline).
+    let plain_file = work.path().join("m.toml");
+    let streamed = host(&["run", "--manifest", plain_file.to_str().unwrap(), "--temperature", "0"]);
+    assert!(streamed.status.success(), "{}", stderr(&streamed));
+    assert_eq!(stdout(&streamed), format!("{}\n", plain["text"].as_str().unwrap()));
 
     let spec_dir = tempfile::tempdir().unwrap();
     let spec = dense_manifest(spec_dir.path(), "[drafter]\nkind = \"ngram\"\ndraft_tokens = 3\n");
@@ -167,10 +172,12 @@ fn run_prints_the_contracts_json_and_speculation_changes_nothing_but_speed() {
     assert_eq!(spec["tokens"], plain["tokens"]);
     assert_eq!(spec["text"], plain["text"]);
     assert!(spec["stats"]["rounds"].as_u64().unwrap() > 0);
+    let spec_file = spec_dir.path().join("m.toml");
+    let streamed = host(&["run", "--manifest", spec_file.to_str().unwrap(), "--temperature", "0"]);
+    assert_eq!(stdout(&streamed), format!("{}\n", spec["text"].as_str().unwrap()));
 
     // Prompt ids on the command line override the manifest's prompt; sampling with a seed is
     // reproducible.
-    let spec_file = spec_dir.path().join("m.toml");
     let ids = [
         "run",
         "--manifest",
