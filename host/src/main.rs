@@ -29,6 +29,7 @@ struct PluginsDir {
 }
 
 #[derive(Args)]
+#[command(allow_negative_numbers = true)]
 struct RunArgs {
     /// The manifest: target, drafter, generation settings.
     #[arg(long, value_name = "FILE")]
@@ -40,7 +41,7 @@ struct RunArgs {
     #[arg(long, value_delimiter = ',', value_name = "IDS")]
     prompt_ids: Option<Vec<u32>>,
     /// Wrap a text prompt in the Gemma chat format.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "prompt_ids")]
     chat: bool,
     #[arg(long, value_name = "N")]
     max_tokens: Option<u32>,

@@ -34,6 +34,11 @@ use plugin_api::Descriptor;
 
 use crate::speculative::Verify;
 
+/// The most draft tokens per round a manifest or the command line may ask for: far beyond what
+/// pays (a verify window costs more with every position), and bounded so that no request can
+/// make the host allocate for millions of positions.
+pub const MAX_DRAFT_TOKENS: u32 = 64;
+
 /// A manifest error: the file, the line when known, and one line of what is wrong.
 #[derive(Debug, Clone, thiserror::Error)]
 pub struct ManifestError {
@@ -187,8 +192,11 @@ impl Manifest {
                         }
                     })
                     .transpose()?;
-                if d.draft_tokens == 0 {
-                    return Err(at(None, "drafter.draft_tokens: must be at least 1".into()));
+                if d.draft_tokens == 0 || d.draft_tokens > MAX_DRAFT_TOKENS {
+                    return Err(at(
+                        None,
+                        format!("drafter.draft_tokens: must be 1 to {MAX_DRAFT_TOKENS}, got {}", d.draft_tokens),
+                    ));
                 }
                 let (options, option_lines) = match d.options {
                     None => (toml::Table::new(), Vec::new()),
@@ -210,6 +218,9 @@ impl Manifest {
                 })
             }
         };
+        if parsed.generation.prompt.is_some() && parsed.generation.prompt_ids.is_some() {
+            return Err(at(None, "generation: give `prompt` or `prompt_ids`, not both".into()));
+        }
         Ok(Manifest { file: file.to_owned(), target_model, drafter, generation: parsed.generation })
     }
 

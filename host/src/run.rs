@@ -40,8 +40,8 @@ pub enum RunError {
     Request(#[from] RequestError),
     #[error(transparent)]
     Generate(#[from] GenerateError),
-    #[error("--draft-tokens: must be at least 1")]
-    DraftTokens,
+    #[error("--draft-tokens: must be 1 to {max}, got {0}", max = crate::manifest::MAX_DRAFT_TOKENS)]
+    DraftTokens(u32),
 }
 
 /// What `run` reports while it works.
@@ -62,7 +62,7 @@ pub fn run(options: &RunOptions, mut on_event: impl FnMut(RunEvent)) -> Result<R
     if let Some((d, config)) = &mut drafter {
         probe_open(&model, d)?;
         match options.overrides.draft_tokens {
-            Some(0) => return Err(RunError::DraftTokens),
+            Some(n) if n == 0 || n > crate::manifest::MAX_DRAFT_TOKENS => return Err(RunError::DraftTokens(n)),
             Some(n) => config.draft_tokens = n as usize,
             None => {}
         }

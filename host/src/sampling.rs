@@ -35,8 +35,8 @@ impl SamplingParams {
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
             return Err(format!("temperature must be a finite number >= 0, got {}", self.temperature));
         }
-        if !(0.0..=1.0).contains(&self.top_p) {
-            return Err(format!("top_p must be in [0, 1], got {}", self.top_p));
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(format!("top_p must be in (0, 1] (1 = off), got {}", self.top_p));
         }
         if !(0.0..=1.0).contains(&self.min_p) {
             return Err(format!("min_p must be in [0, 1], got {}", self.min_p));

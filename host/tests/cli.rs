@@ -211,7 +211,7 @@ fn run_refuses_bad_input_in_one_line() {
         stderr(&out)
     );
     let out = host(&["run", "--manifest", file.to_str().unwrap(), "--top-p", "1.5"]);
-    assert!(stderr(&out).contains("top_p must be in [0, 1], got 1.5"), "{}", stderr(&out));
+    assert!(stderr(&out).contains("top_p must be in (0, 1] (1 = off), got 1.5"), "{}", stderr(&out));
 }
 
 #[test]
@@ -220,7 +220,11 @@ fn draft_tokens_from_the_command_line_are_validated_like_the_manifests() {
     let file = dense_manifest(work.path(), "[drafter]\nkind = \"ngram\"\n");
     let out = host(&["run", "--manifest", file.to_str().unwrap(), "--draft-tokens", "0"]);
     assert!(!out.status.success());
-    assert!(stderr(&out).contains("--draft-tokens: must be at least 1"), "{}", stderr(&out));
+    assert!(stderr(&out).contains("--draft-tokens: must be 1 to 64, got 0"), "{}", stderr(&out));
+    for n in ["65", "4294967295"] {
+        let out = host(&["run", "--manifest", file.to_str().unwrap(), "--draft-tokens", n]);
+        assert!(stderr(&out).contains(&format!("--draft-tokens: must be 1 to 64, got {n}")), "{}", stderr(&out));
+    }
 }
 
 #[test]
@@ -245,7 +249,7 @@ fn a_draft_length_beyond_the_drafters_limit_is_warned_about() {
     fs::write(
         &file,
         format!(
-            "[target]\nmodel = \"{}\"\n[drafter]\nkind = \"deepspec\"\nartifact = \"{}\"\ndraft_tokens = 99\n",
+            "[target]\nmodel = \"{}\"\n[drafter]\nkind = \"deepspec\"\nartifact = \"{}\"\ndraft_tokens = 8\n",
             fixture.join("target").display(),
             fixture.join("drafter").display()
         ),
@@ -253,10 +257,10 @@ fn a_draft_length_beyond_the_drafters_limit_is_warned_about() {
     .unwrap();
     let out = host(&["manifest", "check", file.to_str().unwrap()]);
     assert!(out.status.success(), "{}", stderr(&out));
-    assert!(stdout(&out).contains("draft_tokens = 99 exceeds the drafter's max_draft_tokens of"), "{}", stdout(&out));
+    assert!(stdout(&out).contains("draft_tokens = 8 exceeds the drafter's max_draft_tokens of"), "{}", stdout(&out));
     let out = host(&["run", "--manifest", file.to_str().unwrap(), "--prompt-ids", "2,5,6", "--max-tokens", "2"]);
     assert!(out.status.success(), "{}", stderr(&out));
-    assert!(stderr(&out).contains("warning: draft_tokens = 99 exceeds"), "{}", stderr(&out));
+    assert!(stderr(&out).contains("warning: draft_tokens = 8 exceeds"), "{}", stderr(&out));
 }
 
 #[test]
@@ -273,4 +277,39 @@ fn a_drafter_calling_a_port_it_did_not_declare_is_refused_naming_it() {
         error.message.contains("`donors` port was not declared") && error.message.contains("declared: embed"),
         "{error}"
     );
+}
+
+#[test]
+fn ambiguous_or_out_of_range_requests_are_refused_naming_the_option() {
+    let work = tempfile::tempdir().unwrap();
+    let file = dense_manifest(work.path(), "");
+    let m = file.to_str().unwrap();
+    let cases: [(&[&str], &str); 5] = [
+        (&["--top-p", "0"], "top_p must be in (0, 1] (1 = off), got 0"),
+        (&["--chat", "--prompt-ids", "2,5"], "'--chat' cannot be used with '--prompt-ids"),
+        (&["--temperature", "-1"], "temperature must be a finite number >= 0, got -1"),
+        (&["--max-tokens", "-1"], "invalid value '-1' for '--max-tokens"),
+        (&["--seed", "-5"], "invalid value '-5' for '--seed"),
+    ];
+    for (args, expected) in cases {
+        let mut all = vec!["run", "--manifest", m];
+        all.extend_from_slice(args);
+        let out = host(&all);
+        assert!(!out.status.success() && stderr(&out).contains(expected), "{args:?}: {}", stderr(&out));
+    }
+    let both = work.path().join("both.toml");
+    let text = fs::read_to_string(&file).unwrap().replace("[generation]\n", "[generation]\nprompt_ids = [2, 5]\n");
+    fs::write(&both, text).unwrap();
+    let out = host(&["run", "--manifest", both.to_str().unwrap()]);
+    assert!(stderr(&out).contains("give `prompt` or `prompt_ids`, not both"), "{}", stderr(&out));
+    let deep = work.path().join("deep.toml");
+    fs::write(
+        &deep,
+        fs::read_to_string(&file)
+            .unwrap()
+            .replace("[generation]", "[drafter]\nkind = \"ngram\"\ndraft_tokens = 100000\n[generation]"),
+    )
+    .unwrap();
+    let out = host(&["run", "--manifest", deep.to_str().unwrap()]);
+    assert!(stderr(&out).contains("drafter.draft_tokens: must be 1 to 64, got 100000"), "{}", stderr(&out));
 }

@@ -134,3 +134,21 @@ fn a_fused_expert_tensor_that_does_not_split_in_two() {
     let e = error_of(&dir);
     assert!(e.contains("tensor `layers.0.experts.gate_up_proj` has shape [4, 63, 64]"), "{e}");
 }
+
+#[test]
+fn config_values_outside_their_domain_are_refused_by_key() {
+    for (key, value, expected) in [
+        ("sliding_window", serde_json::json!(0), "`sliding_window`: must be positive for sliding layers"),
+        ("rms_norm_eps", serde_json::json!(0.0), "`rms_norm_eps`: must be a positive number, found 0"),
+        ("rms_norm_eps", serde_json::json!(-1e-6), "`rms_norm_eps`: must be a positive number"),
+        ("final_logit_softcapping", serde_json::json!(0.0), "`final_logit_softcapping`: must be positive"),
+        ("num_attention_heads", serde_json::json!(0), "`num_attention_heads`: must be positive"),
+        ("num_attention_heads", serde_json::json!(2_000_000_000), "is beyond the sizes MLX can index"),
+        ("num_key_value_heads", serde_json::json!(3), "3 does not divide num_attention_heads"),
+    ] {
+        let (_tmp, dir) = copy_of_dense();
+        edit_config(&dir, |c| c[key] = value.clone());
+        let e = error_of(&dir);
+        assert!(e.contains(expected), "{key} = {value}: {e}");
+    }
+}

@@ -235,7 +235,63 @@ fn parse(file: &Path, root: &Value) -> Result<Gemma4Config, ConfigError> {
     {
         return Err(c.invalid("enable_moe_block", "needs num_experts, top_k_experts and moe_intermediate_size"));
     }
+    check_domain(&c, &config)?;
     Ok(config)
+}
+
+/// Values a checkpoint can parse but no model can have, refused naming the key before any
+/// shape is computed from them.
+fn check_domain(c: &Reader, config: &Gemma4Config) -> Result<(), ConfigError> {
+    let positive = [
+        ("hidden_size", config.hidden_size),
+        ("intermediate_size", config.intermediate_size),
+        ("num_attention_heads", config.num_attention_heads),
+        ("num_key_value_heads", config.num_key_value_heads),
+        ("head_dim", config.head_dim),
+        ("global_head_dim", config.global_head_dim),
+        ("vocab_size", config.vocab_size),
+    ];
+    if let Some((key, _)) = positive.iter().find(|(_, v)| *v <= 0) {
+        return Err(c.invalid(key, "must be positive, found 0"));
+    }
+    if config.layer_types.contains(&LayerType::Sliding) && config.sliding_window == 0 {
+        return Err(c.invalid("sliding_window", "must be positive for sliding layers, found 0"));
+    }
+    if !(config.rms_norm_eps.is_finite() && config.rms_norm_eps > 0.0) {
+        return Err(c.invalid("rms_norm_eps", &format!("must be a positive number, found {}", config.rms_norm_eps)));
+    }
+    if let Some(cap) = config.final_logit_softcapping {
+        if !(cap.is_finite() && cap > 0.0) {
+            return Err(
+                c.invalid("final_logit_softcapping", &format!("must be positive (or null for none), found {cap}"))
+            );
+        }
+    }
+    for (heads_key, heads, dim_key, dim) in [
+        ("num_attention_heads", config.num_attention_heads, "head_dim", config.head_dim),
+        ("num_attention_heads", config.num_attention_heads, "global_head_dim", config.global_head_dim),
+        ("num_key_value_heads", config.num_key_value_heads, "head_dim", config.head_dim),
+    ] {
+        if heads.checked_mul(dim).is_none_or(|n| n.checked_mul(config.hidden_size).is_none()) {
+            return Err(c.invalid(
+                heads_key,
+                &format!(
+                    "{heads} heads × {dim_key} {dim} × hidden_size {} is beyond the sizes MLX can index",
+                    config.hidden_size
+                ),
+            ));
+        }
+    }
+    if config.num_attention_heads % config.num_key_value_heads != 0 {
+        return Err(c.invalid(
+            "num_key_value_heads",
+            &format!(
+                "{} does not divide num_attention_heads {}",
+                config.num_key_value_heads, config.num_attention_heads
+            ),
+        ));
+    }
+    Ok(())
 }
 
 fn rope_configs(c: &Reader, text: &Map<String, Value>) -> Result<(RopeConfig, RopeConfig), ConfigError> {
