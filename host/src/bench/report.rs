@@ -6,13 +6,13 @@ use std::path::PathBuf;
 use std::rc::Rc;
 
 use super::{plain, speculative, summary, BenchConfig, BenchError, PlainBench, SpeculativeBench};
-use crate::generate::GenerateError;
-use crate::manifest::{Manifest, ManifestError};
-use crate::model::ModelError;
-use crate::plugin::DrafterError;
-use crate::run::{load_drafter, resolve_request, CheckpointDefaults, DrafterSetupError, Overrides, RequestError};
-use crate::speculative::probe_open;
-use crate::tokenizer::{Tokenizer, TokenizerError};
+use crate::generate::Request;
+use crate::manifest::Manifest;
+use crate::model::Gemma4;
+use crate::plugin::LoadedDrafter;
+use crate::run::{load_drafter, resolve_request, CheckpointDefaults, Overrides, RunError};
+use crate::speculative::{probe_open, SpecConfig};
+use crate::tokenizer::Tokenizer;
 
 /// Where `host bench` finds a Python with mlx-lm when `--mlx-lm-python` is not given.
 pub const MLX_LM_PYTHON_ENV: &str = "HOST_MLX_LM_PYTHON";
@@ -28,20 +28,9 @@ pub struct BenchOptions {
 
 #[derive(Debug, thiserror::Error)]
 pub enum BenchRunError {
+    /// Loading the manifest's target, drafter or request, as `host run` does.
     #[error(transparent)]
-    Manifest(#[from] ManifestError),
-    #[error(transparent)]
-    Model(#[from] ModelError),
-    #[error(transparent)]
-    DrafterSetup(#[from] DrafterSetupError),
-    #[error(transparent)]
-    Drafter(#[from] DrafterError),
-    #[error(transparent)]
-    Tokenizer(#[from] TokenizerError),
-    #[error(transparent)]
-    Request(#[from] RequestError),
-    #[error(transparent)]
-    Generate(#[from] GenerateError),
+    Setup(#[from] RunError),
     #[error(transparent)]
     Bench(#[from] BenchError),
     #[error(
@@ -83,17 +72,10 @@ pub fn bench(options: &BenchOptions) -> Result<BenchReport, BenchRunError> {
     if options.pairs == 0 {
         return Err(BenchRunError::NoPairs);
     }
-    let manifest = Manifest::load(&options.manifest)?;
-    let model = Rc::new(crate::model::load(&manifest.target_model)?);
-    let tokenizer = Tokenizer::load(&manifest.target_model)?;
-    let overrides = Overrides { max_tokens: Some(options.max_tokens), temperature: Some(0.0), ..Overrides::default() };
-    let mut request = resolve_request(&manifest, &overrides, &model, &tokenizer, &CheckpointDefaults::default())?;
-    // Both sides generate exactly max_tokens: no EOS stop.
-    request.eos.clear();
+    let (manifest, model, request, drafter) = setup(options)?;
     let (prompt_tokens, max_tokens) = (request.prompt.len(), request.max_tokens);
-    if let Some((drafter, config)) = load_drafter(&manifest, &options.plugins_dir)? {
-        probe_open(&model, &drafter)?;
-        let result = speculative(&model, &drafter, &request, config, options.pairs)?;
+    if let Some((drafter, config)) = drafter {
+        let result = speculative(&model, &drafter, &request, config, options.pairs).map_err(BenchError::Generate)?;
         let kind = drafter.kind().to_owned();
         return Ok(BenchReport::Speculative {
             kind,
@@ -111,6 +93,24 @@ pub fn bench(options: &BenchOptions) -> Result<BenchReport, BenchRunError> {
     let config = BenchConfig { pairs: options.pairs, mlx_lm_python: python };
     let result = plain(&model, &manifest.target_model, &request, &config)?;
     Ok(BenchReport::Plain { prompt_tokens, max_tokens, result })
+}
+
+type Setup = (Manifest, Rc<Gemma4>, Request, Option<(LoadedDrafter, SpecConfig)>);
+
+/// The manifest's target, its greedy request of exactly `max_tokens` (no EOS stop, so both
+/// sides generate the same length) and its drafter, opened against the target.
+fn setup(options: &BenchOptions) -> Result<Setup, RunError> {
+    let manifest = Manifest::load(&options.manifest)?;
+    let model = Rc::new(crate::model::load(&manifest.target_model)?);
+    let tokenizer = Tokenizer::load(&manifest.target_model)?;
+    let overrides = Overrides { max_tokens: Some(options.max_tokens), temperature: Some(0.0), ..Overrides::default() };
+    let mut request = resolve_request(&manifest, &overrides, &model, &tokenizer, &CheckpointDefaults::default())?;
+    request.eos.clear();
+    let drafter = load_drafter(&manifest, &options.plugins_dir)?;
+    if let Some((d, _)) = &drafter {
+        probe_open(&model, d)?;
+    }
+    Ok((manifest, model, request, drafter))
 }
 
 impl BenchReport {
