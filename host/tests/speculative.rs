@@ -6,7 +6,6 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
-use std::sync::Mutex;
 
 use host::generate::{generate, Generation, Request};
 use host::model::{load, Gemma4};
@@ -46,13 +45,12 @@ fn sampled(seed: u64) -> SamplingParams {
 
 // --- an adversarial drafter: right for a random number of positions, then wrong ----------
 
-/// The plain output the adversary peeks at, per test (tests in a file share a process).
-static SCRIPT: Mutex<Vec<u32>> = Mutex::new(Vec::new());
-
 struct Adversary;
 struct AdversaryProvider {
     seed: u64,
     vocab_guard: u32,
+    /// The plain output the adversary peeks at.
+    script: Vec<u32>,
 }
 struct AdversaryRows {
     seed: u64,
@@ -64,14 +62,12 @@ struct AdversaryRows {
 impl Drafter for Adversary {
     type Provider = AdversaryProvider;
     fn descriptor() -> Descriptor {
-        Descriptor::new("adversary", "adversarial test drafter", "0.0.0").option("seed", "0", "").option(
-            "max_token",
-            "0",
-            "largest id proposed, 0 = the vocabulary's",
-        )
+        Descriptor::new("adversary", "adversarial test drafter", "0.0.0").option("seed", "0", "")
+            .option("max_token", "0", "largest id proposed, 0 = the vocabulary's")
+            .option("script", "[]", "the plain output, which the adversary copies in part")
     }
     fn load(_: Option<&Path>, o: &Options) -> Result<AdversaryProvider, PluginError> {
-        Ok(AdversaryProvider { seed: o.value("seed")?, vocab_guard: o.value("max_token")? })
+        Ok(AdversaryProvider { seed: o.value("seed")?, vocab_guard: o.value("max_token")?, script: o.value("script")? })
     }
 }
 
@@ -88,7 +84,7 @@ impl DraftProvider for AdversaryProvider {
     }
     fn open(&self, target: Target, rows: usize) -> Result<AdversaryRows, PluginError> {
         let vocab = if self.vocab_guard > 0 { self.vocab_guard } else { target.info().vocab_size };
-        Ok(AdversaryRows { seed: self.seed, vocab, rows, script: SCRIPT.lock().unwrap().clone() })
+        Ok(AdversaryRows { seed: self.seed, vocab, rows, script: self.script.clone() })
     }
 }
 
@@ -143,8 +139,8 @@ impl GroupedDraftProvider for AdversaryRows {
 }
 
 fn adversary(seed: u64, script: &[u32]) -> HostDrafter {
-    *SCRIPT.lock().unwrap() = script.to_vec();
-    HostDrafter::load_root(sdk::root_module::<Adversary>(), "adversary", None, &format!("seed = {seed}")).unwrap()
+    let options = format!("seed = {seed}\nscript = {script:?}");
+    HostDrafter::load_root(sdk::root_module::<Adversary>(), "adversary", None, &options).unwrap()
 }
 
 fn ngram() -> HostDrafter {
@@ -300,8 +296,10 @@ fn stats_count_what_happened() {
 
 // --- rejection sampling keeps the target's distribution --------------------------------
 
-/// Proposes one token per row from a fixed distribution q over `CANDIDATES`, returning q.
-struct Proposer;
+/// Proposes one token per row from a fixed distribution q over its `candidates`, returning q.
+struct Proposer {
+    candidates: Vec<u32>,
+}
 struct ProposerRows {
     vocab: u32,
     candidates: Vec<u32>,
@@ -309,8 +307,6 @@ struct ProposerRows {
     draws: u64,
 }
 
-/// Tokens the proposer draws from; the test sets them.
-static CANDIDATES: Mutex<Vec<u32>> = Mutex::new(Vec::new());
 static OPENED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 /// q over the candidates: unlike the target's p, and with mass on a token p never emits.
 const Q: [f32; 5] = [0.40, 0.10, 0.10, 0.15, 0.25];
@@ -320,9 +316,10 @@ impl Drafter for Proposer {
     fn descriptor() -> Descriptor {
         Descriptor::new("proposer", "fixed-distribution test drafter", "0.0.0")
             .capabilities(Capabilities { draft_probabilities: true, ..Capabilities::default() })
+            .option("candidates", "", "the tokens drawn from, one per entry of q")
     }
-    fn load(_: Option<&Path>, _: &Options) -> Result<Proposer, PluginError> {
-        Ok(Proposer)
+    fn load(_: Option<&Path>, o: &Options) -> Result<Proposer, PluginError> {
+        Ok(Proposer { candidates: o.value("candidates")? })
     }
 }
 
@@ -338,7 +335,7 @@ impl DraftProvider for Proposer {
         }
     }
     fn open(&self, target: Target, _rows: usize) -> Result<ProposerRows, PluginError> {
-        let candidates = CANDIDATES.lock().unwrap().clone();
+        let candidates = self.candidates.clone();
         Ok(ProposerRows {
             vocab: target.info().vocab_size,
             draws: mix(candidates[0] as u64 + OPENED.fetch_add(1, std::sync::atomic::Ordering::Relaxed)),
@@ -402,8 +399,9 @@ fn rejection_sampling_emits_the_targets_distribution() {
     let total: f64 = p.iter().map(|(_, x)| x).sum();
     assert_eq!(p.len(), 4);
     let outside = (0..m.config.vocab_size as usize).find(|t| !p.iter().any(|(i, _)| i == t)).unwrap();
-    *CANDIDATES.lock().unwrap() = p.iter().map(|&(t, _)| t as u32).chain([outside as u32]).collect();
-    let drafter = HostDrafter::load_root(sdk::root_module::<Proposer>(), "proposer", None, "").unwrap();
+    let candidates: Vec<u32> = p.iter().map(|&(t, _)| t as u32).chain([outside as u32]).collect();
+    let options = format!("candidates = {candidates:?}");
+    let drafter = HostDrafter::load_root(sdk::root_module::<Proposer>(), "proposer", None, &options).unwrap();
 
     // Batches of rows, one seed per row: the first token of each row is one draw.
     let (batches, rows) = (8u64, 150u64);
