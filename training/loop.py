@@ -11,7 +11,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -52,11 +52,13 @@ def load_state(run: Path, model: nn.Module, opt: optim.Optimizer) -> int:
 def train(run: Path, model: nn.Module, loss_fn: Callable, batch_at: Callable[[int], tuple],
           steps: int, lr: float, warmup: int, weight_decay: float = 0.1, clip: float = 1.0,
           save_every: int = 200, log_every: int = 10, desc: str = "train",
-          tokens_per_step: int = 0, stop_at: int = 0) -> Dict:
+          tokens_per_step: int = 0, stop_at: int = 0,
+          heldout: Optional[Callable[[nn.Module], float]] = None, heldout_every: int = 0) -> Dict:
     """Runs `loss_fn(model, *batch_at(step))` for steps [resume point, steps) with AdamW.
 
     Returns the last logged figures. `tokens_per_step` only feeds the progress bar's rate;
-    `stop_at` ends the run early at that step, saved, as an interruption would.
+    `stop_at` ends the run early at that step, saved, as an interruption would. `heldout(model)`,
+    a loss on text training never sees, is logged every `heldout_every` steps and at the end.
     """
     run.mkdir(parents=True, exist_ok=True)
     opt = optim.AdamW(learning_rate=cosine_schedule(lr, steps, warmup),
@@ -97,6 +99,9 @@ def train(run: Path, model: nn.Module, loss_fn: Callable, batch_at: Callable[[in
                 f.write(json.dumps(last) + "\n")
             bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{rate:.0f}")
             losses, t_last = [], now
+        if heldout is not None and (done % heldout_every == 0 or done == steps):
+            with log.open("a") as f:
+                f.write(json.dumps({"step": done, "heldout": heldout(model)}) + "\n")
         if done % save_every == 0 or done == steps or done == stop_at:
             save_state(run, done, model, opt)
         if done == stop_at:

@@ -83,13 +83,17 @@ PRESETS = {
                            kv_heads=1, head_dim=64, global_head_dim=128, intermediate=1024,
                            window=128, ple=32, kv_shared=2),
         model_dir=ROOT / "models" / "kjv-gemma4",
-        steps=1400, batch=8, seq=256, lr=2e-3, warmup=50),
+        steps=2100, batch=8, seq=256, lr=3e-3, warmup=100),
     "tiny": dict(
         config=text_config(hidden=64, layer_types=[SW, FA, SW, FA], heads=2, kv_heads=1,
                            head_dim=32, global_head_dim=64, intermediate=128, window=16,
                            ple=8, kv_shared=1),
         model_dir=None, steps=30, batch=4, seq=64, lr=3e-3, warmup=5),
 }
+
+
+# The held-out loss logged during training: the first 16K held-out tokens, every 300 steps.
+HELDOUT_TOKENS, HELDOUT_LOG_EVERY = 16 * 1024, 300
 
 
 def token_stream(tok, docs) -> np.ndarray:
@@ -115,6 +119,20 @@ def batches(stream: np.ndarray, batch: int, seq: int, seed: int):
 def lm_loss(model, inputs, targets):
     logits = model(inputs)
     return nn.losses.cross_entropy(logits.astype(mx.float32), targets, reduction="mean")
+
+
+def heldout_loss(stream: np.ndarray, seq: int, batch: int = 8):
+    """Mean cross-entropy over consecutive windows of `stream` (held-out tokens)."""
+    n = len(stream) // (seq + 1)
+    windows = stream[:n * (seq + 1)].reshape(n, seq + 1)
+
+    def measure(model) -> float:
+        total = 0.0
+        for i in range(0, n, batch):
+            w = mx.array(windows[i:i + batch])
+            total += lm_loss(model, w[:, :-1], w[:, 1:]).item() * len(w)
+        return total / n
+    return measure
 
 
 def build(config: Dict, seed: int):
@@ -158,6 +176,7 @@ def main() -> None:
         tok = tk.train([d["text"] for d in train_docs])
         tk.save(tok, run)
     stream = token_stream(tok, train_docs)
+    heldout = token_stream(tok, corpus.load("heldout"))[:HELDOUT_TOKENS]
 
     config = p["config"]
     model = build(config, args.seed)
@@ -167,7 +186,8 @@ def main() -> None:
           f"({steps * p['batch'] * p['seq'] / len(stream):.2f} epochs)")
     last = loop.train(run, model, lm_loss, batches(stream, p["batch"], p["seq"], args.seed),
                       steps=steps, lr=p["lr"], warmup=p["warmup"], desc=args.preset,
-                      tokens_per_step=p["batch"] * p["seq"])
+                      tokens_per_step=p["batch"] * p["seq"],
+                      heldout=heldout_loss(heldout, p["seq"]), heldout_every=HELDOUT_LOG_EVERY)
     print(json.dumps(last))
     out = args.export or p["model_dir"]
     if out is not None:

@@ -7,7 +7,7 @@ use mlx_rs::Array;
 use serde::Serialize;
 
 use crate::model::{Gemma4, ModelError};
-use crate::sampling::{sample, SamplingParams};
+use crate::sampling::{sample, SampleError, SamplingParams};
 
 /// Prompt tokens per prefill forward.
 pub const PREFILL_CHUNK: usize = 512;
@@ -35,8 +35,23 @@ pub enum GenerateError {
     Model(#[from] ModelError),
     #[error(transparent)]
     Drafter(crate::plugin::DrafterError),
+    #[error(
+        "the target's logits for output token {step} are NaN or infinite: its weights or activations \
+         are broken (`host check-model DIR` scans the weights)"
+    )]
+    NonFiniteLogits { step: usize },
     #[error("internal error: {0}")]
     Internal(String),
+}
+
+impl GenerateError {
+    /// A sampling failure at output token `step`.
+    pub fn sampling_at(step: usize, error: SampleError) -> GenerateError {
+        match error {
+            SampleError::NonFinite => GenerateError::NonFiniteLogits { step },
+            SampleError::Mlx(e) => e.into(),
+        }
+    }
 }
 
 impl From<mlx_rs::error::Exception> for GenerateError {
@@ -112,7 +127,7 @@ pub fn generate(model: &Gemma4, request: &Request, mut on_token: impl FnMut(u32)
     stats.prefill_ms = ms(started);
 
     let decoding = Instant::now();
-    let mut next = sample(&logits, &request.sampling, 0)?;
+    let mut next = sample(&logits, &request.sampling, 0).map_err(|e| GenerateError::sampling_at(0, e))?;
     let stop = loop {
         if request.eos.contains(&next) {
             break StopReason::Eos;
@@ -129,7 +144,8 @@ pub fn generate(model: &Gemma4, request: &Request, mut on_token: impl FnMut(u32)
         let hidden = model.forward_hidden(&ids, &mut caches, None)?;
         stats.target_forwards += 1;
         logits = last_logits(model, &hidden)?;
-        next = sample(&logits, &request.sampling, tokens.len() as u64)?;
+        let step = tokens.len();
+        next = sample(&logits, &request.sampling, step as u64).map_err(|e| GenerateError::sampling_at(step, e))?;
     };
     stats.decode_ms = ms(decoding);
     stats.generated_tokens = tokens.len();

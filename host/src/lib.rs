@@ -2,6 +2,7 @@
 //! drafters loaded as plugins. The `host` binary is a thin command line over this library.
 
 pub mod bench;
+pub mod check_model;
 pub mod doctor;
 pub mod generate;
 pub mod manifest;

@@ -100,6 +100,13 @@ enum Command {
         #[command(flatten)]
         dir: PluginsDir,
     },
+    /// Scan a checkpoint: NaN and Inf per tensor, then every shape and dtype against its config.
+    CheckModel {
+        /// A Hugging Face-format model directory.
+        dir: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
     /// List or inspect drafter plugins.
     Plugins {
         #[command(subcommand)]
@@ -168,6 +175,17 @@ fn run(cli: Cli) -> Result<()> {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             } else {
                 print!("{}", report.human());
+            }
+        }
+        Command::CheckModel { dir, json } => {
+            let report = host::check_model::check(&dir)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{}", report.text());
+            }
+            if !report.ok() {
+                bail!("{}: the checkpoint is broken (see above)", dir.display());
             }
         }
         Command::Plugins { command: PluginsCommand::List { json, verbose, dir } } => {

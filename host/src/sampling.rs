@@ -45,13 +45,45 @@ impl SamplingParams {
     }
 }
 
+#[derive(Debug, thiserror::Error)]
+pub enum SampleError {
+    /// NaN or infinite logits: broken weights or an overflow; no token can be chosen.
+    #[error("the target's logits are NaN or infinite")]
+    NonFinite,
+    #[error(transparent)]
+    Mlx(#[from] Exception),
+}
+
+/// Evaluates `result` together with one reduction over `logits`, so the check costs no extra
+/// round trip to the device.
+fn check_finite_on_device(logits: &Array, result: &Array) -> Result<(), SampleError> {
+    let finite = logits.is_finite()?.all(None)?;
+    mlx_rs::transforms::eval([result, &finite])?;
+    if finite.item_exact::<bool>() {
+        Ok(())
+    } else {
+        Err(SampleError::NonFinite)
+    }
+}
+
+fn check_finite(logits: &[f32]) -> Result<(), SampleError> {
+    if logits.iter().all(|x| x.is_finite()) {
+        Ok(())
+    } else {
+        Err(SampleError::NonFinite)
+    }
+}
+
 /// The token for output position `step`, from that position's logits [V] (or [1, .., V]).
-pub fn sample(logits: &Array, params: &SamplingParams, step: u64) -> Result<u32, Exception> {
+pub fn sample(logits: &Array, params: &SamplingParams, step: u64) -> Result<u32, SampleError> {
     if params.is_greedy() {
-        let best = mlx_rs::ops::indexing::argmax_axis(&logits.reshape(&[-1])?, 0, None)?;
+        let row = logits.reshape(&[-1])?;
+        let best = mlx_rs::ops::indexing::argmax_axis(&row, 0, None)?;
+        check_finite_on_device(&row, &best)?;
         return Ok(best.item_exact::<u32>());
     }
     let row = logits.reshape(&[-1])?.as_dtype(mlx_rs::Dtype::Float32)?;
+    check_finite(row.as_slice::<f32>())?;
     let logprobs = filtered_logprobs(row.as_slice::<f32>(), params);
     Ok(gumbel_argmax(&logprobs, params.temperature, params.seed, step))
 }
@@ -66,13 +98,15 @@ pub enum WindowTokens {
 }
 
 impl WindowTokens {
-    pub fn new(logits: &Array, params: &SamplingParams) -> Result<WindowTokens, Exception> {
+    pub fn new(logits: &Array, params: &SamplingParams) -> Result<WindowTokens, SampleError> {
         if params.is_greedy() {
             let best = mlx_rs::ops::indexing::argmax_axis(logits, -1, None)?.as_dtype(mlx_rs::Dtype::Uint32)?;
+            check_finite_on_device(logits, &best)?;
             return Ok(WindowTokens::Greedy(best.as_slice::<u32>().to_vec()));
         }
         let vocab = *logits.shape().last().unwrap_or(&1) as usize;
         let host = logits.as_dtype(mlx_rs::Dtype::Float32)?;
+        check_finite(host.as_slice::<f32>())?;
         Ok(WindowTokens::Sampled { logits: host.as_slice::<f32>().to_vec(), vocab })
     }
 

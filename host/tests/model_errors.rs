@@ -3,7 +3,9 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
+use host::generate::{generate, Request};
 use host::model::load;
+use host::sampling::SamplingParams;
 
 /// A copy of the `dense` oracle checkpoint that a test may break.
 fn copy_of_dense() -> (tempfile::TempDir, PathBuf) {
@@ -57,7 +59,8 @@ fn a_truncated_safetensors_file() {
     let bytes = fs::read(&file).unwrap();
     fs::write(&file, &bytes[..bytes.len() / 2]).unwrap();
     let e = error_of(&dir);
-    assert!(e.contains("not a valid safetensors file"), "{e}");
+    assert!(e.contains("not a valid safetensors file: the header says"), "{e}");
+    assert!(e.contains("of tensor data, the file has") && e.ends_with("(truncated)"), "{e}");
 }
 
 #[test]
@@ -151,4 +154,85 @@ fn config_values_outside_their_domain_are_refused_by_key() {
         let e = error_of(&dir);
         assert!(e.contains(expected), "{key} = {value}: {e}");
     }
+}
+
+/// Rewrites the checkpoint with `edit` applied to the tensor `name` (as f32 values); the
+/// fixture stores the text model's tensors under `model.`.
+fn rewrite_tensor(dir: &Path, name: &str, edit: impl FnOnce(Vec<f32>, &[usize]) -> (safetensors::Dtype, Vec<u8>)) {
+    let file = dir.join("model.safetensors");
+    let bytes = fs::read(&file).unwrap();
+    let tensors = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let name = &format!("model.{name}");
+    let view = tensors.tensor(name).unwrap();
+    let values: Vec<f32> = match view.dtype() {
+        safetensors::Dtype::F32 => view.data().chunks(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect(),
+        other => panic!("the fixture's `{name}` is {other:?}"),
+    };
+    let shape = view.shape().to_vec();
+    let (dtype, data) = edit(values, &shape);
+    let replaced = safetensors::tensor::TensorView::new(dtype, shape, &data).unwrap();
+    let all: Vec<(String, safetensors::tensor::TensorView)> =
+        tensors.tensors().into_iter().map(|(n, v)| if &n == name { (n, replaced.clone()) } else { (n, v) }).collect();
+    fs::write(&file, safetensors::serialize(all, &None).unwrap()).unwrap();
+}
+
+#[test]
+fn a_norm_or_projection_of_an_integer_dtype_is_refused_naming_it() {
+    for name in ["layers.0.input_layernorm.weight", "layers.1.self_attn.q_proj.weight"] {
+        let (_tmp, dir) = copy_of_dense();
+        rewrite_tensor(&dir, name, |values, _| {
+            (safetensors::Dtype::I32, values.iter().flat_map(|&v| (v as i32).to_le_bytes()).collect())
+        });
+        let e = error_of(&dir);
+        assert!(e.contains(&format!("tensor `{name}` is Int32; a weight, norm, scale or bias must be float32")), "{e}");
+    }
+}
+
+#[test]
+fn a_missing_size_key_is_refused_naming_it() {
+    for key in ["hidden_size", "num_attention_heads", "head_dim", "vocab_size", "num_hidden_layers"] {
+        let (_tmp, dir) = copy_of_dense();
+        edit_config(&dir, |c| {
+            c.as_object_mut().unwrap().remove(key);
+        });
+        let e = error_of(&dir);
+        assert!(e.contains(&format!("`{key}`: is required (it fixes tensor shapes) and missing")), "{key}: {e}");
+    }
+}
+
+#[test]
+fn nan_weights_stop_generation_naming_the_step_and_check_model_names_the_tensor() {
+    let (_tmp, dir) = copy_of_dense();
+    let name = "layers.1.mlp.down_proj.weight";
+    rewrite_tensor(&dir, name, |mut values, _| {
+        values[3] = f32::NAN;
+        values[7] = f32::INFINITY;
+        (safetensors::Dtype::F32, values.iter().flat_map(|v| v.to_le_bytes()).collect())
+    });
+    host::runtime::init();
+    let model = load(&dir).expect("NaN weights load; generation finds them");
+    let request = Request { prompt: vec![2, 17, 40], max_tokens: 8, sampling: SamplingParams::default(), eos: vec![] };
+    let e = generate(&model, &request, |_| {}).unwrap_err().to_string();
+    assert!(e.contains("logits for output token 0 are NaN or infinite"), "{e}");
+
+    let report = host::check_model::check(&dir).unwrap();
+    assert!(!report.ok());
+    let bad: Vec<_> = report.tensors.iter().filter(|t| !t.is_finite()).collect();
+    assert_eq!(bad.len(), 1, "{}", report.text());
+    assert_eq!((bad[0].name.as_str(), bad[0].nan, bad[0].inf), (format!("model.{name}").as_str(), 1, 1));
+    assert!(report.text().contains(&format!("BAD (1 NaN, 1 Inf)  model.{name}  float32")), "{}", report.text());
+}
+
+#[test]
+fn check_model_passes_a_sound_checkpoint_and_reports_a_shape_it_cannot_build() {
+    let (_tmp, dir) = copy_of_dense();
+    let report = host::check_model::check(&dir).unwrap();
+    assert!(report.ok(), "{}", report.text());
+    assert!(report.tensors.iter().any(|t| t.name.ends_with("embed_tokens.weight")));
+
+    edit_config(&dir, |c| c["intermediate_size"] = serde_json::json!(80));
+    let report = host::check_model::check(&dir).unwrap();
+    assert!(!report.ok());
+    let build = report.build_error.unwrap();
+    assert!(build.contains("has shape") && build.contains("mlp."), "{build}");
 }

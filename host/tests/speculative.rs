@@ -62,7 +62,8 @@ struct AdversaryRows {
 impl Drafter for Adversary {
     type Provider = AdversaryProvider;
     fn descriptor() -> Descriptor {
-        Descriptor::new("adversary", "adversarial test drafter", "0.0.0").option("seed", "0", "")
+        Descriptor::new("adversary", "adversarial test drafter", "0.0.0")
+            .option("seed", "0", "")
             .option("max_token", "0", "largest id proposed, 0 = the vocabulary's")
             .option("script", "[]", "the plain output, which the adversary copies in part")
     }

@@ -1,6 +1,7 @@
 //! Gemma 4 `config.json`: flat (`gemma4_text`) or nested under `text_config` (`gemma4`,
-//! `gemma4_unified`). Missing keys take mlx-lm's defaults, since mlx-lm is the oracle; a value
-//! this host does not implement is refused naming its key.
+//! `gemma4_unified`). The sizes that fix tensor shapes are required: no default could match the
+//! weights but by chance. Other missing keys take mlx-lm's defaults, since mlx-lm is the oracle;
+//! a value this host does not implement is refused naming its key.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -156,7 +157,7 @@ fn parse(file: &Path, root: &Value) -> Result<Gemma4Config, ConfigError> {
         }
     }
 
-    let num_hidden_layers = c.int("num_hidden_layers", 35)? as usize;
+    let num_hidden_layers = c.required_int("num_hidden_layers")? as usize;
     let sliding_window_pattern = c.int("sliding_window_pattern", 5)? as usize;
     let layer_types = match text.get("layer_types") {
         None | Some(Value::Null) => (0..num_hidden_layers)
@@ -191,26 +192,31 @@ fn parse(file: &Path, root: &Value) -> Result<Gemma4Config, ConfigError> {
         ));
     }
     let eos_token_ids = token_ids(text.get("eos_token_id").or_else(|| root.get("eos_token_id")));
-    let head_dim = c.int("head_dim", 256)?;
+    let head_dim = c.required_int("head_dim")?;
+    let hidden_size_per_layer_input = c.required_int("hidden_size_per_layer_input")?;
+    let vocab_size_per_layer_input = match hidden_size_per_layer_input {
+        0 => c.int("vocab_size_per_layer_input", 0)?,
+        _ => c.required_int("vocab_size_per_layer_input")?,
+    };
     let config = Gemma4Config {
         file: file.to_owned(),
         model_type,
-        hidden_size: c.int("hidden_size", 1536)?,
+        hidden_size: c.required_int("hidden_size")?,
         num_hidden_layers,
-        intermediate_size: c.int("intermediate_size", 6144)?,
-        num_attention_heads: c.int("num_attention_heads", 8)?,
+        intermediate_size: c.required_int("intermediate_size")?,
+        num_attention_heads: c.required_int("num_attention_heads")?,
         head_dim,
         global_head_dim: match text.get("global_head_dim") {
             Some(Value::Null) | None => head_dim,
             Some(_) => c.int("global_head_dim", 512)?,
         },
-        num_key_value_heads: c.int("num_key_value_heads", 1)?,
+        num_key_value_heads: c.required_int("num_key_value_heads")?,
         num_global_key_value_heads: c.optional_int("num_global_key_value_heads")?,
         num_kv_shared_layers,
         rms_norm_eps: c.float("rms_norm_eps", 1e-6)?,
-        vocab_size: c.int("vocab_size", 262144)?,
-        vocab_size_per_layer_input: c.int("vocab_size_per_layer_input", 262144)?,
-        hidden_size_per_layer_input: c.int("hidden_size_per_layer_input", 256)?,
+        vocab_size: c.required_int("vocab_size")?,
+        vocab_size_per_layer_input,
+        hidden_size_per_layer_input,
         sliding_window: c.int("sliding_window", 512)? as usize,
         layer_types,
         sliding_rope,
@@ -386,6 +392,9 @@ impl Reader<'_> {
             key: format!("{}{key}", self.prefix),
             reason: reason.to_owned(),
         }
+    }
+    fn required_int(&self, key: &str) -> Result<i32, ConfigError> {
+        self.optional_int(key)?.ok_or_else(|| self.invalid(key, "is required (it fixes tensor shapes) and missing"))
     }
     fn int(&self, key: &str, default: i64) -> Result<i32, ConfigError> {
         Ok(self.optional_int(key)?.unwrap_or(default as i32))

@@ -169,7 +169,7 @@ fn build(config: Gemma4Config, w: &Weights) -> Result<Gemma4, WeightsError> {
             post_attention_layernorm: norm(&format!("{p}.post_attention_layernorm"), hidden)?,
             pre_feedforward_layernorm: norm(&format!("{p}.pre_feedforward_layernorm"), hidden)?,
             post_feedforward_layernorm: norm(&format!("{p}.post_feedforward_layernorm"), hidden)?,
-            layer_scalar: w.optional(&format!("{p}.layer_scalar")),
+            layer_scalar: w.optional(&format!("{p}.layer_scalar"))?,
         });
     }
     let lm_head = if c.tie_word_embeddings {
@@ -213,7 +213,7 @@ fn load_experts(
             Linear { weight: w.shaped(&name, &[experts, out, inp])?, scales: None, biases: None, quantization: None }
         }
         Some(q) => {
-            let weight = w.shaped(&name, &[experts, out, inp * q.bits / 32])?;
+            let weight = w.packed(&name, &[experts, out, inp * q.bits / 32])?;
             let groups = inp / q.group_size;
             Linear {
                 weight,

@@ -32,7 +32,8 @@ pub(super) fn accept(
     let window = WindowTokens::new(
         &logits.take_axis(Array::from_iter(0..=drafts.len() as i32, &[drafts.len() as i32 + 1]), 0)?,
         &request.sampling,
-    )?;
+    )
+    .map_err(|e| GenerateError::sampling_at(step as usize, e))?;
     let mut accepted = 0;
     for i in 0..=drafts.len() {
         let draft = drafts.get(i).copied();

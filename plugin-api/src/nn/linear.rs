@@ -4,7 +4,7 @@
 use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype};
 
-use super::weights::{check_shape, Weights, WeightsError};
+use super::weights::{Weights, WeightsError};
 
 /// MLX affine quantization of one module: `bits` per weight, one scale and bias per
 /// `group_size` weights.
@@ -124,8 +124,7 @@ fn load_matrix(
     match q {
         None => Ok((w.shaped(&name, &[rows, cols])?, None, None)),
         Some(q) => {
-            let weight = w.get(&name)?;
-            check_shape(&name, &weight, &[rows, cols * q.bits / 32])?;
+            let weight = w.packed(&name, &[rows, cols * q.bits / 32])?;
             let groups = cols / q.group_size;
             let scales = w.shaped(&format!("{prefix}.scales"), &[rows, groups])?;
             let biases = w.shaped(&format!("{prefix}.biases"), &[rows, groups])?;

@@ -3,6 +3,7 @@
 //! attention, the gated MLP. They follow mlx-lm's numerics, which the oracles check.
 
 pub mod context;
+mod header;
 pub mod linear;
 pub mod mlp;
 pub mod ops;

@@ -66,7 +66,7 @@ impl<'a> WeightsView<'a> {
         self.weights.shaped(&self.path(name), shape)
     }
 
-    pub fn optional(&self, name: &str) -> Option<Array> {
+    pub fn optional(&self, name: &str) -> Result<Option<Array>, WeightsError> {
         self.weights.optional(&self.path(name))
     }
 

@@ -8,6 +8,8 @@ use std::path::{Path, PathBuf};
 use mlx_rs::{Array, Dtype};
 use safetensors::SafeTensors;
 
+use super::header;
+
 #[derive(Debug, thiserror::Error)]
 pub enum WeightsError {
     #[error("{file}: {reason}")]
@@ -22,6 +24,8 @@ pub enum WeightsError {
     Missing { name: String, dir: PathBuf },
     #[error("tensor `{name}` has shape {found:?}, expected {expected:?}")]
     Shape { name: String, expected: Vec<i32>, found: Vec<i32> },
+    #[error("tensor `{name}` is {found:?}; {role} must be {expected}")]
+    Role { name: String, found: Dtype, role: &'static str, expected: &'static str },
 }
 
 /// Every tensor of a checkpoint directory, by name.
@@ -87,13 +91,28 @@ impl Weights {
             .ok_or_else(|| WeightsError::Missing { name: name.to_owned(), dir: self.dir.clone() })
     }
 
-    pub fn optional(&self, name: &str) -> Option<Array> {
-        self.tensors.get(name).cloned()
+    /// The floating-point tensor `name`, if the checkpoint has it.
+    pub fn optional(&self, name: &str) -> Result<Option<Array>, WeightsError> {
+        let Some(array) = self.tensors.get(name) else { return Ok(None) };
+        check_float(name, array)?;
+        Ok(Some(array.clone()))
     }
 
-    /// The tensor, which must have exactly `shape`.
+    /// The floating-point tensor `name` (a weight, norm, scale or bias), of exactly `shape`.
     pub fn shaped(&self, name: &str, shape: &[i32]) -> Result<Array, WeightsError> {
         let array = self.get(name)?;
+        check_float(name, &array)?;
+        check_shape(name, &array, shape)?;
+        Ok(array)
+    }
+
+    /// The quantized weight `name`: uint32 words of packed integers, of exactly `shape`.
+    pub fn packed(&self, name: &str, shape: &[i32]) -> Result<Array, WeightsError> {
+        let array = self.get(name)?;
+        if array.dtype() != Dtype::Uint32 {
+            let (role, expected) = ("a quantized weight", "uint32 (packed integers)");
+            return Err(WeightsError::Role { name: name.to_owned(), found: array.dtype(), role, expected });
+        }
         check_shape(name, &array, shape)?;
         Ok(array)
     }
@@ -135,6 +154,14 @@ pub fn check_shape(name: &str, array: &Array, expected: &[i32]) -> Result<(), We
     Ok(())
 }
 
+fn check_float(name: &str, array: &Array) -> Result<(), WeightsError> {
+    if !matches!(array.dtype(), Dtype::Float32 | Dtype::Float16 | Dtype::Bfloat16) {
+        let (role, expected) = ("a weight, norm, scale or bias", "float32, float16 or bfloat16");
+        return Err(WeightsError::Role { name: name.to_owned(), found: array.dtype(), role, expected });
+    }
+    Ok(())
+}
+
 fn shard_files(index: &Path) -> Result<Vec<String>, WeightsError> {
     let text = std::fs::read_to_string(index)
         .map_err(|e| WeightsError::File { file: index.to_owned(), reason: e.to_string() })?;
@@ -156,7 +183,7 @@ fn load_file(file: &Path, into: &mut BTreeMap<String, Array>) -> Result<(), Weig
     let bytes = unsafe { memmap2::Mmap::map(&handle) }
         .map_err(|e| WeightsError::File { file: file.to_owned(), reason: e.to_string() })?;
     let tensors = SafeTensors::deserialize(&bytes)
-        .map_err(|e| WeightsError::Corrupt { file: file.to_owned(), reason: e.to_string() })?;
+        .map_err(|e| WeightsError::Corrupt { file: file.to_owned(), reason: header::explain(&bytes, &e) })?;
     for (name, view) in tensors.tensors() {
         let dtype = match view.dtype() {
             safetensors::Dtype::F32 => Dtype::Float32,

@@ -90,7 +90,7 @@ impl Assistant {
                 post_attention_layernorm: l.norm("post_attention_layernorm", d)?,
                 pre_feedforward_layernorm: l.norm("pre_feedforward_layernorm", d)?,
                 post_feedforward_layernorm: l.norm("post_feedforward_layernorm", d)?,
-                layer_scalar: l.optional("layer_scalar"),
+                layer_scalar: l.optional("layer_scalar")?,
                 layer_type,
                 head_dim: hd,
                 rope,

@@ -101,7 +101,7 @@ impl Deepspec {
                     post_attention_layernorm: l.norm("post_attention_layernorm", h)?,
                     pre_feedforward_layernorm: l.norm("pre_feedforward_layernorm", h)?,
                     post_feedforward_layernorm: l.norm("post_feedforward_layernorm", h)?,
-                    layer_scalar: l.optional("layer_scalar"),
+                    layer_scalar: l.optional("layer_scalar")?,
                 })
             })
             .collect::<Result<Vec<_>, PluginError>>()?;
