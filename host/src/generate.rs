@@ -29,6 +29,11 @@ pub enum GenerateError {
     EmptyPrompt,
     #[error("prompt token id {id} (at position {position}) is outside the vocabulary of {vocab}")]
     OutOfVocabulary { id: u32, position: usize, vocab: u32 },
+    #[error(
+        "the prompt's {prompt} tokens plus max_tokens {max_tokens} exceed the model's context of {context} \
+         tokens (max_position_embeddings)"
+    )]
+    BeyondContext { prompt: usize, max_tokens: usize, context: usize },
     #[error("invalid sampling parameters: {0}")]
     Sampling(String),
     #[error(transparent)]
@@ -65,6 +70,31 @@ impl From<mlx_rs::error::Exception> for GenerateError {
 pub enum StopReason {
     Eos,
     MaxTokens,
+    /// The caller asked to stop (Ctrl-C, a closed pipe, a cancelled request).
+    Interrupted,
+}
+
+/// What a generation reports as it works.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Event {
+    /// `done` of the prompt's `total` tokens are through the target.
+    Prefill { done: usize, total: usize },
+    /// The next output token.
+    Token(u32),
+}
+
+/// The caller's answer to an [`Event`]: go on, or stop with what was produced so far
+/// ([`StopReason::Interrupted`]). A callback returning `()` always goes on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flow {
+    Continue,
+    Stop,
+}
+
+impl From<()> for Flow {
+    fn from(_: ()) -> Flow {
+        Flow::Continue
+    }
 }
 
 /// What a generation did; the keys of `host run --json`'s "stats".
@@ -103,11 +133,24 @@ pub fn check_request(model: &Gemma4, request: &Request) -> Result<(), GenerateEr
     if let Some((position, &id)) = request.prompt.iter().enumerate().find(|(_, &id)| id >= vocab) {
         return Err(GenerateError::OutOfVocabulary { id, position, vocab });
     }
+    let context = model.config.max_position_embeddings;
+    if request.prompt.len().saturating_add(request.max_tokens) > context {
+        return Err(GenerateError::BeyondContext {
+            prompt: request.prompt.len(),
+            max_tokens: request.max_tokens,
+            context,
+        });
+    }
     request.sampling.validate().map_err(GenerateError::Sampling)
 }
 
-/// Decodes plainly, calling `on_token` with each token as it is produced.
-pub fn generate(model: &Gemma4, request: &Request, mut on_token: impl FnMut(u32)) -> Result<Generation, GenerateError> {
+/// Decodes plainly, telling `on_event` of the prefill's progress and of each token as it is
+/// produced; it may answer [`Flow::Stop`].
+pub fn generate<R: Into<Flow>>(
+    model: &Gemma4,
+    request: &Request,
+    mut on_event: impl FnMut(Event) -> R,
+) -> Result<Generation, GenerateError> {
     check_request(model, request)?;
     let mut stats = Stats { prompt_tokens: request.prompt.len(), ..Stats::default() };
     let mut caches = model.make_caches(1, PLAIN_SLACK);
@@ -115,15 +158,22 @@ pub fn generate(model: &Gemma4, request: &Request, mut on_token: impl FnMut(u32)
 
     let started = Instant::now();
     let mut logits = None;
+    let mut done = 0;
     for chunk in request.prompt.chunks(PREFILL_CHUNK) {
         let ids = Array::from_slice(&chunk.iter().map(|&t| t as i32).collect::<Vec<_>>(), &[1, chunk.len() as i32]);
         let hidden = model.forward_hidden(&ids, &mut caches, None)?;
         stats.target_forwards += 1;
-        logits = Some(last_logits(model, &hidden)?);
+        let chunk_logits = last_logits(model, &hidden)?;
+        // MLX is lazy: each chunk is computed here, inside the prefill's time.
+        chunk_logits.eval()?;
+        logits = Some(chunk_logits);
+        done += chunk.len();
+        if on_event(Event::Prefill { done, total: request.prompt.len() }).into() == Flow::Stop {
+            stats.prefill_ms = ms(started);
+            return Ok(Generation { tokens, stop: StopReason::Interrupted, stats });
+        }
     }
     let mut logits = logits.expect("a non-empty prompt has a chunk");
-    // MLX is lazy: the prefill is computed here, inside the prefill's time.
-    logits.eval()?;
     stats.prefill_ms = ms(started);
 
     let decoding = Instant::now();
@@ -136,9 +186,12 @@ pub fn generate(model: &Gemma4, request: &Request, mut on_token: impl FnMut(u32)
             break StopReason::MaxTokens;
         }
         tokens.push(next);
-        on_token(next);
+        let flow = on_event(Event::Token(next)).into();
         if tokens.len() == request.max_tokens {
             break StopReason::MaxTokens;
+        }
+        if flow == Flow::Stop {
+            break StopReason::Interrupted;
         }
         let ids = Array::from_slice(&[next as i32], &[1, 1]);
         let hidden = model.forward_hidden(&ids, &mut caches, None)?;

@@ -4,9 +4,10 @@ use std::process::ExitCode;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 
 use host::bench::BenchOptions;
+use host::generate::Flow;
 use host::manifest::Manifest;
 use host::plugin::{load, report, Registry};
 use host::run::{load_drafter, Overrides, RunEvent, RunOptions};
@@ -61,6 +62,10 @@ struct RunArgs {
     /// Print one JSON object at the end instead of streaming text.
     #[arg(long)]
     json: bool,
+    /// Let a drafter's panic print its message and backtrace (it is always reported as an
+    /// error line).
+    #[arg(long)]
+    verbose: bool,
     #[command(flatten)]
     dir: PluginsDir,
 }
@@ -155,8 +160,13 @@ enum ManifestCommand {
 }
 
 fn main() -> ExitCode {
+    let cli = Cli::parse();
+    if matches!(&cli.command, Command::Run(args) if args.verbose) {
+        // SAFETY: still single-threaded: the runtime and any plugin start later.
+        unsafe { std::env::set_var(plugin_api::sdk::PANIC_OUTPUT_ENV, "1") };
+    }
     host::runtime::init();
-    match run(Cli::parse()) {
+    match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
@@ -275,19 +285,37 @@ fn run_manifest(args: RunArgs) -> Result<()> {
         },
         plugins_dir: plugins_dir::resolve(args.dir.plugins_dir),
     };
+    host::interrupt::install();
+    let progress = std::io::stderr().is_terminal();
     let mut stdout = std::io::stdout().lock();
-    let output = host::run::run(&options, |event| match event {
-        RunEvent::Text(piece) if !args.json => {
-            let _ = write!(stdout, "{piece}");
-            let _ = stdout.flush();
+    let mut stdout_closed = false;
+    let output = host::run::run(&options, |event| {
+        match event {
+            RunEvent::Prefill { done, total } if progress && total > host::generate::PREFILL_CHUNK => {
+                eprint!("\rprefill {done}/{total} tokens");
+                if done == total {
+                    eprint!("\r\x1b[K");
+                }
+            }
+            RunEvent::Prefill { .. } => {}
+            RunEvent::Text(piece) if !args.json => {
+                // A closed stdout (`host run … | head`) stops generation at the next token.
+                stdout_closed |= write!(stdout, "{piece}").and_then(|()| stdout.flush()).is_err();
+            }
+            RunEvent::Text(_) => {}
+            RunEvent::Warning(warning) => eprintln!("warning: {warning}"),
         }
-        RunEvent::Text(_) => {}
-        RunEvent::Warning(warning) => eprintln!("warning: {warning}"),
+        if stdout_closed || host::interrupt::requested() {
+            Flow::Stop
+        } else {
+            Flow::Continue
+        }
     })?;
     if args.json {
         writeln!(stdout, "{}", serde_json::to_string(&output)?)?;
     } else {
-        writeln!(stdout)?;
+        // Text ends with a newline even when interrupted; a closed stdout takes none.
+        let _ = writeln!(stdout);
         eprint!("{}", output.summary());
     }
     Ok(())

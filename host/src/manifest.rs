@@ -244,6 +244,12 @@ impl Manifest {
                 format!("drafter.artifact: drafter `{}` needs an artifact directory", drafter.kind),
             ));
         }
+        if let (false, Some(artifact)) = (descriptor.needs_artifact, &drafter.artifact) {
+            return Err(error(
+                None,
+                format!("drafter.artifact: drafter `{}` takes no artifact, got {}", drafter.kind, artifact.display()),
+            ));
+        }
         let known: Vec<&str> = descriptor.options.iter().map(|o| o.key.as_str()).collect();
         for (key, line) in &drafter.option_lines {
             if !known.contains(&key.as_str()) {

@@ -6,7 +6,7 @@ use std::rc::Rc;
 
 use serde::Serialize;
 
-use crate::generate::{generate, GenerateError, Request, Stats, StopReason};
+use crate::generate::{generate, Event, Flow, GenerateError, Request, Stats, StopReason};
 use crate::manifest::{Manifest, ManifestError};
 use crate::model::{Gemma4, ModelError};
 use crate::plugin::{DrafterError, LoadedDrafter};
@@ -46,6 +46,8 @@ pub enum RunError {
 
 /// What `run` reports while it works.
 pub enum RunEvent<'a> {
+    /// `done` of the prompt's `total` tokens are through the target.
+    Prefill { done: usize, total: usize },
     /// Generated text, as soon as it is whole.
     Text(&'a str),
     /// Something the user should know before the text, e.g. a draft length beyond the
@@ -53,9 +55,10 @@ pub enum RunEvent<'a> {
     Warning(String),
 }
 
-/// Generates the request `options` describe, reporting warnings and each piece of text to
-/// `on_event`. The returned text is exactly the concatenation of the pieces.
-pub fn run(options: &RunOptions, mut on_event: impl FnMut(RunEvent)) -> Result<RunOutput, RunError> {
+/// Generates the request `options` describe, reporting warnings, the prefill's progress and each
+/// piece of text to `on_event`, which may answer [`Flow::Stop`]. The returned text is exactly the
+/// concatenation of the pieces.
+pub fn run(options: &RunOptions, mut on_event: impl FnMut(RunEvent) -> Flow) -> Result<RunOutput, RunError> {
     let manifest = Manifest::load(&options.manifest)?;
     let model = Rc::new(crate::model::load(&manifest.target_model)?);
     let mut drafter = load_drafter(&manifest, &options.plugins_dir)?;
@@ -75,15 +78,20 @@ pub fn run(options: &RunOptions, mut on_event: impl FnMut(RunEvent)) -> Result<R
     let request = resolve_request(&manifest, &options.overrides, &model, &tokenizer, &defaults)?;
 
     let mut stream = StreamDecoder::new(&tokenizer);
-    let on_token = |token| {
-        let piece = stream.push(token);
-        if !piece.is_empty() {
-            on_event(RunEvent::Text(&piece));
+    let on_generate = |event| match event {
+        Event::Prefill { done, total } => on_event(RunEvent::Prefill { done, total }),
+        Event::Token(token) => {
+            let piece = stream.push(token);
+            if piece.is_empty() {
+                Flow::Continue
+            } else {
+                on_event(RunEvent::Text(&piece))
+            }
         }
     };
     let generation = match &drafter {
-        None => generate(&model, &request, on_token)?,
-        Some((drafter, config)) => generate_speculative(&model, drafter, &request, *config, on_token)?,
+        None => generate(&model, &request, on_generate)?,
+        Some((drafter, config)) => generate_speculative(&model, drafter, &request, *config, on_generate)?,
     };
     let rest = stream.finish();
     if !rest.is_empty() {

@@ -106,7 +106,8 @@ pub struct Descriptor {
     /// The plugin's own semver version.
     pub version: RString,
     pub summary: RString,
-    /// Whether `load` needs an artifact directory.
+    /// Whether `load` needs an artifact directory; a drafter without one is given none, and
+    /// a manifest that names one for it is refused.
     pub needs_artifact: bool,
     pub capabilities: Capabilities,
     pub options: RVec<OptionDoc>,

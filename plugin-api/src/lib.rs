@@ -31,8 +31,10 @@
 //! ## Errors
 //! Every entry returns `RResult<_, `[`PluginError`]`>`: a kind and one line that names what was
 //! wrong and where. The SDK runs every entry under `catch_unwind`, so a panic arrives as an
-//! error of kind `PANICKED`; the host then drops that drafter for the rest of the request and
-//! finishes it by plain decoding. A panic that escaped would end the process, which is why
+//! error of kind `PANICKED` carrying its message; the panic itself prints nothing on the user's
+//! terminal unless the host sets [`sdk::PANIC_OUTPUT_ENV`] (`host run --verbose`). The host then
+//! drops that drafter for the rest of the request and finishes it by plain decoding. A panic
+//! that escaped would end the process, which is why
 //! plugins go through the SDK rather than implementing the ABI traits themselves. The host
 //! validates every answer (lengths, token ids, shapes) before using it.
 //!

@@ -51,6 +51,8 @@ pub struct Gemma4Config {
     pub vocab_size_per_layer_input: i32,
     pub hidden_size_per_layer_input: i32,
     pub sliding_window: usize,
+    /// The longest sequence (prompt + output) the model was trained for.
+    pub max_position_embeddings: usize,
     pub layer_types: Vec<LayerType>,
     pub sliding_rope: RopeConfig,
     pub full_rope: RopeConfig,
@@ -218,6 +220,7 @@ fn parse(file: &Path, root: &Value) -> Result<Gemma4Config, ConfigError> {
         vocab_size_per_layer_input,
         hidden_size_per_layer_input,
         sliding_window: c.int("sliding_window", 512)? as usize,
+        max_position_embeddings: c.int("max_position_embeddings", 131_072)? as usize,
         layer_types,
         sliding_rope,
         full_rope,

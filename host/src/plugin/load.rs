@@ -26,6 +26,8 @@ pub enum LoadError {
     HashMismatch { expected: String, actual: String },
     #[error("not a shared library (no ELF header)")]
     NotSharedLibrary,
+    #[error("not loadable: {0}")]
+    DamagedElf(String),
     #[error("cannot open the library: {0}")]
     Open(String),
     #[error("not a drafter plugin (no plugin root symbol; was it built with plugin_api::export_drafter!?)")]
@@ -42,6 +44,8 @@ pub enum LoadError {
     InitFailed(String),
     #[error("its descriptor: {0}")]
     Descriptor(PluginError),
+    #[error("kind `{kind}` is also provided by {others}; keep one library per kind in the directory")]
+    DuplicateKind { kind: String, others: String },
 }
 
 impl LoadError {
@@ -84,7 +88,15 @@ impl Plugin {
 
 /// Loads the library at `path` after checking it; `pin` is a manifest's sha256 for it.
 pub fn load(path: &Path, pin: Option<&str>) -> Result<Plugin, LoadError> {
-    let path = fs::canonicalize(path).map_err(|e| unreadable(path, e))?;
+    let path = fs::canonicalize(path).map_err(|e| match fs::symlink_metadata(path) {
+        Ok(link) if link.is_symlink() && e.raw_os_error() == Some(libc::ELOOP) => {
+            LoadError::Unreadable { path: path.to_owned(), reason: "a symlink loop".into() }
+        }
+        Ok(link) if link.is_symlink() => {
+            LoadError::Unreadable { path: path.to_owned(), reason: format!("a symlink to nothing ({e})") }
+        }
+        _ => unreadable(path, e),
+    })?;
     check_permissions(&path)?;
     let bytes = fs::read(&path).map_err(|e| unreadable(&path, e))?;
     if let Some(expected) = pin {
@@ -96,6 +108,7 @@ pub fn load(path: &Path, pin: Option<&str>) -> Result<Plugin, LoadError> {
     if !bytes.starts_with(b"\x7fELF") {
         return Err(LoadError::NotSharedLibrary);
     }
+    super::elf::check(&bytes).map_err(LoadError::DamagedElf)?;
     drop(bytes);
 
     let header = lib_header_from_path(&path).map_err(open_error)?;

@@ -21,17 +21,22 @@ pub struct Registry {
 pub const LIBRARY_SUFFIX: &str = std::env::consts::DLL_SUFFIX;
 
 impl Registry {
-    /// Loads every shared library in `dir`; one bad library never stops the others.
+    /// Loads every shared library in `dir` (and every symlink named like one, so that a broken
+    /// link is reported rather than skipped); one bad library never stops the others. Two
+    /// libraries of the same kind are both refused, each naming the other.
     pub fn scan(dir: &Path) -> std::io::Result<Registry> {
         let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)?
             .filter_map(|e| e.ok())
             .map(|e| e.path())
             .filter(|p| {
-                p.is_file() && p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.ends_with(LIBRARY_SUFFIX))
+                (p.is_file() || p.is_symlink())
+                    && p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.ends_with(LIBRARY_SUFFIX))
             })
             .collect();
         paths.sort();
-        let entries = paths.into_iter().map(|path| RegistryEntry { outcome: load(&path, None), path }).collect();
+        let mut entries: Vec<RegistryEntry> =
+            paths.into_iter().map(|path| RegistryEntry { outcome: load(&path, None), path }).collect();
+        refuse_duplicate_kinds(&mut entries);
         Ok(Registry { dir: dir.to_owned(), entries })
     }
 
@@ -51,6 +56,21 @@ impl Registry {
             e.outcome.as_ref().is_ok_and(|p| p.descriptor.kind.as_str() == kind_or_path)
                 || as_path.as_deref().is_some_and(|p| std::fs::canonicalize(&e.path).ok().as_deref() == Some(p))
         })
+    }
+}
+
+fn refuse_duplicate_kinds(entries: &mut [RegistryEntry]) {
+    let kind_of = |e: &RegistryEntry| e.outcome.as_ref().ok().map(|p| p.descriptor.kind.to_string());
+    let kinds: Vec<Option<String>> = entries.iter().map(kind_of).collect();
+    let names: Vec<String> = entries.iter().map(|e| file_name(&e.path)).collect();
+    for (i, entry) in entries.iter_mut().enumerate() {
+        let Some(kind) = &kinds[i] else { continue };
+        let others: Vec<String> =
+            (0..kinds.len()).filter(|&j| j != i && kinds[j].as_ref() == Some(kind)).map(|j| names[j].clone()).collect();
+        if !others.is_empty() {
+            let others = others.join(", ");
+            entry.outcome = Err(LoadError::DuplicateKind { kind: kind.clone(), others });
+        }
     }
 }
 
@@ -91,9 +111,16 @@ pub fn select(dir: &Path, kind: &str, pin: Option<&str>) -> Result<Plugin, Selec
         }
         return Ok(plugin);
     }
-    let registry = Registry::scan(dir).map_err(directory_error)?;
+    let mut registry = Registry::scan(dir).map_err(directory_error)?;
     if let Some(plugin) = registry.find(kind) {
         return Ok(plugin.clone());
+    }
+    let duplicate =
+        |e: &RegistryEntry| matches!(&e.outcome, Err(LoadError::DuplicateKind { kind: k, .. }) if k == kind);
+    if let Some(at) = registry.entries.iter().position(duplicate) {
+        let entry = registry.entries.swap_remove(at);
+        let error = entry.outcome.expect_err("a refused entry");
+        return Err(SelectError::Refused { path: entry.path, error });
     }
     let loaded: Vec<String> = registry.loaded().map(|p| p.descriptor.kind.to_string()).collect();
     let refused: Vec<String> = registry

@@ -5,7 +5,7 @@
 use mlx_rs::{Array, Dtype};
 
 use super::{Row, Verify};
-use crate::generate::{GenerateError, Request, StopReason};
+use crate::generate::{Flow, GenerateError, Request, StopReason};
 use crate::sampling::{filtered_logprobs, gumbel_argmax, step_key, uniform, WindowTokens};
 use plugin_api::sdk::Proposal;
 
@@ -18,7 +18,7 @@ pub(super) fn accept(
     proposal: &Proposal,
     logits: &Array,
     verify: Verify,
-    mut emit: impl FnMut(u32),
+    mut emit: impl FnMut(u32) -> Flow,
 ) -> Result<usize, GenerateError> {
     let drafts = &proposal.tokens;
     let step = row.tokens.len() as u64;
@@ -54,9 +54,13 @@ pub(super) fn accept(
             break;
         }
         row.tokens.push(token);
-        emit(token);
+        let flow = emit(token);
         if row.tokens.len() == request.max_tokens {
             row.stop = Some(StopReason::MaxTokens);
+            break;
+        }
+        if flow == Flow::Stop {
+            row.stop = Some(StopReason::Interrupted);
             break;
         }
         if !took_draft {
@@ -149,7 +153,11 @@ mod tests {
     fn run(request: &Request, proposal: &Proposal, logits: &Array) -> (Row, usize, Vec<u32>) {
         let mut row = Row::new(request, 4);
         let mut emitted = Vec::new();
-        let n = accept(&mut row, request, proposal, logits, Verify::Match, |t| emitted.push(t)).unwrap();
+        let n = accept(&mut row, request, proposal, logits, Verify::Match, |t| {
+            emitted.push(t);
+            Flow::Continue
+        })
+        .unwrap();
         (row, n, emitted)
     }
 
@@ -207,7 +215,7 @@ mod tests {
         let proposal = Proposal { tokens: vec![0, 3, 6], probabilities: Some(probabilities(&p, 3)) };
         let window = Array::from_slice(&logits.repeat(4), &[4, V as i32]);
         let mut row = Row::new(&request, 4);
-        let n = accept(&mut row, &request, &proposal, &window, Verify::Rejection, |_| {}).unwrap();
+        let n = accept(&mut row, &request, &proposal, &window, Verify::Rejection, |_| Flow::Continue).unwrap();
         assert_eq!(n, 3);
         assert_eq!(row.tokens[..3], [0, 3, 6]);
     }
@@ -226,7 +234,7 @@ mod tests {
             let proposal = Proposal { tokens: vec![2], probabilities: Some(probabilities(&q, 1)) };
             let window = Array::from_slice(&logits.repeat(2), &[2, V as i32]);
             let mut row = Row::new(&request, 4);
-            let n = accept(&mut row, &request, &proposal, &window, Verify::Rejection, |_| {}).unwrap();
+            let n = accept(&mut row, &request, &proposal, &window, Verify::Rejection, |_| Flow::Continue).unwrap();
             assert_eq!((n, row.tokens.clone()), (0, vec![5]), "seed {seed}");
         }
     }

@@ -11,7 +11,7 @@ use std::time::Instant;
 use mlx_rs::Array;
 use plugin_api::{Ports, PrefillMode};
 
-use crate::generate::{check_request, GenerateError, Generation, Request, Stats, StopReason};
+use crate::generate::{check_request, Event, Flow, GenerateError, Generation, Request, Stats, StopReason};
 use crate::model::{Gemma4, LayerCache, Taps as LayerTaps};
 use crate::plugin::{DrafterError, LoadedDrafter};
 use crate::target_view::TargetView;
@@ -69,14 +69,15 @@ fn check_pairing(model: &Gemma4, drafter: &LoadedDrafter) -> Result<(), DrafterE
 
 /// Generates `request` speculatively with `drafter`. A drafter that fails is dropped and the
 /// request finishes by plain decoding; `Stats::drafter_error` says why.
-pub fn generate_speculative(
+pub fn generate_speculative<R: Into<Flow>>(
     model: &Rc<Gemma4>,
     drafter: &LoadedDrafter,
     request: &Request,
     config: SpecConfig,
-    mut on_token: impl FnMut(u32),
+    mut on_event: impl FnMut(Event) -> R,
 ) -> Result<Generation, GenerateError> {
-    let mut out = generate_speculative_rows(model, drafter, std::slice::from_ref(request), config, |_, t| on_token(t))?;
+    let requests = std::slice::from_ref(request);
+    let mut out = generate_speculative_rows(model, drafter, requests, config, |_, event| on_event(event))?;
     Ok(out.remove(0))
 }
 
@@ -121,14 +122,16 @@ impl Row {
 
 /// Generates several requests as rows of one batch: one target forward per round for all
 /// rows, each row keeping its own accepted length. Each row's output equals what it would be
-/// alone. `on_token(row, token)` sees every token as it is produced.
-pub fn generate_speculative_rows(
+/// alone. `on_event(row, event)` sees each row's prefill progress and every token as it is
+/// produced; a [`Flow::Stop`] ends that row (during its prefill: once that row's prefill is done).
+pub fn generate_speculative_rows<R: Into<Flow>>(
     model: &Rc<Gemma4>,
     drafter: &LoadedDrafter,
     requests: &[Request],
     config: SpecConfig,
-    mut on_token: impl FnMut(usize, u32),
+    mut on_event: impl FnMut(usize, Event) -> R,
 ) -> Result<Vec<Generation>, GenerateError> {
+    let mut on_event = |row: usize, event: Event| on_event(row, event).into();
     for request in requests {
         check_request(model, request)?;
     }
@@ -140,7 +143,7 @@ pub fn generate_speculative_rows(
     let caches = Rc::new(RefCell::new(Vec::new()));
     let view = TargetView::new(model.clone(), caches.clone(), drafter.info.capabilities.ports);
     let slack = config.draft_tokens + 1;
-    let (joined, mut slot) = prefill_rows(model, drafter, &view, requests, &mut rows, slack, &taps)?;
+    let (joined, mut slot) = prefill_rows(model, drafter, &view, requests, &mut rows, slack, &taps, &mut on_event)?;
     *caches.borrow_mut() = joined;
     let prefill_ms = started.elapsed().as_secs_f64() * 1e3;
 
@@ -148,7 +151,7 @@ pub fn generate_speculative_rows(
     let mut batch = Batch { model, caches: &caches, requests, config, taps: &taps, active: (0..rows.len()).collect() };
     drop_finished(&mut batch, &rows, &mut slot)?;
     while !batch.active.is_empty() {
-        round(&batch, &mut rows, &mut slot, &mut on_token)?;
+        round(&batch, &mut rows, &mut slot, &mut on_event)?;
         drop_finished(&mut batch, &rows, &mut slot)?;
     }
     let decode_ms = decoding.elapsed().as_secs_f64() * 1e3;

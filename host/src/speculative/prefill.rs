@@ -3,7 +3,7 @@
 
 use super::slot::DrafterSlot;
 use super::{forward, Row, Taps};
-use crate::generate::{GenerateError, Request, PREFILL_CHUNK};
+use crate::generate::{Event, Flow, GenerateError, Request, StopReason, PREFILL_CHUNK};
 use crate::model::{Gemma4, LayerCache};
 use crate::plugin::drafter::DrafterGroup;
 use crate::plugin::{DrafterError, LoadedDrafter};
@@ -11,6 +11,7 @@ use crate::target_view::TargetView;
 
 /// The batch's caches (joined) and its drafter. Opening the drafter is fatal when it fails;
 /// a failing drafter prefill only drops the drafter.
+#[expect(clippy::too_many_arguments, reason = "the inputs of one step of the loop, each used once")]
 pub(super) fn prefill_rows(
     model: &Gemma4,
     drafter: &LoadedDrafter,
@@ -19,18 +20,26 @@ pub(super) fn prefill_rows(
     rows: &mut [Row],
     slack: usize,
     taps: &Taps,
+    on_event: &mut impl FnMut(usize, Event) -> Flow,
 ) -> Result<(Vec<LayerCache>, DrafterSlot), GenerateError> {
     let vocab = model.config.vocab_size as u32;
     let mut row_caches = Vec::with_capacity(requests.len());
     let mut parts: Result<Vec<DrafterGroup>, String> = Ok(Vec::with_capacity(requests.len()));
-    for (row, request) in rows.iter_mut().zip(requests) {
+    for (r, (row, request)) in rows.iter_mut().zip(requests).enumerate() {
         let prefix = &request.prompt[..request.prompt.len() - 1];
         let mut own = model.make_caches(1, slack);
         let mut contexts = Vec::new();
+        let mut done = 0;
         for chunk in prefix.chunks(PREFILL_CHUNK) {
-            let (_, context) = forward(model, &mut own, &[chunk], taps)?;
+            let (hidden, context) = forward(model, &mut own, &[chunk], taps)?;
             row.stats.target_forwards += 1;
+            // MLX is lazy: computing each chunk here makes the progress real.
+            hidden.eval()?;
             contexts.extend(context);
+            done += chunk.len();
+            if on_event(r, Event::Prefill { done, total: prefix.len() }) == Flow::Stop {
+                row.stop = Some(StopReason::Interrupted);
+            }
         }
         row_caches.push(own);
         if let Ok(done) = parts.as_mut() {

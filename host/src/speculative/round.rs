@@ -8,7 +8,7 @@ use mlx_rs::Array;
 use super::accept::accept;
 use super::slot::DrafterSlot;
 use super::{forward, Row, SpecConfig, Taps};
-use crate::generate::{GenerateError, Request};
+use crate::generate::{Event, Flow, GenerateError, Request};
 use crate::model::{Gemma4, LayerCache};
 use plugin_api::sdk::Proposal;
 
@@ -27,7 +27,7 @@ pub(super) fn round(
     batch: &Batch,
     rows: &mut [Row],
     slot: &mut DrafterSlot,
-    on_token: &mut impl FnMut(usize, u32),
+    on_event: &mut impl FnMut(usize, Event) -> Flow,
 ) -> Result<(), GenerateError> {
     let proposals = draft(batch, rows, slot)?;
 
@@ -56,7 +56,9 @@ pub(super) fn round(
     for (b, (&r, proposal)) in batch.active.iter().zip(&proposals).enumerate() {
         let row_logits = logits.take_axis(Array::from_int(b as i32), 0)?;
         let verify = batch.config.verify;
-        accepted.push(accept(&mut rows[r], &batch.requests[r], proposal, &row_logits, verify, |t| on_token(r, t))?);
+        accepted.push(accept(&mut rows[r], &batch.requests[r], proposal, &row_logits, verify, |t| {
+            on_event(r, Event::Token(t))
+        })?);
     }
 
     // The caches keep exactly what was accepted: the pending token and the accepted drafts.

@@ -113,12 +113,12 @@ mod tests {
     fn file(header: &str, data: usize) -> Vec<u8> {
         let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
         bytes.extend_from_slice(header.as_bytes());
-        bytes.extend(std::iter::repeat(0u8).take(data));
+        bytes.extend(std::iter::repeat_n(0u8, data));
         bytes
     }
 
     fn why(bytes: &[u8]) -> String {
-        let error = safetensors::SafeTensors::deserialize(bytes).err().expect("the file is refused");
+        let error = safetensors::SafeTensors::deserialize(bytes).expect_err("the file is refused");
         explain(bytes, &error)
     }
 

@@ -66,6 +66,11 @@ impl<'a> WeightsView<'a> {
         self.weights.shaped(&self.path(name), shape)
     }
 
+    /// An integer tensor (token ids, an ordering).
+    pub fn indices(&self, name: &str, shape: &[i32]) -> Result<Array, WeightsError> {
+        self.weights.indices(&self.path(name), shape)
+    }
+
     pub fn optional(&self, name: &str) -> Result<Option<Array>, WeightsError> {
         self.weights.optional(&self.path(name))
     }

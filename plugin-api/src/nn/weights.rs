@@ -106,6 +106,17 @@ impl Weights {
         Ok(array)
     }
 
+    /// The integer tensor `name` (token ids, an ordering), of exactly `shape`.
+    pub fn indices(&self, name: &str, shape: &[i32]) -> Result<Array, WeightsError> {
+        let array = self.get(name)?;
+        if !matches!(array.dtype(), Dtype::Int32 | Dtype::Int64 | Dtype::Uint32 | Dtype::Uint8) {
+            let (role, expected) = ("an index tensor", "an integer type");
+            return Err(WeightsError::Role { name: name.to_owned(), found: array.dtype(), role, expected });
+        }
+        check_shape(name, &array, shape)?;
+        Ok(array)
+    }
+
     /// The quantized weight `name`: uint32 words of packed integers, of exactly `shape`.
     pub fn packed(&self, name: &str, shape: &[i32]) -> Result<Array, WeightsError> {
         let array = self.get(name)?;

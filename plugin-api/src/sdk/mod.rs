@@ -5,9 +5,11 @@
 //! objects ([`ProviderAbi`], [`RowGroupAbi`]) and guard every entry: a panic becomes a
 //! [`PluginError`] of kind `PANICKED` instead of crossing the boundary.
 
+use std::cell::Cell;
 use std::collections::BTreeSet;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
+use std::sync::Once;
 
 use abi_stable::prefix_type::PrefixTypeTrait;
 use abi_stable::sabi_trait::TD_Opaque;
@@ -176,9 +178,37 @@ pub type Draw<'a> = &'a dyn Fn(usize, &[f32]) -> u32;
 
 pub use crate::random::draw;
 
+/// Set by the host (`--verbose`) to let panics inside plugin entries print as usual.
+pub const PANIC_OUTPUT_ENV: &str = "PLUGIN_API_PANIC_OUTPUT";
+
+thread_local! {
+    static INSIDE_ENTRY: Cell<bool> = const { Cell::new(false) };
+}
+
+/// A panic inside an entry reaches the host as an error carrying its message; the default
+/// hook would also print it with a backtrace on the user's terminal. Inside entries the hook
+/// stays quiet unless [`PANIC_OUTPUT_ENV`] is set; every other panic (the host's own, when a
+/// drafter is built into it) prints as before.
+fn install_quiet_hook() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let quiet = INSIDE_ENTRY.with(Cell::get) && std::env::var_os(PANIC_OUTPUT_ENV).is_none();
+            if !quiet {
+                previous(info);
+            }
+        }));
+    });
+}
+
 /// Runs one plugin entry, turning a panic into a `PANICKED` error that names the entry.
 pub fn guard<T>(entry: &str, body: impl FnOnce() -> Result<T, PluginError>) -> RResult<T, PluginError> {
-    match catch_unwind(AssertUnwindSafe(body)) {
+    install_quiet_hook();
+    let outer = INSIDE_ENTRY.with(|inside| inside.replace(true));
+    let outcome = catch_unwind(AssertUnwindSafe(body));
+    INSIDE_ENTRY.with(|inside| inside.set(outer));
+    match outcome {
         Ok(result) => result.into(),
         Err(payload) => {
             let what = payload

@@ -101,7 +101,7 @@ impl Assistant {
         let masked_embedding = if c.use_ordered_embeddings && w.contains("masked_embedding.centroids.weight") {
             let masked = vb.pp("masked_embedding");
             let centroids = masked.linear("centroids", c.num_centroids, d)?;
-            let token_ordering = masked.tensor("token_ordering", &[c.vocab_size])?;
+            let token_ordering = masked.indices("token_ordering", &[c.vocab_size])?;
             if c.num_centroids <= 0 || c.vocab_size % c.num_centroids != 0 || c.centroid_intermediate_top_k <= 0 {
                 return Err(PluginError::invalid_artifact(format!(
                     "{}: centroid head needs num_centroids dividing vocab_size {} and centroid_intermediate_top_k > 0",

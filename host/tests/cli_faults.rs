@@ -1,0 +1,201 @@
+//! Faults a user meets on the command line: Ctrl-C and closed pipes keep what was produced,
+//! damaged plugin files and ambiguous plugin directories are refused in one line, a drafter's
+//! panic stays off the terminal unless asked for, and requests beyond the model are refused.
+
+mod common;
+
+use std::fs;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{fixture, plugins_dir_with, workspace_plugin};
+
+fn host(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_host")).args(args).env("RUST_BACKTRACE", "1").output().unwrap()
+}
+
+fn spawn(args: &[&str]) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_host")).args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// A manifest for the dense fixture with `extra` TOML before `[generation]`, generating
+/// `max_tokens` greedily from a short prompt (the fixture then meets no end of sequence for
+/// thousands of tokens).
+fn manifest(dir: &Path, extra: &str, max_tokens: usize) -> PathBuf {
+    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/gemma4/dense").canonicalize().unwrap();
+    let file = dir.join("m.toml");
+    let body = format!(
+        "[target]\nmodel = \"{}\"\n{extra}[generation]\nprompt_ids = [2, 17, 40]\nmax_tokens = {max_tokens}\ntemperature = 0.0\n",
+        model.display()
+    );
+    fs::write(&file, body).unwrap();
+    file
+}
+
+/// Far more tokens than any test waits for: only an interruption ends these runs early.
+const ENDLESS: usize = 100_000;
+
+fn sigint(child: &Child) {
+    // SAFETY: kill(2) on our own child's pid.
+    assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) }, 0);
+}
+
+fn wait_for_output(child: Child, limit: Duration) -> Output {
+    let started = Instant::now();
+    let pid = child.id();
+    let waiter = std::thread::spawn(move || child.wait_with_output().unwrap());
+    while !waiter.is_finished() {
+        if started.elapsed() > limit {
+            // SAFETY: kill(2) on our own child's pid.
+            unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+            panic!("the host did not stop within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    waiter.join().unwrap()
+}
+
+#[test]
+fn ctrl_c_during_json_still_prints_the_json_of_what_was_produced() {
+    let work = tempfile::tempdir().unwrap();
+    let m = manifest(work.path(), "", ENDLESS);
+    let child = spawn(&["run", "--manifest", m.to_str().unwrap(), "--json"]);
+    std::thread::sleep(Duration::from_secs(3));
+    sigint(&child);
+    let out = wait_for_output(child, Duration::from_secs(60));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    assert_eq!(json["stop"], "interrupted");
+    let tokens = json["tokens"].as_array().unwrap().len();
+    assert!(tokens < ENDLESS && json["stats"]["generated_tokens"] == tokens, "{json}");
+}
+
+#[test]
+fn ctrl_c_while_streaming_ends_the_text_with_a_newline_and_prints_the_summary() {
+    let work = tempfile::tempdir().unwrap();
+    let m = manifest(work.path(), "", ENDLESS);
+    let mut child = spawn(&["run", "--manifest", m.to_str().unwrap()]);
+    let mut first = [0u8; 16];
+    child.stdout.as_mut().unwrap().read_exact(&mut first).unwrap();
+    sigint(&child);
+    let out = wait_for_output(child, Duration::from_secs(60));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(out.stdout.ends_with(b"\n"));
+    assert!(text(&out.stderr).contains("generated (Interrupted)"), "{}", text(&out.stderr));
+}
+
+#[test]
+fn a_closed_stdout_stops_generation_at_the_next_token() {
+    let work = tempfile::tempdir().unwrap();
+    let m = manifest(work.path(), "", ENDLESS);
+    let mut child = spawn(&["run", "--manifest", m.to_str().unwrap()]);
+    let mut stdout = child.stdout.take().unwrap();
+    let mut first = [0u8; 16];
+    stdout.read_exact(&mut first).unwrap();
+    drop(stdout);
+    let out = wait_for_output(child, Duration::from_secs(60));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stderr).contains("generated (Interrupted)"), "{}", text(&out.stderr));
+}
+
+#[test]
+fn a_truncated_plugin_is_refused_in_one_line_and_the_others_still_load() {
+    let dir = plugins_dir_with(&[&workspace_plugin("ngram")]);
+    let bytes = fs::read(workspace_plugin("ngram")).unwrap();
+    for (name, len) in [("libhalf.so", bytes.len() / 2), ("libheader.so", 64), ("libstub.so", 4096)] {
+        fs::write(dir.path().join(name), &bytes[..len]).unwrap();
+    }
+    let out = host(&["plugins", "list", "--plugins-dir", dir.path().to_str().unwrap()]);
+    let listing = text(&out.stdout);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    for name in ["libhalf.so", "libheader.so", "libstub.so"] {
+        let line = listing.lines().find(|l| l.contains(name)).unwrap_or_else(|| panic!("{name} missing: {listing}"));
+        assert!(line.contains("not loadable:"), "{line}");
+    }
+    assert!(listing.lines().any(|l| l.contains("libngram.so") && l.contains("ngram")), "{listing}");
+}
+
+#[test]
+fn broken_symlinks_are_reported_not_skipped() {
+    let dir = plugins_dir_with(&[&workspace_plugin("ngram")]);
+    let d = dir.path();
+    std::os::unix::fs::symlink(d.join("libnothing.so"), d.join("libdangling.so")).unwrap();
+    std::os::unix::fs::symlink(d.join("libloop-b.so"), d.join("libloop-a.so")).unwrap();
+    std::os::unix::fs::symlink(d.join("libloop-a.so"), d.join("libloop-b.so")).unwrap();
+    let out = host(&["plugins", "list", "--plugins-dir", d.to_str().unwrap()]);
+    let listing = text(&out.stdout);
+    assert!(listing.lines().any(|l| l.contains("libdangling.so") && l.contains("a symlink to nothing")), "{listing}");
+    assert!(listing.lines().any(|l| l.contains("libloop-a.so") && l.contains("a symlink loop")), "{listing}");
+    assert!(listing.lines().any(|l| l.contains("libngram.so") && l.contains("ngram")), "{listing}");
+}
+
+#[test]
+fn two_libraries_of_one_kind_are_both_refused_naming_each_other() {
+    let ngram = workspace_plugin("ngram");
+    let dir = plugins_dir_with(&[&ngram]);
+    fs::copy(&ngram, dir.path().join("libngram-copy.so")).unwrap();
+    let d = dir.path().to_str().unwrap();
+    let listing = text(&host(&["plugins", "list", "--plugins-dir", d]).stdout);
+    for (this, other) in [("libngram.so", "libngram-copy.so"), ("libngram-copy.so", "libngram.so")] {
+        let line = listing.lines().find(|l| l.contains(&format!("refused  {this}:"))).unwrap();
+        assert!(line.contains(&format!("kind `ngram` is also provided by {other}")), "{line}");
+    }
+    let work = tempfile::tempdir().unwrap();
+    let m = manifest(work.path(), "[drafter]\nkind = \"ngram\"\n", 4);
+    for command in [&["manifest", "check", m.to_str().unwrap()][..], &["run", "--manifest", m.to_str().unwrap()]] {
+        let mut args = command.to_vec();
+        args.extend(["--plugins-dir", d]);
+        let out = host(&args);
+        assert!(!out.status.success());
+        assert!(text(&out.stderr).contains("kind `ngram` is also provided by"), "{command:?}: {}", text(&out.stderr));
+    }
+}
+
+#[test]
+fn a_drafter_panic_stays_off_the_terminal_unless_verbose() {
+    let plugins = plugins_dir_with(&[&fixture("misbehaving")]);
+    let work = tempfile::tempdir().unwrap();
+    let drafter = "[drafter]\nkind = \"misbehaving\"\n[drafter.options]\nmode = \"well-behaved\"\npanic_after = 2\n";
+    let m = manifest(work.path(), drafter, 12);
+    let args = ["run", "--manifest", m.to_str().unwrap(), "--plugins-dir", plugins.path().to_str().unwrap()];
+    let quiet = host(&args);
+    assert!(quiet.status.success(), "{}", text(&quiet.stderr));
+    let stderr = text(&quiet.stderr);
+    assert!(stderr.contains("misbehaving drafter panics after its last allowed draft"), "{stderr}");
+    assert!(!stderr.contains("panicked at") && !stderr.contains("stack backtrace"), "{stderr}");
+
+    let verbose = host(&[&args[..], &["--verbose"]].concat());
+    assert!(verbose.status.success());
+    assert!(text(&verbose.stderr).contains("panicked at"), "{}", text(&verbose.stderr));
+    assert_eq!(quiet.stdout, verbose.stdout, "the text does not depend on --verbose");
+}
+
+#[test]
+fn an_artifact_for_a_drafter_that_takes_none_is_refused() {
+    let plugins = plugins_dir_with(&[&workspace_plugin("ngram")]);
+    let work = tempfile::tempdir().unwrap();
+    fs::create_dir(work.path().join("weights")).unwrap();
+    let m = manifest(work.path(), "[drafter]\nkind = \"ngram\"\nartifact = \"weights\"\n", 4);
+    let out = host(&["manifest", "check", m.to_str().unwrap(), "--plugins-dir", plugins.path().to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("drafter.artifact: drafter `ngram` takes no artifact"), "{}", text(&out.stderr));
+}
+
+#[test]
+fn a_request_beyond_the_models_context_is_refused_before_prefill() {
+    let work = tempfile::tempdir().unwrap();
+    let m = manifest(work.path(), "", 131_072);
+    let out = host(&["run", "--manifest", m.to_str().unwrap()]);
+    assert!(!out.status.success());
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("the prompt's 3 tokens plus max_tokens 131072 exceed the model's context of 131072"),
+        "{stderr}"
+    );
+}
