@@ -110,13 +110,19 @@ fn check_model(name: &str, model_dir: &Path, oracle_dir: &Path, wraps: usize, to
     assert_eq!(generated.tokens, o.tokens, "{name}: the decoding loop differs from mlx-lm");
 }
 
-// Tolerances. The host computes what mlx-lm computes, op for op. Measured largest logit
-// differences (printed with --nocapture): bfloat16 and 4-bit fixtures 0 (identical); float32
-// fixtures 4e-5 to 1.4e-4 (moe), from summation order: attention reads the cached keys in
-// ring order with a mask, mlx-lm in its own order, which moves float32 sums in the last bits.
-// Logits here reach about ±10, so 5e-4 is a relative 5e-5: rounding, not a different model.
+// Tolerances. The host computes what mlx-lm computes, op for op, except that on the CPU it
+// takes products of 32 rows or more (prefill chunks) through float32 BLAS (`nn::wide`), which
+// sums in another order. Measured largest logit differences (printed with --nocapture):
+// - bfloat16 and 4-bit fixtures, whose prompts are shorter than that: 0 (identical);
+// - the trained demo target (bfloat16, a 112-token prompt): 0.1875, on logits of 16 to 30, where
+//   one bfloat16 rounding step is 0.125: the prefill's activations round differently once or
+//   twice, and the tolerance allows two steps at that magnitude;
+// - float32 fixtures 4e-5 to 2.6e-4 (moe), from summation order: attention reads the cached
+//   keys in ring order with a mask, mlx-lm in its own order, which moves float32 sums in the
+//   last bits. Logits here reach about ±10, so 5e-4 is a relative 5e-5: rounding, not a
+//   different model.
 const F32: f32 = 5e-4;
-const BF16: f32 = 0.0625;
+const BF16: f32 = 0.25;
 
 #[test]
 fn dense_sliding_and_full_layers() {

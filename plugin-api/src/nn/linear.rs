@@ -5,6 +5,7 @@ use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype};
 
 use super::weights::{Weights, WeightsError};
+use super::wide;
 
 /// MLX affine quantization of one module: `bits` per weight, one scale and bias per
 /// `group_size` weights.
@@ -103,6 +104,16 @@ fn times_transposed(
     biases: Option<&Array>,
     q: Option<Quantization>,
 ) -> Result<Array, Exception> {
+    if wide::takes_float32_route(wide::rows(x), x.dtype(), scales.is_some()) {
+        let w = match (scales, q) {
+            (Some(scales), Some(q)) => {
+                let biases = biases.map(wide::float32).transpose()?;
+                mlx_rs::ops::dequantize(w, wide::float32(scales)?, biases.as_ref(), q.group_size, q.bits)?
+            }
+            _ => wide::float32(w)?,
+        };
+        return wide::float32(x)?.matmul(w.t())?.as_dtype(x.dtype());
+    }
     match (scales, q) {
         (Some(scales), Some(q)) => mlx_rs::ops::quantized_matmul(x, w, scales, biases, true, q.group_size, q.bits),
         _ => x.matmul(w.t()),

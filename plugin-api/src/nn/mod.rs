@@ -10,6 +10,7 @@ pub mod ops;
 pub mod rope;
 pub mod view;
 pub mod weights;
+pub mod wide;
 
 pub use context::{row_span, LayerContext};
 pub use linear::{Embedding, Linear, Quantization};
