@@ -62,8 +62,8 @@ mod tests {
     /// Largest |a − b| relative to the largest |b|.
     fn relative_difference(a: &Array, b: &Array) -> f32 {
         let (a, b) = (float32(a).unwrap(), float32(b).unwrap());
-        let diff = a.subtract(&b).unwrap().abs().unwrap().max(None).unwrap().item::<f32>();
-        diff / b.abs().unwrap().max(None).unwrap().item::<f32>()
+        let diff = a.subtract(&b).unwrap().abs().unwrap().max(None).unwrap().item_exact::<f32>();
+        diff / b.abs().unwrap().max(None).unwrap().item_exact::<f32>()
     }
 
     #[test]
