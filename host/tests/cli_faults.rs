@@ -199,3 +199,25 @@ fn a_request_beyond_the_models_context_is_refused_before_prefill() {
         "{stderr}"
     );
 }
+
+#[test]
+fn a_long_prefill_reports_its_progress_chunk_by_chunk() {
+    let work = tempfile::tempdir().unwrap();
+    let m = manifest(work.path(), "", 2);
+    let prompt: Vec<u32> = (0..1100).map(|i| 10 + i % 400).collect();
+    let options = host::run::RunOptions {
+        manifest: m,
+        overrides: host::run::Overrides { prompt_ids: Some(prompt), ..Default::default() },
+        plugins_dir: PathBuf::from("."),
+    };
+    let mut seen = Vec::new();
+    let output = host::run::run(&options, |event| {
+        if let host::run::RunEvent::Prefill { done, total } = event {
+            seen.push((done, total));
+        }
+        host::generate::Flow::Continue
+    })
+    .unwrap();
+    assert_eq!(seen, [(512, 1100), (1024, 1100), (1100, 1100)]);
+    assert_eq!(output.tokens.len(), 2);
+}
