@@ -5,7 +5,7 @@ use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype};
 
 use super::weights::{Weights, WeightsError};
-use super::wide;
+use super::{kernels, wide};
 
 /// MLX affine quantization of one module: `bits` per weight, one scale and bias per
 /// `group_size` weights.
@@ -104,6 +104,9 @@ fn times_transposed(
     biases: Option<&Array>,
     q: Option<Quantization>,
 ) -> Result<Array, Exception> {
+    if let Some(y) = kernels::small_product(x, w, scales, biases, q)? {
+        return Ok(y);
+    }
     if wide::takes_float32_route(wide::rows(x), x.dtype(), scales.is_some()) {
         let w = match (scales, q) {
             (Some(scales), Some(q)) => {

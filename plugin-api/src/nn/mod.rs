@@ -4,6 +4,7 @@
 
 pub mod context;
 mod header;
+pub mod kernels;
 pub mod linear;
 pub mod mlp;
 pub mod ops;

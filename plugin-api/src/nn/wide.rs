@@ -4,10 +4,12 @@
 //! generic kernel and a quantized one a scalar kernel, several times slower than OpenBLAS at
 //! prefill sizes; attention over a long cache pays it on every chunk, so prefill time grew
 //! much faster than the prompt. For many rows, converting the operands to float32 once per call
-//! costs little next to the product, and gives MLX's own result up to summation order: its
-//! half-precision and quantized kernels also accumulate in float32 and round the output once.
-//! Few rows (decode steps, verify windows) keep MLX's ops: there the conversion would cost as
-//! much as the product.
+//! costs little next to the product, and gives MLX's own result up to summation order where
+//! MLX accumulates in float32: half-precision products (rounded once at the end) and quantized
+//! products of float32 activations. Quantized weights times half-precision activations keep
+//! MLX's op, which computes those in half precision element by element (see
+//! [`super::kernels::applies_to_quantized`]). Few rows (decode steps, verify windows) are
+//! [`super::kernels`]' work.
 
 use std::sync::OnceLock;
 
@@ -18,7 +20,7 @@ use mlx_rs::{Array, Device, DeviceType, Dtype};
 pub const WIDE_ROWS: i32 = 32;
 
 /// Whether MLX computes on the CPU in this process.
-fn on_cpu() -> bool {
+pub fn on_cpu() -> bool {
     static CPU: OnceLock<bool> = OnceLock::new();
     *CPU.get_or_init(|| {
         let kind = Device::try_default().ok().and_then(|d| d.get_type().ok());
@@ -29,7 +31,9 @@ fn on_cpu() -> bool {
 /// Whether a product with `rows` rows of `dtype` activations (or quantized weights) should take
 /// the float32 route.
 pub fn takes_float32_route(rows: i32, dtype: Dtype, quantized: bool) -> bool {
-    rows >= WIDE_ROWS && (quantized || matches!(dtype, Dtype::Bfloat16 | Dtype::Float16)) && on_cpu()
+    let half = matches!(dtype, Dtype::Bfloat16 | Dtype::Float16);
+    let worth_it = if quantized { super::kernels::applies_to_quantized(dtype) } else { half };
+    rows >= WIDE_ROWS && worth_it && on_cpu()
 }
 
 /// Rows of `x`: the product of every dimension but the last.
