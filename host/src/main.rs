@@ -72,8 +72,12 @@ struct RunArgs {
 
 #[derive(Args)]
 struct BenchArgs {
-    #[arg(long, value_name = "FILE")]
-    manifest: PathBuf,
+    #[arg(long, value_name = "FILE", required_unless_present = "kernels")]
+    manifest: Option<PathBuf>,
+    /// Time the CPU products of one to sixteen rows per weight format, the host's against
+    /// MLX's, next to the machine's read bandwidth (needs no manifest).
+    #[arg(long)]
+    kernels: bool,
     /// Measured pairs (host, mlx-lm), run in alternating order.
     #[arg(long, default_value_t = 6)]
     pairs: usize,
@@ -322,8 +326,17 @@ fn run_manifest(args: RunArgs) -> Result<()> {
 }
 
 fn bench(args: BenchArgs) -> Result<()> {
+    if args.kernels {
+        let report = host::bench::kernels::kernels()?;
+        if args.json {
+            println!("{}", serde_json::to_string_pretty(&report)?);
+        } else {
+            print!("{}", report.text());
+        }
+        return Ok(());
+    }
     let options = BenchOptions {
-        manifest: args.manifest,
+        manifest: args.manifest.expect("clap requires it without --kernels"),
         pairs: args.pairs,
         max_tokens: args.max_tokens,
         mlx_lm_python: args.mlx_lm_python,

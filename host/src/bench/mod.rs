@@ -9,6 +9,7 @@ use std::time::Instant;
 use crate::generate::{generate, GenerateError, Request};
 use crate::model::Gemma4;
 
+pub mod kernels;
 mod report;
 pub use report::{bench, BenchOptions, BenchReport, BenchRunError, MLX_LM_PYTHON_ENV};
 

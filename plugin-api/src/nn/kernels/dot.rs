@@ -63,18 +63,6 @@ pub fn product(x: &[f32], rows: usize, k: usize, w: Weight, outputs: std::ops::R
     portable::product(x, rows, k, w, outputs, n, y)
 }
 
-/// Per row m and group g, the sum of x over the group (the bias term of affine quantization).
-fn group_sums(x: &[f32], rows: usize, k: usize, group: usize) -> Vec<f32> {
-    let groups = k / group;
-    let mut sums = vec![0.0; rows * groups];
-    for m in 0..rows {
-        for g in 0..groups {
-            sums[m * groups + g] = x[m * k + g * group..m * k + (g + 1) * group].iter().sum();
-        }
-    }
-    sums
-}
-
 pub(super) mod portable {
     use super::*;
 
@@ -120,8 +108,10 @@ mod avx2 {
 
     use super::*;
 
-    /// Rows of x handled together: their accumulators stay in registers next to the weights.
-    const BLOCK: usize = 4;
+    /// Rows of x and of W handled together: 4 × 2 accumulators stay in registers, and each
+    /// loaded weight vector serves four rows of x, each loaded x vector two rows of W.
+    const X_BLOCK: usize = 4;
+    const W_BLOCK: usize = 2;
 
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn product(
@@ -133,130 +123,115 @@ mod avx2 {
         n: usize,
         y: &mut [f32],
     ) {
-        if !k.is_multiple_of(8) {
+        let supported = match w {
+            Weight::Quantized { bits, group, .. } => group.is_multiple_of(8) && (bits == 4 || bits == 8),
+            _ => true,
+        };
+        if !k.is_multiple_of(8) || !supported {
             return portable::product(x, rows, k, w, outputs, n, y);
         }
-        match w {
-            Weight::F32(w) => {
-                for o in outputs {
-                    let row = w.as_ptr().add(o * k);
-                    dense_row(x, rows, k, |i| _mm256_loadu_ps(row.add(i)), o, n, y);
+        // Rows of W in another format are converted to floats once, into a buffer that stays
+        // in L1, and read from there by every block of x rows.
+        let mut converted = vec![0f32; W_BLOCK * k];
+        let mut o = outputs.start;
+        while o < outputs.end {
+            let width = W_BLOCK.min(outputs.end - o);
+            let rows_of_w = match w {
+                Weight::F32(w) => &w[o * k..(o + width) * k],
+                _ => {
+                    for j in 0..width {
+                        convert_row(w, o + j, k, &mut converted[j * k..(j + 1) * k]);
+                    }
+                    &converted[..width * k]
                 }
-            }
+            };
+            tile(x, rows, k, rows_of_w, o, width, n, y);
+            o += width;
+        }
+    }
+
+    /// Row r of W as floats.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn convert_row(w: Weight, r: usize, k: usize, out: &mut [f32]) {
+        let dst = out.as_mut_ptr();
+        match w {
+            Weight::F32(w) => out.copy_from_slice(&w[r * k..(r + 1) * k]),
             Weight::Bf16(w) => {
-                for o in outputs {
-                    let row = w.as_ptr().add(o * k);
-                    let load = |i: usize| {
-                        let halves = _mm_loadu_si128(row.add(i) as *const __m128i);
-                        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16))
-                    };
-                    dense_row(x, rows, k, load, o, n, y);
+                for i in (0..k).step_by(8) {
+                    _mm256_storeu_ps(dst.add(i), bf16x8(w.as_ptr().add(r * k + i)));
                 }
             }
             Weight::Quantized { packed, scales, biases, bits, group } => {
-                if !group.is_multiple_of(8) || (bits != 4 && bits != 8) {
-                    return portable::product(x, rows, k, w, outputs, n, y);
-                }
-                let sums = group_sums(x, rows, k, group);
-                for o in outputs {
-                    quantized_row(x, rows, k, packed, scales, biases, bits, group, &sums, o, n, y);
+                let groups = k / group;
+                for g in 0..groups {
+                    // MLX's dequantization: w = scale · q + bias.
+                    let scale = _mm256_set1_ps(scales.get(r * groups + g));
+                    let bias = _mm256_set1_ps(biases.get(r * groups + g));
+                    for i in (g * group..(g + 1) * group).step_by(8) {
+                        let q = if bits == 8 {
+                            u8x8(packed.as_ptr().add((r * k + i) / 4))
+                        } else {
+                            u4x8(*packed.as_ptr().add((r * k + i) / 8))
+                        };
+                        _mm256_storeu_ps(dst.add(i), _mm256_fmadd_ps(q, scale, bias));
+                    }
                 }
             }
         }
     }
 
-    /// y[m, o] = Σ_i w[o, i] · x[m, i], with `load(i)` giving w[o, i..i+8] as floats.
+    /// y[m, o + j] = Σ_i w[j, i] · x[m, i] for the `width` rows of `w` (float32, [width, k]) and
+    /// every row m of x.
+    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn dense_row(
-        x: &[f32],
-        rows: usize,
-        k: usize,
-        load: impl Fn(usize) -> __m256,
-        o: usize,
-        n: usize,
-        y: &mut [f32],
-    ) {
+    unsafe fn tile(x: &[f32], rows: usize, k: usize, w: &[f32], o: usize, width: usize, n: usize, y: &mut [f32]) {
         let mut m0 = 0;
         while m0 < rows {
-            let block = BLOCK.min(rows - m0);
-            let mut acc = [_mm256_setzero_ps(); BLOCK];
+            let block = X_BLOCK.min(rows - m0);
+            let mut acc = [[_mm256_setzero_ps(); X_BLOCK]; W_BLOCK];
             let mut i = 0;
             while i < k {
-                let wv = load(i);
-                for (b, a) in acc.iter_mut().enumerate().take(block) {
+                let mut wv = [_mm256_setzero_ps(); W_BLOCK];
+                for (j, v) in wv.iter_mut().enumerate().take(width) {
+                    *v = _mm256_loadu_ps(w.as_ptr().add(j * k + i));
+                }
+                for b in 0..block {
                     let xv = _mm256_loadu_ps(x.as_ptr().add((m0 + b) * k + i));
-                    *a = _mm256_fmadd_ps(wv, xv, *a);
+                    for j in 0..width {
+                        acc[j][b] = _mm256_fmadd_ps(wv[j], xv, acc[j][b]);
+                    }
                 }
                 i += 8;
             }
-            for (b, a) in acc.iter().enumerate().take(block) {
-                y[(m0 + b) * n + o] = horizontal_sum(*a);
+            for j in 0..width {
+                for b in 0..block {
+                    y[(m0 + b) * n + o + j] = horizontal_sum(acc[j][b]);
+                }
             }
             m0 += block;
         }
     }
 
-    /// One output of affine-quantized W: Σ_g scale_g · Σ_{i∈g} q_i x_i + bias_g · Σ_{i∈g} x_i.
-    #[allow(clippy::too_many_arguments)]
+    /// Eight bfloat16 values as floats: each is the top half of its float32.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn quantized_row(
-        x: &[f32],
-        rows: usize,
-        k: usize,
-        packed: &[u32],
-        scales: Params,
-        biases: Params,
-        bits: u32,
-        group: usize,
-        sums: &[f32],
-        o: usize,
-        n: usize,
-        y: &mut [f32],
-    ) {
-        let groups = k / group;
-        let per_word = (32 / bits) as usize;
-        let words = packed.as_ptr().add(o * k / per_word);
+    unsafe fn bf16x8(p: *const u16) -> __m256 {
+        let halves = _mm_loadu_si128(p as *const __m128i);
+        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16))
+    }
+
+    /// Eight 8-bit values (two words, low byte first) as floats.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn u8x8(p: *const u32) -> __m256 {
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i)))
+    }
+
+    /// The eight 4-bit values of one word (low nibble first) as floats.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn u4x8(word: u32) -> __m256 {
         let shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-        let nibble = _mm256_set1_epi32(0xF);
-        // Eight weights as floats from word offset `i / per_word`.
-        let load = |i: usize| -> __m256 {
-            if bits == 8 {
-                let bytes = _mm_loadl_epi64(words.add(i / 4) as *const __m128i);
-                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes))
-            } else {
-                let word = _mm256_set1_epi32(*words.add(i / 8) as i32);
-                _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(word, shifts), nibble))
-            }
-        };
-        let mut m0 = 0;
-        while m0 < rows {
-            let block = BLOCK.min(rows - m0);
-            let mut total = [_mm256_setzero_ps(); BLOCK];
-            let mut bias_terms = [0f32; BLOCK];
-            for g in 0..groups {
-                let scale = scales.get(o * groups + g);
-                let bias = biases.get(o * groups + g);
-                let mut acc = [_mm256_setzero_ps(); BLOCK];
-                let mut i = g * group;
-                while i < (g + 1) * group {
-                    let qv = load(i);
-                    for (b, a) in acc.iter_mut().enumerate().take(block) {
-                        let xv = _mm256_loadu_ps(x.as_ptr().add((m0 + b) * k + i));
-                        *a = _mm256_fmadd_ps(qv, xv, *a);
-                    }
-                    i += 8;
-                }
-                let s = _mm256_set1_ps(scale);
-                for b in 0..block {
-                    total[b] = _mm256_fmadd_ps(s, acc[b], total[b]);
-                    bias_terms[b] += bias * sums[(m0 + b) * groups + g];
-                }
-            }
-            for b in 0..block {
-                y[(m0 + b) * n + o] = horizontal_sum(total[b]) + bias_terms[b];
-            }
-            m0 += block;
-        }
+        let nibbles =
+            _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word as i32), shifts), _mm256_set1_epi32(0xF));
+        _mm256_cvtepi32_ps(nibbles)
     }
 
     #[target_feature(enable = "avx2,fma")]

@@ -1,0 +1,126 @@
+//! `host bench --kernels`: products of a few rows with one 4096×4096 weight per format, the
+//! host's loops (`nn::kernels`) against MLX's own op, as weight bytes read per second, next to
+//! this machine's read bandwidth measured in the same run.
+
+use std::time::Instant;
+
+use mlx_rs::error::Exception;
+use mlx_rs::{random, Array, Dtype};
+use plugin_api::nn::{Linear, Quantization};
+use serde::Serialize;
+
+const SIDE: i32 = 4096;
+const ROWS: [i32; 5] = [1, 2, 4, 8, 16];
+const REPEATS: usize = 7;
+
+#[derive(Debug, Serialize)]
+pub struct KernelRow {
+    pub format: String,
+    pub rows: i32,
+    /// Weight bytes per second, host loops and MLX's op.
+    pub host_gb_per_s: f64,
+    pub mlx_gb_per_s: f64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct KernelReport {
+    pub memory_gb_per_s: f64,
+    pub rows: Vec<KernelRow>,
+}
+
+impl KernelReport {
+    pub fn text(&self) -> String {
+        let mut out = format!(
+            "products of a {SIDE}×{SIDE} weight, GB/s of weights read (machine: {:.1} GB/s)\n{:<14} {:>4} {:>8} {:>8} {:>7}\n",
+            self.memory_gb_per_s, "format", "rows", "host", "mlx", "ratio"
+        );
+        for r in &self.rows {
+            out += &format!(
+                "{:<14} {:>4} {:>8.1} {:>8.1} {:>6.1}×\n",
+                r.format,
+                r.rows,
+                r.host_gb_per_s,
+                r.mlx_gb_per_s,
+                r.host_gb_per_s / r.mlx_gb_per_s
+            );
+        }
+        out
+    }
+}
+
+/// A weight format: its layer, the activation dtype models of that format run in, and MLX's
+/// own product for comparison.
+struct Format {
+    name: String,
+    linear: Linear,
+    activations: Dtype,
+}
+
+fn formats() -> Result<Vec<Format>, Exception> {
+    let w = random::normal::<f32>(&[SIDE, SIDE], None, 0.02, &random::key(0)?)?;
+    let plain = |w: Array| Linear { weight: w, scales: None, biases: None, quantization: None };
+    let mut out = vec![
+        Format { name: "float32".into(), linear: plain(w.clone()), activations: Dtype::Float32 },
+        Format { name: "bfloat16".into(), linear: plain(w.as_dtype(Dtype::Bfloat16)?), activations: Dtype::Bfloat16 },
+    ];
+    for bits in [8, 4] {
+        let group_size = 64;
+        let (packed, scales, biases) = mlx_rs::ops::quantize(&w, group_size, bits)?;
+        out.push(Format {
+            name: format!("{bits}-bit g{group_size}"),
+            linear: Linear {
+                weight: packed,
+                scales: Some(scales),
+                biases: Some(biases),
+                quantization: Some(Quantization { group_size, bits }),
+            },
+            activations: Dtype::Float32,
+        });
+    }
+    Ok(out)
+}
+
+fn mlx_product(l: &Linear, x: &Array) -> Result<Array, Exception> {
+    match (&l.scales, l.quantization) {
+        (Some(s), Some(q)) => {
+            mlx_rs::ops::quantized_matmul(x, &l.weight, s, l.biases.as_ref(), true, q.group_size, q.bits)
+        }
+        _ => x.matmul(l.weight.t()),
+    }
+}
+
+/// Median seconds of `f`, evaluated each time.
+fn time(mut f: impl FnMut() -> Result<Array, Exception>) -> Result<f64, Exception> {
+    f()?.eval()?;
+    let mut samples = Vec::with_capacity(REPEATS);
+    for _ in 0..REPEATS {
+        let start = Instant::now();
+        f()?.eval()?;
+        samples.push(start.elapsed().as_secs_f64());
+    }
+    Ok(super::summary(&samples).0)
+}
+
+pub fn kernels() -> Result<KernelReport, Exception> {
+    let memory_gb_per_s = super::memory_bandwidth_gb_per_s();
+    let mut rows = Vec::new();
+    for f in formats()? {
+        mlx_rs::transforms::eval(
+            [&f.linear.weight].into_iter().chain(f.linear.scales.as_ref()).chain(f.linear.biases.as_ref()),
+        )?;
+        let bytes = f.linear.nbytes() as f64;
+        for m in ROWS {
+            let x = random::normal::<f32>(&[1, m, SIDE], None, None, &random::key(1)?)?.as_dtype(f.activations)?;
+            x.eval()?;
+            let host = time(|| f.linear.forward(&x))?;
+            let mlx = time(|| mlx_product(&f.linear, &x))?;
+            rows.push(KernelRow {
+                format: f.name.clone(),
+                rows: m,
+                host_gb_per_s: bytes / host / 1e9,
+                mlx_gb_per_s: bytes / mlx / 1e9,
+            });
+        }
+    }
+    Ok(KernelReport { memory_gb_per_s, rows })
+}
