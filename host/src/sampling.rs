@@ -161,20 +161,40 @@ pub fn filtered_logprobs(logits: &[f32], params: &SamplingParams) -> Vec<f32> {
 }
 
 /// Keeps the smallest set of most likely tokens whose mass reaches `p`.
+///
+/// Only the tokens that can be in that set are sorted: all tokens at or above a cut form a
+/// prefix of the sorted order, so once their mass reaches `p` the set lies among them. A real
+/// vocabulary (262,144 tokens) then costs one pass and a sort of a few hundred, not a sort of
+/// all of it; the set, and the order in which its mass is summed, are those of a full sort.
 fn top_p(lp: &mut [f32], p: f32) {
-    let mut order: Vec<usize> = (0..lp.len()).collect();
-    order.sort_by(|&a, &b| lp[b].total_cmp(&lp[a]));
+    let best = lp.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut cut = best - 8.0;
+    let mut candidates: Vec<usize> = loop {
+        let above: Vec<usize> = (0..lp.len()).filter(|&t| lp[t] >= cut).collect();
+        let mass: f64 = above.iter().map(|&t| (lp[t] as f64).exp()).sum();
+        if mass >= p as f64 || above.len() == lp.len() {
+            break above;
+        }
+        cut = if cut > best - 64.0 { cut - 8.0 } else { f32::NEG_INFINITY };
+    };
+    candidates.sort_by(|&a, &b| lp[b].total_cmp(&lp[a]));
     let mut mass = 0.0f64;
-    let mut keep = order.len();
-    for (i, &t) in order.iter().enumerate() {
+    let mut keep = candidates.len();
+    for (i, &t) in candidates.iter().enumerate() {
         mass += (lp[t] as f64).exp();
         if mass >= p as f64 {
             keep = i + 1;
             break;
         }
     }
-    for &t in &order[keep..] {
-        lp[t] = f32::NEG_INFINITY;
+    let mut kept = vec![false; lp.len()];
+    for &t in &candidates[..keep] {
+        kept[t] = true;
+    }
+    for (x, kept) in lp.iter_mut().zip(kept) {
+        if !kept {
+            *x = f32::NEG_INFINITY;
+        }
     }
 }
 
@@ -182,14 +202,22 @@ fn top_p(lp: &mut [f32], p: f32) {
 /// token depends only on (seed, step, token).
 pub fn gumbel_argmax(logprobs: &[f32], temperature: f32, seed: u64, step: u64) -> u32 {
     let key = step_key(seed, step);
+    let t = temperature as f64;
+    // Noise is at most -ln(-ln(1 - 2⁻⁵⁴)) < 37.5 (`uniform`'s largest value): a token whose scaled log-probability is that far
+    // below the best score so far cannot win, and its noise need not be drawn. Starting from the
+    // most likely token skips most of a large vocabulary without changing the draw.
+    const MAX_NOISE: f64 = 37.5;
+    let first = logprobs.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map_or(0, |(i, _)| i);
     let mut best = (f64::NEG_INFINITY, 0u32);
-    for (token, &lp) in logprobs.iter().enumerate() {
-        if lp == f32::NEG_INFINITY {
+    for token in std::iter::once(first).chain((0..logprobs.len()).filter(|&i| i != first)) {
+        let lp = logprobs[token];
+        if lp == f32::NEG_INFINITY || lp as f64 / t + MAX_NOISE < best.0 {
             continue;
         }
         let u = uniform(key, token as u64);
-        let score = lp as f64 / temperature as f64 - (-u.ln()).ln();
-        if score > best.0 {
+        let score = lp as f64 / t - (-u.ln()).ln();
+        // Ties go to the lower token id, as in a pass in token order.
+        if score > best.0 || (score == best.0 && token < best.1 as usize) {
             best = (score, token as u32);
         }
     }
@@ -204,6 +232,65 @@ mod tests {
 
     fn params(temperature: f32) -> SamplingParams {
         SamplingParams { temperature, ..Default::default() }
+    }
+
+    /// top-p by a sort of the whole vocabulary, and a Gumbel draw over every token: what the
+    /// fast paths must equal.
+    fn top_p_by_full_sort(lp: &mut [f32], p: f32) {
+        let mut order: Vec<usize> = (0..lp.len()).collect();
+        order.sort_by(|&a, &b| lp[b].total_cmp(&lp[a]));
+        let mut mass = 0.0f64;
+        let mut keep = order.len();
+        for (i, &t) in order.iter().enumerate() {
+            mass += (lp[t] as f64).exp();
+            if mass >= p as f64 {
+                keep = i + 1;
+                break;
+            }
+        }
+        for &t in &order[keep..] {
+            lp[t] = f32::NEG_INFINITY;
+        }
+    }
+
+    fn gumbel_over_every_token(logprobs: &[f32], temperature: f32, seed: u64, step: u64) -> u32 {
+        let key = step_key(seed, step);
+        let mut best = (f64::NEG_INFINITY, 0u32);
+        for (token, &lp) in logprobs.iter().enumerate() {
+            if lp == f32::NEG_INFINITY {
+                continue;
+            }
+            let score = lp as f64 / temperature as f64 - (-uniform(key, token as u64).ln()).ln();
+            if score > best.0 {
+                best = (score, token as u32);
+            }
+        }
+        best.1
+    }
+
+    #[test]
+    fn the_fast_top_p_and_draw_equal_a_full_sort_and_a_full_draw() {
+        for case in 0..200u64 {
+            let vocab = 50 + (case as usize * 37) % 3000;
+            // Peaked, flat and tied logits.
+            let spread = [0.5f32, 3.0, 12.0][case as usize % 3];
+            let logits: Vec<f32> = (0..vocab)
+                .map(|i| ((uniform(case, i as u64) * 8.0).floor() as f32 - 4.0) * spread / 4.0)
+                .collect();
+            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let log_sum = logits.iter().map(|&x| ((x - max) as f64).exp()).sum::<f64>().ln() as f32 + max;
+            let lp: Vec<f32> = logits.iter().map(|&x| x - log_sum).collect();
+            for p in [0.3f32, 0.9, 0.95, 0.999] {
+                let (mut fast, mut full) = (lp.clone(), lp.clone());
+                top_p(&mut fast, p);
+                top_p_by_full_sort(&mut full, p);
+                assert_eq!(fast, full, "case {case}, top_p {p}");
+                for t in [0.3f32, 0.7, 1.5] {
+                    assert_eq!(gumbel_argmax(&fast, t, case, 7), gumbel_over_every_token(&full, t, case, 7));
+                    assert_eq!(gumbel_argmax(&lp, t, case, 9), gumbel_over_every_token(&lp, t, case, 9));
+                }
+            }
+        }
     }
 
     #[test]

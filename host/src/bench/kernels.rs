@@ -9,6 +9,8 @@ use mlx_rs::{random, Array, Dtype};
 use plugin_api::nn::{Linear, Quantization};
 use serde::Serialize;
 
+use crate::sampling::{sample, SamplingParams};
+
 const SIDE: i32 = 4096;
 const ROWS: [i32; 5] = [1, 2, 4, 8, 16];
 const REPEATS: usize = 7;
@@ -23,9 +25,17 @@ pub struct KernelRow {
 }
 
 #[derive(Debug, Serialize)]
+pub struct SamplingRow {
+    pub settings: String,
+    pub milliseconds: f64,
+}
+
+#[derive(Debug, Serialize)]
 pub struct KernelReport {
     pub memory_gb_per_s: f64,
     pub rows: Vec<KernelRow>,
+    /// One sampled token from logits over Gemma 4's real vocabulary.
+    pub sampling: Vec<SamplingRow>,
 }
 
 impl KernelReport {
@@ -44,9 +54,16 @@ impl KernelReport {
                 r.host_gb_per_s / r.mlx_gb_per_s
             );
         }
+        out += &format!("sampling one token from {VOCAB} logits (normal, σ = 3)\n");
+        for r in &self.sampling {
+            out += &format!("{:<40} {:>6.2} ms\n", r.settings, r.milliseconds);
+        }
         out
     }
 }
+
+/// Gemma 4's vocabulary.
+const VOCAB: i32 = 262_144;
 
 /// A weight format: its layer, the activation dtype models of that format run in, and MLX's
 /// own product for comparison.
@@ -122,5 +139,21 @@ pub fn kernels() -> Result<KernelReport, Exception> {
             });
         }
     }
-    Ok(KernelReport { memory_gb_per_s, rows })
+    let logits = random::normal::<f32>(&[VOCAB], None, 3.0, &random::key(2)?)?;
+    logits.eval()?;
+    let mut sampling = Vec::new();
+    for (settings, params) in [
+        ("temperature 0.7, top-p 0.95", SamplingParams { temperature: 0.7, top_p: 0.95, ..Default::default() }),
+        ("temperature 1.0, no filter", SamplingParams { temperature: 1.0, ..Default::default() }),
+        ("temperature 0.7, top-k 40", SamplingParams { temperature: 0.7, top_k: 40, ..Default::default() }),
+    ] {
+        let mut samples = Vec::new();
+        for step in 0..REPEATS as u64 {
+            let start = Instant::now();
+            sample(&logits, &params, step).map_err(|e| Exception::custom(e.to_string()))?;
+            samples.push(start.elapsed().as_secs_f64() * 1e3);
+        }
+        sampling.push(SamplingRow { settings: settings.into(), milliseconds: super::summary(&samples).0 });
+    }
+    Ok(KernelReport { memory_gb_per_s, rows, sampling })
 }
