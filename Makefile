@@ -62,7 +62,10 @@ oracle: setup
 bench: build
 	bash tests/oracle/setup-venv.sh
 	[ -e $(BENCH_MODEL)/config.json ] || $(ORACLE_PY) tests/oracle/gemma4_oracle.py --bench $(BENCH_MODEL)
+	[ -e $(BENCH_MODEL)-262k/config.json ] || $(ORACLE_PY) tests/oracle/gemma4_oracle.py --bench $(BENCH_MODEL)-262k --bench-vocab 262144
+	./target/release/host bench --kernels
 	./target/release/host bench --manifest manifests/bench.toml --mlx-lm-python $(ORACLE_PY)
+	./target/release/host bench --manifest manifests/bench-262k.toml --mlx-lm-python $(ORACLE_PY)
 	./target/release/host bench --manifest manifests/bench-ngram.toml
 	./target/release/host bench --manifest manifests/assistant.toml
 	./target/release/host bench --manifest manifests/dflash.toml

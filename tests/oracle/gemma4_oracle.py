@@ -840,8 +840,7 @@ def make_fixture(fx: Fixture, tok, out_root: Path, max_tries: int = 1000) -> Dic
 # --------------------------------------------------------------------------------------------
 
 
-def make_bench(out: Path) -> None:
-    vocab = 16384
+def make_bench(out: Path, vocab: int = 16384) -> None:
     tc = text_config(vocab=vocab, hidden=512, layer_types=[SW, SW, SW, FA, SW, SW, SW, FA],
                      heads=8, kv_heads=2, head_dim=64, global_head_dim=128, intermediate=2048,
                      window=128, dtype="float32")
@@ -881,10 +880,12 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=FIXTURES, help="fixtures root")
     ap.add_argument("--only", nargs="*", help="fixture names to (re)generate")
     ap.add_argument("--bench", type=Path, help="write a >=20M-parameter bench checkpoint here")
+    ap.add_argument("--bench-vocab", type=int, default=16384,
+                    help="its vocabulary (262144: Gemma 4's, so that the head costs what it does)")
     args = ap.parse_args()
     mx.set_default_device(mx.cpu)
     if args.bench:
-        make_bench(args.bench)
+        make_bench(args.bench, args.bench_vocab)
         return 0
     t0 = time.time()
     tok = build_tokenizer(VOCAB)
