@@ -274,9 +274,8 @@ mod tests {
             let vocab = 50 + (case as usize * 37) % 3000;
             // Peaked, flat and tied logits.
             let spread = [0.5f32, 3.0, 12.0][case as usize % 3];
-            let logits: Vec<f32> = (0..vocab)
-                .map(|i| ((uniform(case, i as u64) * 8.0).floor() as f32 - 4.0) * spread / 4.0)
-                .collect();
+            let logits: Vec<f32> =
+                (0..vocab).map(|i| ((uniform(case, i as u64) * 8.0).floor() as f32 - 4.0) * spread / 4.0).collect();
             let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let log_sum = logits.iter().map(|&x| ((x - max) as f64).exp()).sum::<f64>().ln() as f32 + max;
             let lp: Vec<f32> = logits.iter().map(|&x| x - log_sum).collect();

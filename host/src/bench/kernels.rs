@@ -41,12 +41,12 @@ pub struct KernelReport {
 impl KernelReport {
     pub fn text(&self) -> String {
         let mut out = format!(
-            "products of a {SIDE}×{SIDE} weight, GB/s of weights read (machine: {:.1} GB/s)\n{:<14} {:>4} {:>8} {:>8} {:>7}\n",
+            "products of a {SIDE}×{SIDE} weight, GB/s of weights read (machine: {:.1} GB/s)\n{:<18} {:>4} {:>8} {:>8} {:>7}\n",
             self.memory_gb_per_s, "format", "rows", "host", "mlx", "ratio"
         );
         for r in &self.rows {
             out += &format!(
-                "{:<14} {:>4} {:>8.1} {:>8.1} {:>6.1}×\n",
+                "{:<18} {:>4} {:>8.1} {:>8.1} {:>6.1}×\n",
                 r.format,
                 r.rows,
                 r.host_gb_per_s,
@@ -80,19 +80,23 @@ fn formats() -> Result<Vec<Format>, Exception> {
         Format { name: "float32".into(), linear: plain(w.clone()), activations: Dtype::Float32 },
         Format { name: "bfloat16".into(), linear: plain(w.as_dtype(Dtype::Bfloat16)?), activations: Dtype::Bfloat16 },
     ];
-    for bits in [8, 4] {
-        let group_size = 64;
-        let (packed, scales, biases) = mlx_rs::ops::quantize(&w, group_size, bits)?;
-        out.push(Format {
-            name: format!("{bits}-bit g{group_size}"),
-            linear: Linear {
-                weight: packed,
-                scales: Some(scales),
-                biases: Some(biases),
-                quantization: Some(Quantization { group_size, bits }),
-            },
-            activations: Dtype::Float32,
-        });
+    // Quantized as mlx-lm converts float32 checkpoints (float32 scales and activations) and
+    // bfloat16 ones (bfloat16 scales and activations).
+    for (activations, label) in [(Dtype::Float32, "f32"), (Dtype::Bfloat16, "bf16")] {
+        for bits in [8, 4] {
+            let group_size = 64;
+            let (packed, scales, biases) = mlx_rs::ops::quantize(w.as_dtype(activations)?, group_size, bits)?;
+            out.push(Format {
+                name: format!("{bits}-bit g{group_size} {label}"),
+                linear: Linear {
+                    weight: packed,
+                    scales: Some(scales),
+                    biases: Some(biases),
+                    quantization: Some(Quantization { group_size, bits }),
+                },
+                activations,
+            });
+        }
     }
     Ok(out)
 }

@@ -22,7 +22,7 @@ pub enum Params<'a> {
 }
 
 impl Params<'_> {
-    fn get(&self, i: usize) -> f32 {
+    pub fn get(&self, i: usize) -> f32 {
         match self {
             Params::F32(p) => p[i],
             Params::Bf16(p) => f32::from_bits((p[i] as u32) << 16),
@@ -182,7 +182,7 @@ mod avx2 {
 
     /// y[m, o + j] = Σ_i w[j, i] · x[m, i] for the `width` rows of `w` (float32, [width, k]) and
     /// every row m of x.
-    #[allow(clippy::too_many_arguments)]
+    #[allow(clippy::too_many_arguments, clippy::needless_range_loop, reason = "register tiles read best by index")]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn tile(x: &[f32], rows: usize, k: usize, w: &[f32], o: usize, width: usize, n: usize, y: &mut [f32]) {
         let mut m0 = 0;

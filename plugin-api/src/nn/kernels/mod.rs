@@ -1,26 +1,28 @@
-//! Products of one to sixteen rows (decode steps, verify windows) on the CPU, through the loops
-//! in [`dot`]: each weight is read once, in its stored format, and the result is MLX's own up
-//! to summation order (float32 accumulation, output rounded once to the activation dtype).
-//! Anything else (more rows, other dtypes, another device) is left to MLX.
+//! Products on the CPU through hand-written loops: of one to sixteen rows (decode steps, verify
+//! windows) in [`dot`], each weight read once in its stored format, with MLX's result up to
+//! summation order (float32 accumulation, output rounded once to the activation dtype); and of
+//! quantized weights with half-precision activations, at any row count, in
+//! [`half_quantized`], bit for bit as MLX computes them. Anything else (more rows, other
+//! dtypes, another device) is left to MLX.
 
 pub mod dot;
+pub mod half_quantized;
 
 use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype};
 
 use super::linear::Quantization;
 use dot::{Params, Weight, MAX_ROWS};
+use half_quantized::Half;
 
 /// Weights (in bytes) from which a product is split between two threads: below it, starting a
 /// thread costs more than it saves.
 const SPLIT_BYTES: usize = 1 << 20;
 
-/// Whether a quantized product of `activations` may leave MLX's op. MLX's CPU kernel computes
-/// float32 activations in float32, which these loops reproduce; half-precision activations it
-/// computes element by element in half precision (`_qmm_t` in mlx/backend/cpu/quantized.cpp),
-/// about 1.7% of the largest output away from the float32 result on a 512×64 4-bit product.
-/// Reproducing that would be as slow as MLX's op, and computing better would change mlx-lm's
-/// greedy tokens on quantized bfloat16 checkpoints, so those stay with MLX.
+/// Whether a quantized product of `activations` may be summed in any order. MLX's CPU kernel
+/// sums float32 activations in float32, which the float32 route reproduces up to summation
+/// order; half-precision activations it sums in half precision, rounding after every weight
+/// (see [`half_quantized`]), so only that element-by-element order gives mlx-lm's result.
 pub fn applies_to_quantized(activations: Dtype) -> bool {
     activations == Dtype::Float32
 }
@@ -36,7 +38,10 @@ pub fn small_product(
     let shape = x.shape();
     let k = *shape.last().unwrap_or(&0) as usize;
     let rows = super::wide::rows(x) as usize;
-    if rows == 0 || rows > MAX_ROWS || !super::wide::on_cpu() {
+    // Quantized products of half-precision activations take the exact loops at any row count
+    // (MLX's own is the same computation, one lane wide); the others up to MAX_ROWS.
+    let exact_half = q.is_some() && !applies_to_quantized(x.dtype());
+    if rows == 0 || (rows > MAX_ROWS && !exact_half) || !super::wide::on_cpu() {
         return Ok(None);
     }
     if !matches!(x.dtype(), Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16) {
@@ -46,16 +51,22 @@ pub fn small_product(
     // Weights are stored row-major (as loaded); one that is not is left to MLX.
     let weight = match (q, scales, biases) {
         (Some(q), Some(s), Some(b)) => {
-            if !applies_to_quantized(x.dtype()) {
-                return Ok(None);
-            }
             let (Some(packed), Some(scales), Some(biases)) = (slice::<u32>(w), params(s), params(b)) else {
                 return Ok(None);
             };
-            if !k.is_multiple_of(q.group_size as usize) {
+            if !k.is_multiple_of(q.group_size as usize) || !matches!(q.bits, 4 | 8) {
                 return Ok(None);
             }
-            Weight::Quantized { packed, scales, biases, bits: q.bits as u32, group: q.group_size as usize }
+            let (bits, group) = (q.bits as u32, q.group_size as usize);
+            if !applies_to_quantized(x.dtype()) {
+                let half = if x.dtype() == Dtype::Bfloat16 { Half::Bf16 } else { Half::F16 };
+                let w = half_quantized::Quantized { packed, scales, biases, bits, group };
+                return half_product(x, rows, k, n, |xs, y, range| {
+                    half_quantized::product(xs, rows, k, w, half, range, n, y)
+                })
+                .map(Some);
+            }
+            Weight::Quantized { packed, scales, biases, bits, group }
         }
         (None, None, None) => match w.dtype() {
             Dtype::Float32 => match slice::<f32>(w) {
@@ -87,6 +98,36 @@ pub fn small_product(
     } else {
         Ok(Some(y.as_dtype(x.dtype())?))
     }
+}
+
+/// A quantized product summed in half precision, split between two threads like the others.
+fn half_product(
+    x: &Array,
+    rows: usize,
+    k: usize,
+    n: usize,
+    run: impl Fn(&[f32], &mut [f32], std::ops::Range<usize>) + Sync,
+) -> Result<Array, Exception> {
+    let x32 = super::wide::float32(x)?.contiguous()?;
+    let xs = x32.try_as_slice::<f32>().map_err(|e| Exception::custom(e.to_string()))?;
+    let mut y = vec![0f32; rows * n];
+    // Splitting pays from fewer weights here: every weight costs several operations.
+    if n * k < SPLIT_BYTES / 4 || n < 16 {
+        run(xs, &mut y, 0..n);
+    } else {
+        let half = n / 16 * 8;
+        let mut upper = vec![0f32; rows * n];
+        std::thread::scope(|scope| {
+            scope.spawn(|| run(xs, &mut upper, half..n));
+            run(xs, &mut y, 0..half);
+        });
+        for m in 0..rows {
+            y[m * n + half..(m + 1) * n].copy_from_slice(&upper[m * n + half..(m + 1) * n]);
+        }
+    }
+    let mut shape = x.shape().to_vec();
+    *shape.last_mut().expect("x has a last axis") = n as i32;
+    Array::from_slice(&y, &shape).as_dtype(x.dtype())
 }
 
 /// The product on two threads, each writing its own half of the outputs.
@@ -185,6 +226,28 @@ mod tests {
                     let mlx = mlx_rs::ops::quantized_matmul(&x, &wq, &scales, &biases, true, group_size, bits).unwrap();
                     let d = relative_difference(&ours, &mlx.as_dtype(Dtype::Float32).unwrap());
                     assert!(d <= 1e-5, "{bits} bits, group {group_size}, {scale_dtype:?}, {rows} rows: {d}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn quantized_products_of_half_precision_activations_equal_mlxs_bit_for_bit() {
+        for dtype in [Dtype::Bfloat16, Dtype::Float16] {
+            for (bits, group_size) in [(4, 32), (4, 64), (8, 64), (8, 128)] {
+                // 52 outputs: six groups of eight lanes and a tail of four.
+                let w = normal(&[52, 256], 8).as_dtype(dtype).unwrap();
+                let (wq, scales, biases) = mlx_rs::ops::quantize(&w, group_size, bits).unwrap();
+                let q = Quantization { group_size, bits };
+                // Beyond MAX_ROWS too: these loops serve every row count.
+                for rows in ROWS.into_iter().chain([40]) {
+                    let x = normal(&[rows, 256], 9 + rows as u64).multiply(Array::from_f32(3.0)).unwrap();
+                    let x = x.as_dtype(dtype).unwrap();
+                    let ours = small_product(&x, &wq, Some(&scales), Some(&biases), Some(q)).unwrap().unwrap();
+                    let mlx = mlx_rs::ops::quantized_matmul(&x, &wq, &scales, &biases, true, group_size, bits).unwrap();
+                    assert_eq!(ours.dtype(), dtype);
+                    let d = relative_difference(&ours, &mlx);
+                    assert_eq!(d, 0.0, "{dtype:?}, {bits} bits, group {group_size}, {rows} rows");
                 }
             }
         }
