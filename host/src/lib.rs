@@ -5,6 +5,7 @@ pub mod bench;
 pub mod check_model;
 pub mod doctor;
 pub mod generate;
+pub mod hub;
 pub mod interrupt;
 pub mod manifest;
 pub mod model;

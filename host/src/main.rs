@@ -2,13 +2,13 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 use std::io::{IsTerminal, Write};
 
 use host::bench::BenchOptions;
 use host::generate::Flow;
-use host::manifest::Manifest;
+use host::manifest::{Manifest, Source};
 use host::plugin::{load, report, Registry};
 use host::run::{load_drafter, Overrides, RunEvent, RunOptions};
 use host::{doctor, plugins_dir};
@@ -33,8 +33,18 @@ struct PluginsDir {
 #[command(allow_negative_numbers = true)]
 struct RunArgs {
     /// The manifest: target, drafter, generation settings.
-    #[arg(long, value_name = "FILE")]
-    manifest: PathBuf,
+    #[arg(long, value_name = "FILE", required_unless_present = "model")]
+    manifest: Option<PathBuf>,
+    /// The target: a directory, or a Hugging Face model id (ORG/NAME[@REVISION]) found in the
+    /// local cache (overrides the manifest's).
+    #[arg(long, short = 'm', value_name = "PATH|ID")]
+    model: Option<String>,
+    /// A drafter kind from the plugins directory (overrides the manifest's).
+    #[arg(long, value_name = "KIND")]
+    drafter: Option<String>,
+    /// The drafter's checkpoint directory.
+    #[arg(long, value_name = "DIR")]
+    drafter_artifact: Option<PathBuf>,
     /// Prompt text (overrides the manifest's).
     #[arg(long, conflicts_with = "prompt_ids")]
     prompt: Option<String>,
@@ -121,6 +131,8 @@ enum Command {
         #[command(subcommand)]
         command: PluginsCommand,
     },
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    Completions { shell: clap_complete::Shell },
     /// Check manifests.
     Manifest {
         #[command(subcommand)]
@@ -163,8 +175,20 @@ enum ManifestCommand {
     },
 }
 
+/// `host --version`: the host, the plugin API it speaks and the MLX it runs on.
+fn version() -> &'static str {
+    let text = format!(
+        "{} (plugin API {}, MLX {})",
+        env!("CARGO_PKG_VERSION"),
+        plugin_api::API_VERSION,
+        host::runtime::mlx_version()
+    );
+    Box::leak(text.into_boxed_str())
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let matches = Cli::command().version(version()).get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     if matches!(&cli.command, Command::Run(args) if args.verbose) {
         // SAFETY: still single-threaded: the runtime and any plugin start later.
         unsafe { std::env::set_var(plugin_api::sdk::PANIC_OUTPUT_ENV, "1") };
@@ -190,6 +214,12 @@ fn run(cli: Cli) -> Result<()> {
             } else {
                 print!("{}", report.human());
             }
+        }
+        Command::Completions { shell } => {
+            // Written whole, so that a closed pipe is an error line rather than a panic.
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "host", &mut script);
+            std::io::stdout().write_all(&script)?;
         }
         Command::CheckModel { dir, json } => {
             let report = host::check_model::check(&dir)?;
@@ -274,7 +304,12 @@ fn scan(dir: PluginsDir) -> Result<(PathBuf, Registry)> {
 
 fn run_manifest(args: RunArgs) -> Result<()> {
     let options = RunOptions {
-        manifest: args.manifest,
+        source: Source {
+            manifest: args.manifest,
+            model: args.model,
+            drafter: args.drafter,
+            drafter_artifact: args.drafter_artifact,
+        },
         overrides: Overrides {
             prompt: args.prompt,
             prompt_ids: args.prompt_ids,

@@ -147,6 +147,63 @@ pub struct DrafterSpec {
     option_lines: Vec<(String, usize)>,
 }
 
+/// Where a run's target and drafter come from: a manifest, flags (`--model`, `--drafter`,
+/// `--drafter-artifact`), or both, the flags overriding the manifest.
+#[derive(Debug, Clone, Default)]
+pub struct Source {
+    pub manifest: Option<PathBuf>,
+    /// A directory or a Hugging Face model id.
+    pub model: Option<String>,
+    /// A drafter kind.
+    pub drafter: Option<String>,
+    pub drafter_artifact: Option<PathBuf>,
+}
+
+impl Source {
+    pub fn manifest(file: &Path) -> Source {
+        Source { manifest: Some(file.to_owned()), ..Source::default() }
+    }
+
+    pub fn load(&self) -> Result<Manifest, ManifestError> {
+        let flags = Path::new("<command line>");
+        let error = |message: String| ManifestError { file: flags.to_owned(), line: None, message };
+        let mut manifest = match (&self.manifest, &self.model) {
+            (Some(file), _) => Manifest::load(file)?,
+            (None, Some(_)) => Manifest {
+                file: flags.to_owned(),
+                target_model: PathBuf::new(),
+                drafter: None,
+                generation: Generation::default(),
+            },
+            (None, None) => return Err(error("give --manifest or --model".into())),
+        };
+        if let Some(model) = &self.model {
+            manifest.target_model =
+                crate::hub::resolve(model, Path::new(".")).map_err(|e| error(format!("--model: {e}")))?;
+        }
+        if let Some(kind) = &self.drafter {
+            manifest.drafter = Some(DrafterSpec {
+                kind: kind.clone(),
+                artifact: None,
+                sha256: None,
+                draft_tokens: default_draft_tokens(),
+                verify: default_verify(),
+                options: toml::Table::new(),
+                option_lines: Vec::new(),
+            });
+        }
+        if let Some(artifact) = &self.drafter_artifact {
+            let drafter =
+                manifest.drafter.as_mut().ok_or_else(|| error("--drafter-artifact needs a drafter".into()))?;
+            if !artifact.is_dir() {
+                return Err(error(format!("--drafter-artifact: {} is not a directory", artifact.display())));
+            }
+            drafter.artifact = Some(artifact.clone());
+        }
+        Ok(manifest)
+    }
+}
+
 impl Manifest {
     pub fn load(file: &Path) -> Result<Manifest, ManifestError> {
         let text = std::fs::read_to_string(file).map_err(|e| ManifestError {
@@ -176,7 +233,9 @@ impl Manifest {
             }
         };
 
-        let target_model = existing("target.model", &parsed.target.model, true)?;
+        let model = &parsed.target.model;
+        let target_model = crate::hub::resolve(&model.get_ref().to_string_lossy(), base)
+            .map_err(|e| at(Some(model.span()), format!("target.model: {e}")))?;
         let drafter = match parsed.drafter {
             None => None,
             Some(d) => {

@@ -17,7 +17,7 @@ use crate::tokenizer::{StreamDecoder, Tokenizer, TokenizerError};
 /// What `host run` is asked: a manifest, the command line's overrides, where plugins live.
 #[derive(Debug, Clone)]
 pub struct RunOptions {
-    pub manifest: PathBuf,
+    pub source: crate::manifest::Source,
     pub overrides: Overrides,
     pub plugins_dir: PathBuf,
 }
@@ -59,7 +59,7 @@ pub enum RunEvent<'a> {
 /// piece of text to `on_event`, which may answer [`Flow::Stop`]. The returned text is exactly the
 /// concatenation of the pieces.
 pub fn run(options: &RunOptions, mut on_event: impl FnMut(RunEvent) -> Flow) -> Result<RunOutput, RunError> {
-    let manifest = Manifest::load(&options.manifest)?;
+    let manifest = options.source.load()?;
     let model = Rc::new(crate::model::load(&manifest.target_model)?);
     let mut drafter = load_drafter(&manifest, &options.plugins_dir)?;
     if let Some((d, config)) = &mut drafter {

@@ -206,7 +206,7 @@ fn a_long_prefill_reports_its_progress_chunk_by_chunk() {
     let m = manifest(work.path(), "", 2);
     let prompt: Vec<u32> = (0..1100).map(|i| 10 + i % 400).collect();
     let options = host::run::RunOptions {
-        manifest: m,
+        source: host::manifest::Source::manifest(&m),
         overrides: host::run::Overrides { prompt_ids: Some(prompt), ..Default::default() },
         plugins_dir: PathBuf::from("."),
     };

@@ -1,0 +1,115 @@
+//! A new user's first steps: a model by path or by Hugging Face id without a manifest, the
+//! version line, shell completions.
+
+mod common;
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use common::{plugins_dir_with, workspace_plugin};
+
+fn host(args: &[&str], envs: &[(&str, &Path)]) -> Output {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_host"));
+    command.args(args).env_remove("HF_HUB_CACHE").env_remove("HF_HOME");
+    for (key, value) in envs {
+        command.env(key, value);
+    }
+    command.output().unwrap()
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+fn dense() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/gemma4/dense").canonicalize().unwrap()
+}
+
+fn tokens(out: &Output) -> Vec<u64> {
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    json["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect()
+}
+
+/// A Hugging Face cache holding the dense fixture as `test/dense`, laid out as huggingface_hub
+/// writes it: files in `blobs/` named by hash, a snapshot of symbolic links, `refs/main`.
+fn hub_cache(root: &Path) {
+    let repo = root.join("models--test--dense");
+    let commit = "0123456789abcdef0123456789abcdef01234567";
+    let snapshot = repo.join("snapshots").join(commit);
+    fs::create_dir_all(repo.join("blobs")).unwrap();
+    fs::create_dir_all(&snapshot).unwrap();
+    fs::create_dir_all(repo.join("refs")).unwrap();
+    fs::write(repo.join("refs/main"), commit).unwrap();
+    for (i, entry) in fs::read_dir(dense()).unwrap().enumerate() {
+        let path = entry.unwrap().path();
+        let blob = format!("blob{i:04}");
+        fs::copy(&path, repo.join("blobs").join(&blob)).unwrap();
+        std::os::unix::fs::symlink(format!("../../blobs/{blob}"), snapshot.join(path.file_name().unwrap())).unwrap();
+    }
+}
+
+#[test]
+fn a_model_runs_without_a_manifest_by_path_and_by_cached_id() {
+    let args = ["--prompt-ids", "2,17,40", "--max-tokens", "6", "--temperature", "0", "--json"];
+    let dense = dense();
+    let by_path = tokens(&host(&[&["run", "--model", dense.to_str().unwrap()][..], &args].concat(), &[]));
+    assert_eq!(by_path.len(), 6);
+
+    let cache = tempfile::tempdir().unwrap();
+    hub_cache(cache.path());
+    let env = [("HF_HUB_CACHE", cache.path())];
+    let by_id = tokens(&host(&[&["run", "--model", "test/dense"][..], &args].concat(), &env));
+    assert_eq!(by_id, by_path);
+    let pinned =
+        host(&[&["run", "-m", "test/dense@0123456789abcdef0123456789abcdef01234567"][..], &args].concat(), &env);
+    assert_eq!(tokens(&pinned), by_path);
+
+    // HF_HOME/hub is the next place looked in.
+    let home = tempfile::tempdir().unwrap();
+    hub_cache(&home.path().join("hub"));
+    assert_eq!(
+        tokens(&host(&[&["run", "--model", "test/dense"][..], &args].concat(), &[("HF_HOME", home.path())])),
+        by_path
+    );
+
+    let miss = host(&["run", "--model", "test/absent", "--prompt-ids", "2"], &env);
+    assert!(!miss.status.success());
+    let stderr = text(&miss.stderr);
+    assert!(stderr.contains("model `test/absent` not found") && stderr.contains("models--test--absent"), "{stderr}");
+}
+
+#[test]
+fn a_manifests_model_may_be_an_id_and_flags_add_a_drafter() {
+    let cache = tempfile::tempdir().unwrap();
+    hub_cache(cache.path());
+    let work = tempfile::tempdir().unwrap();
+    let manifest = work.path().join("m.toml");
+    fs::write(&manifest, "[target]\nmodel = \"test/dense\"\n[generation]\nprompt_ids = [2, 17, 40]\nmax_tokens = 8\n")
+        .unwrap();
+    let env = [("HF_HUB_CACHE", cache.path())];
+    let plain = tokens(&host(&["run", "--manifest", manifest.to_str().unwrap(), "--temperature", "0", "--json"], &env));
+    let plugins = plugins_dir_with(&[&workspace_plugin("ngram")]);
+    let args = ["run", "--manifest", manifest.to_str().unwrap(), "--temperature", "0", "--json", "--drafter", "ngram"];
+    let out = host(&[&args[..], &["--plugins-dir", plugins.path().to_str().unwrap()]].concat(), &env);
+    assert_eq!(tokens(&out), plain, "speculation changes nothing but speed");
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(json["stats"]["rounds"].as_u64().unwrap() > 0);
+}
+
+#[test]
+fn the_version_names_the_plugin_api_and_mlx() {
+    let out = host(&["--version"], &[]);
+    let line = text(&out.stdout);
+    assert!(line.starts_with(&format!("host {}", env!("CARGO_PKG_VERSION"))), "{line}");
+    assert!(line.contains(&format!("plugin API {}", plugin_api::API_VERSION)) && line.contains("MLX 0."), "{line}");
+}
+
+#[test]
+fn completion_scripts_for_the_common_shells() {
+    for (shell, marker) in [("bash", "_host()"), ("zsh", "#compdef host"), ("fish", "complete -c host")] {
+        let out = host(&["completions", shell], &[]);
+        assert!(out.status.success() && text(&out.stdout).contains(marker), "{shell}");
+    }
+}
