@@ -1,6 +1,7 @@
 //! The drafter host: a Gemma 4 target, its caches and the speculative verify loop, with
 //! drafters loaded as plugins. The `host` binary is a thin command line over this library.
 
+pub mod batch;
 pub mod bench;
 pub mod check_model;
 pub mod doctor;

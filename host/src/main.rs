@@ -48,6 +48,13 @@ struct RunArgs {
     /// Prompt text (overrides the manifest's).
     #[arg(long, conflicts_with = "prompt_ids")]
     prompt: Option<String>,
+    /// Many requests, one JSON object per line (`prompt` or `prompt_ids`, optional `max_tokens`,
+    /// `temperature`, `seed`, `id`); one result line each, in input order.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["prompt", "prompt_ids", "json"])]
+    prompts_file: Option<PathBuf>,
+    /// Where --prompts-file results go (default: stdout).
+    #[arg(long, value_name = "FILE", requires = "prompts_file")]
+    output: Option<PathBuf>,
     /// Prompt as token ids, comma-separated.
     #[arg(long, value_delimiter = ',', value_name = "IDS")]
     prompt_ids: Option<Vec<u32>>,
@@ -324,6 +331,22 @@ fn run_manifest(args: RunArgs) -> Result<()> {
         },
         plugins_dir: plugins_dir::resolve(args.dir.plugins_dir),
     };
+    if let Some(file) = &args.prompts_file {
+        let jsonl = std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+        let results = host::batch::run_batch(&options, &jsonl, |warning| eprintln!("warning: {warning}"))?;
+        let mut out = String::new();
+        for result in &results {
+            out += &serde_json::to_string(result)?;
+            out.push('\n');
+        }
+        match &args.output {
+            Some(path) => std::fs::write(path, out).with_context(|| format!("writing {}", path.display()))?,
+            None => print!("{out}"),
+        }
+        let failed = results.iter().filter(|r| matches!(r.outcome, host::batch::Outcome::Failed { .. })).count();
+        eprintln!("{} requests, {failed} failed", results.len());
+        return Ok(());
+    }
     host::interrupt::install();
     let progress = std::io::stderr().is_terminal();
     let mut stdout = std::io::stdout().lock();

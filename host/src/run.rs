@@ -59,25 +59,11 @@ pub enum RunEvent<'a> {
 /// piece of text to `on_event`, which may answer [`Flow::Stop`]. The returned text is exactly the
 /// concatenation of the pieces.
 pub fn run(options: &RunOptions, mut on_event: impl FnMut(RunEvent) -> Flow) -> Result<RunOutput, RunError> {
-    let manifest = options.source.load()?;
-    let model = Rc::new(crate::model::load(&manifest.target_model)?);
-    let mut drafter = load_drafter(&manifest, &options.plugins_dir)?;
-    if let Some((d, config)) = &mut drafter {
-        probe_open(&model, d)?;
-        match options.overrides.draft_tokens {
-            Some(n) if n == 0 || n > crate::manifest::MAX_DRAFT_TOKENS => return Err(RunError::DraftTokens(n)),
-            Some(n) => config.draft_tokens = n as usize,
-            None => {}
-        }
-        for warning in depth_warnings(&d.info, config.draft_tokens) {
-            on_event(RunEvent::Warning(warning));
-        }
-    }
-    let tokenizer = Tokenizer::load(&manifest.target_model)?;
-    let defaults = CheckpointDefaults::load(&manifest.target_model).map_err(RunError::CheckpointDefaults)?;
-    let request = resolve_request(&manifest, &options.overrides, &model, &tokenizer, &defaults)?;
-
-    let mut stream = StreamDecoder::new(&tokenizer);
+    let session = Session::open(options, |warning| {
+        on_event(RunEvent::Warning(warning));
+    })?;
+    let request = session.request(&options.overrides)?;
+    let mut stream = StreamDecoder::new(&session.tokenizer);
     let on_generate = |event| match event {
         Event::Prefill { done, total } => on_event(RunEvent::Prefill { done, total }),
         Event::Token(token) => {
@@ -89,15 +75,50 @@ pub fn run(options: &RunOptions, mut on_event: impl FnMut(RunEvent) -> Flow) -> 
             }
         }
     };
-    let generation = match &drafter {
-        None => generate(&model, &request, on_generate)?,
-        Some((drafter, config)) => generate_speculative(&model, drafter, &request, *config, on_generate)?,
+    let generation = match &session.drafter {
+        None => generate(&session.model, &request, on_generate)?,
+        Some((drafter, config)) => generate_speculative(&session.model, drafter, &request, *config, on_generate)?,
     };
     let rest = stream.finish();
     if !rest.is_empty() {
         on_event(RunEvent::Text(&rest));
     }
     Ok(RunOutput { text: stream.text(), tokens: generation.tokens, stop: generation.stop, stats: generation.stats })
+}
+
+/// What a run loads once: the target, its drafter, tokenizer and generation defaults.
+pub struct Session {
+    pub manifest: Manifest,
+    pub model: Rc<Gemma4>,
+    pub drafter: Option<(LoadedDrafter, SpecConfig)>,
+    pub tokenizer: Tokenizer,
+    pub defaults: CheckpointDefaults,
+}
+
+impl Session {
+    /// Loads what `options` name, telling `warn` what the user should know first.
+    pub fn open(options: &RunOptions, mut warn: impl FnMut(String)) -> Result<Session, RunError> {
+        let manifest = options.source.load()?;
+        let model = Rc::new(crate::model::load(&manifest.target_model)?);
+        let mut drafter = load_drafter(&manifest, &options.plugins_dir)?;
+        if let Some((d, config)) = &mut drafter {
+            probe_open(&model, d)?;
+            match options.overrides.draft_tokens {
+                Some(n) if n == 0 || n > crate::manifest::MAX_DRAFT_TOKENS => return Err(RunError::DraftTokens(n)),
+                Some(n) => config.draft_tokens = n as usize,
+                None => {}
+            }
+            depth_warnings(&d.info, config.draft_tokens).into_iter().for_each(&mut warn);
+        }
+        let tokenizer = Tokenizer::load(&manifest.target_model)?;
+        let defaults = CheckpointDefaults::load(&manifest.target_model).map_err(RunError::CheckpointDefaults)?;
+        Ok(Session { manifest, model, drafter, tokenizer, defaults })
+    }
+
+    /// The request the manifest, the checkpoint's defaults and `overrides` describe.
+    pub fn request(&self, overrides: &Overrides) -> Result<Request, RequestError> {
+        resolve_request(&self.manifest, overrides, &self.model, &self.tokenizer, &self.defaults)
+    }
 }
 
 /// Values given on the command line; each overrides the manifest's.

@@ -113,3 +113,63 @@ fn completion_scripts_for_the_common_shells() {
         assert!(out.status.success() && text(&out.stdout).contains(marker), "{shell}");
     }
 }
+
+#[test]
+fn a_prompts_file_runs_as_one_batch_in_input_order_and_bad_lines_do_not_stop_it() {
+    let work = tempfile::tempdir().unwrap();
+    let file = work.path().join("in.jsonl");
+    let lines = [
+        r#"{"id": "a", "prompt_ids": [2, 17, 40], "max_tokens": 7}"#,
+        r#"{"id": 2, "prompt_ids": [2, 5, 9, 61], "max_tokens": 5}"#,
+        "this is not json",
+        "",
+        r#"{"prompt_ids": [2, 99999]}"#,
+        r#"{"prompt_ids": [2, 33], "max_tokens": 4, "colour": "red"}"#,
+        r#"{"prompt_ids": [2, 33, 7], "max_tokens": 6}"#,
+    ];
+    fs::write(&file, lines.join("\n")).unwrap();
+    let dense = dense();
+    let plugins = plugins_dir_with(&[&workspace_plugin("ngram")]);
+    let alone = |ids: &str, n: &str| {
+        tokens(&host(
+            &[
+                "run",
+                "--model",
+                dense.to_str().unwrap(),
+                "--prompt-ids",
+                ids,
+                "--max-tokens",
+                n,
+                "--temperature",
+                "0",
+                "--json",
+            ],
+            &[],
+        ))
+    };
+    let expected = [alone("2,17,40", "7"), alone("2,5,9,61", "5"), alone("2,33,7", "6")];
+    for drafter in [None, Some("ngram")] {
+        let out_file = work.path().join("out.jsonl");
+        let mut args = vec!["run", "--model", dense.to_str().unwrap(), "--temperature", "0", "--prompts-file"];
+        args.extend([file.to_str().unwrap(), "--output", out_file.to_str().unwrap()]);
+        args.extend(["--plugins-dir", plugins.path().to_str().unwrap()]);
+        if let Some(kind) = drafter {
+            args.extend(["--drafter", kind]);
+        }
+        let out = host(&args, &[]);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        assert!(text(&out.stderr).contains("6 requests, 3 failed"), "{}", text(&out.stderr));
+        let results: Vec<serde_json::Value> =
+            fs::read_to_string(&out_file).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        let lines: Vec<u64> = results.iter().map(|r| r["line"].as_u64().unwrap()).collect();
+        assert_eq!(lines, [1, 2, 3, 5, 6, 7], "{drafter:?}");
+        assert_eq!((&results[0]["id"], &results[1]["id"]), (&serde_json::json!("a"), &serde_json::json!(2)));
+        for (result, expected) in [&results[0], &results[1], &results[5]].into_iter().zip(&expected) {
+            let got: Vec<u64> = result["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect();
+            assert_eq!(&got, expected, "{drafter:?}: each row equals its single run");
+        }
+        assert!(results[2]["error"].as_str().unwrap().starts_with("not a request"), "{}", results[2]);
+        assert!(results[3]["error"].as_str().unwrap().contains("outside the vocabulary"), "{}", results[3]);
+        assert!(results[4]["error"].as_str().unwrap().contains("unknown field `colour`"), "{}", results[4]);
+    }
+}
