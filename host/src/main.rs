@@ -83,6 +83,9 @@ struct RunArgs {
     /// error line).
     #[arg(long)]
     verbose: bool,
+    /// After the text, the statistics (speculation included) as a table on stderr.
+    #[arg(long, conflicts_with = "json")]
+    stats: bool,
     #[command(flatten)]
     dir: PluginsDir,
 }
@@ -378,7 +381,11 @@ fn run_manifest(args: RunArgs) -> Result<()> {
     } else {
         // Text ends with a newline even when interrupted; a closed stdout takes none.
         let _ = writeln!(stdout);
-        eprint!("{}", output.summary());
+        if args.stats {
+            eprint!("{}", output.stats_table());
+        } else {
+            eprint!("{}", output.summary());
+        }
     }
     Ok(())
 }

@@ -266,6 +266,38 @@ impl RunOutput {
     pub fn summary(&self) -> String {
         summary(&self.stats, self.stop)
     }
+
+    /// The statistics as a table (`host run --stats`).
+    pub fn stats_table(&self) -> String {
+        let s = &self.stats;
+        let mut rows = vec![
+            ("stop", format!("{:?}", self.stop)),
+            ("prompt tokens", s.prompt_tokens.to_string()),
+            ("generated tokens", s.generated_tokens.to_string()),
+            ("prefill", format!("{:.1} ms, {:.1} tok/s", s.prefill_ms, s.prefill_tokens_per_s)),
+            ("decode", format!("{:.1} ms, {:.1} tok/s", s.decode_ms, s.decode_tokens_per_s)),
+            ("target forwards", s.target_forwards.to_string()),
+        ];
+        if s.drafted > 0 || s.drafter_error.is_some() {
+            rows.extend([
+                ("rounds", s.rounds.to_string()),
+                ("drafted", s.drafted.to_string()),
+                ("accepted", format!("{} ({:.1}%)", s.accepted, 100.0 * s.acceptance_rate)),
+                ("tokens per round (τ)", format!("{:.2}", s.mean_accept_len)),
+            ]);
+        }
+        let mut out = String::new();
+        for (name, value) in rows {
+            out += &format!("{name:<22} {value}\n");
+        }
+        for (i, rate) in s.accepted_by_position.iter().enumerate() {
+            out += &format!("{:<22} {:.2}\n", format!("accepted at draft {}", i + 1), rate);
+        }
+        if let Some(e) = &s.drafter_error {
+            out += &format!("{:<22} {e}\n", "drafter dropped");
+        }
+        out
+    }
 }
 
 fn summary(s: &Stats, stop: StopReason) -> String {

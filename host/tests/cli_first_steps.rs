@@ -173,3 +173,19 @@ fn a_prompts_file_runs_as_one_batch_in_input_order_and_bad_lines_do_not_stop_it(
         assert!(results[4]["error"].as_str().unwrap().contains("unknown field `colour`"), "{}", results[4]);
     }
 }
+
+#[test]
+fn stats_print_as_a_table() {
+    let plugins = plugins_dir_with(&[&workspace_plugin("ngram")]);
+    let dense = dense();
+    let args = ["run", "--model", dense.to_str().unwrap(), "--drafter", "ngram", "--prompt-ids", "2,17,40,9,17,40"];
+    let out = host(
+        &[&args[..], &["--max-tokens", "12", "--stats", "--plugins-dir", plugins.path().to_str().unwrap()]].concat(),
+        &[],
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let table = text(&out.stderr);
+    for row in ["generated tokens       12", "target forwards", "tokens per round (τ)", "accepted at draft 1"] {
+        assert!(table.contains(row), "{row}: {table}");
+    }
+}
