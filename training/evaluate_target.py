@@ -28,7 +28,7 @@ from mlx_lm.sample_utils import make_sampler
 
 import corpus
 import tokenizer as tk
-from train_target import token_stream
+from train_target import PRESETS, token_stream
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -102,10 +102,15 @@ def loss_curve(run: Path, out: Path, heldout_nats: float, tokens_per_step: int) 
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    rows = [json.loads(l) for l in (run / "log.jsonl").read_text().splitlines()]
+    logged = [json.loads(l) for l in (run / "log.jsonl").read_text().splitlines()]
+    rows = [r for r in logged if "loss" in r]
+    heldout = [r for r in logged if "heldout" in r]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     ax.plot([r["step"] * tokens_per_step / 1e6 for r in rows], [r["loss"] for r in rows],
             label="training loss (mean of 10 steps)")
+    if heldout:
+        ax.plot([r["step"] * tokens_per_step / 1e6 for r in heldout], [r["heldout"] for r in heldout],
+                "o-", color="tab:green", label="held-out loss during training (first 16K tokens)")
     ax.axhline(heldout_nats, color="tab:red", linestyle="--",
                label=f"held-out, final model ({heldout_nats:.2f})")
     ax.set_xlabel("training tokens (millions)")
@@ -119,6 +124,7 @@ def loss_curve(run: Path, out: Path, heldout_nats: float, tokens_per_step: int) 
 
 def training_summary(run: Path) -> Dict:
     rows = [json.loads(l) for l in (run / "log.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "loss" in r]
     return {"steps": rows[-1]["step"], "final_loss": rows[-1]["loss"],
             "minutes": (rows[-1]["time"] - rows[0]["time"]) / 60 * rows[-1]["step"]
             / (rows[-1]["step"] - rows[0]["step"]),
@@ -133,6 +139,7 @@ def write_card(model_dir: Path, result: Dict, config: Dict, n_params: int) -> No
         f"**{c['citation']}** (held out), prompt `{c['prompt']}`:\n\n> "
         + c["continuation"].strip().replace("\n", "\n> ") for c in result["continuations"])
     layers = ", ".join("S" if k == "sliding_attention" else "F" for k in config["layer_types"])
+    recipe = PRESETS["demo"]
     card = f"""# kjv-gemma4: a small Gemma 4 trained on the King James Bible
 
 The demo target of this repository: a `gemma4_text` checkpoint trained from scratch, so that the
@@ -169,9 +176,9 @@ the K/V of earlier ones, logit softcap {config['final_logit_softcapping']}, tied
 ## Recipe
 
 `make demo-model` (`training/train_target.py`, then `training/evaluate_target.py`): mlx-lm's own
-`gemma4_text.Model`, AdamW (weight decay 0.1, gradient clipping at 1), learning rate 2·10⁻³ with
-50 warm-up steps and cosine decay to a tenth, {t.get('steps', '?')} steps of 8 windows of 256
-tokens drawn at random from the training chapters (seed 0), about {t.get('steps', 0) * 2048 / 1e6:.1f}M
+`gemma4_text.Model`, AdamW (weight decay 0.1, gradient clipping at 1), learning rate
+{recipe['lr']:g} with {recipe['warmup']} warm-up steps and cosine decay to a tenth,
+{t.get('steps', '?')} steps of {recipe['batch']} windows of {recipe['seq']} tokens drawn at random from the training chapters (seed 0), about {t.get('steps', 0) * 2048 / 1e6:.1f}M
 tokens or {t.get('steps', 0) * 2048 / t.get('training_tokens', 1):.1f} epochs of its {t.get('training_tokens', 0)} tokens. It took {t.get('minutes', 0):.0f} minutes
 on the 2-core development machine (mean {t.get('tokens_per_s', 0):.0f} tokens/s), resumable from
 its last saved step.
