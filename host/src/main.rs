@@ -12,6 +12,7 @@ use host::manifest::{Manifest, Source};
 use host::plugin::{load, report, Registry};
 use host::run::{load_drafter, Overrides, RunEvent, RunOptions};
 use host::{doctor, plugins_dir};
+use indicatif::{ProgressBar, ProgressStyle};
 
 /// Lossless speculative decoding of Gemma 4 with drafters loaded as plugins.
 #[derive(Parser)]
@@ -336,7 +337,10 @@ fn run_manifest(args: RunArgs) -> Result<()> {
     };
     if let Some(file) = &args.prompts_file {
         let jsonl = std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
-        let results = host::batch::run_batch(&options, &jsonl, |warning| eprintln!("warning: {warning}"))?;
+        let bar = std::io::stderr().is_terminal().then(|| spinner(&format!("generating {}", file.display())));
+        let results = host::batch::run_batch(&options, &jsonl, |warning| eprintln!("warning: {warning}"));
+        bar.inspect(ProgressBar::finish_and_clear);
+        let results = results?;
         let mut out = String::new();
         for result in &results {
             out += &serde_json::to_string(result)?;
@@ -351,24 +355,38 @@ fn run_manifest(args: RunArgs) -> Result<()> {
         return Ok(());
     }
     host::interrupt::install();
-    let progress = std::io::stderr().is_terminal();
+    // Progress (loading, a long prefill) only on a terminal: pipes and --json stay clean.
+    let mut bar = std::io::stderr().is_terminal().then(|| spinner("loading the target and drafter"));
     let mut stdout = std::io::stdout().lock();
     let mut stdout_closed = false;
     let output = host::run::run(&options, |event| {
         match event {
-            RunEvent::Prefill { done, total } if progress && total > host::generate::PREFILL_CHUNK => {
-                eprint!("\rprefill {done}/{total} tokens");
+            RunEvent::Prefill { done, total } => {
+                if let Some(bar) = &bar {
+                    if total > host::generate::PREFILL_CHUNK && bar.length().is_none() {
+                        bar.set_style(
+                            ProgressStyle::with_template("prefill {bar:30} {pos}/{len} tokens")
+                                .expect("a valid template"),
+                        );
+                        bar.set_length(total as u64);
+                    }
+                    bar.set_position(done as u64);
+                }
                 if done == total {
-                    eprint!("\r\x1b[K");
+                    bar.take().inspect(ProgressBar::finish_and_clear);
                 }
             }
-            RunEvent::Prefill { .. } => {}
-            RunEvent::Text(piece) if !args.json => {
-                // A closed stdout (`host run … | head`) stops generation at the next token.
-                stdout_closed |= write!(stdout, "{piece}").and_then(|()| stdout.flush()).is_err();
+            RunEvent::Text(piece) => {
+                bar.take().inspect(ProgressBar::finish_and_clear);
+                if !args.json {
+                    // A closed stdout (`host run … | head`) stops generation at the next token.
+                    stdout_closed |= write!(stdout, "{piece}").and_then(|()| stdout.flush()).is_err();
+                }
             }
-            RunEvent::Text(_) => {}
-            RunEvent::Warning(warning) => eprintln!("warning: {warning}"),
+            RunEvent::Warning(warning) => {
+                bar.take().inspect(ProgressBar::finish_and_clear);
+                eprintln!("warning: {warning}");
+            }
         }
         if stdout_closed || host::interrupt::requested() {
             Flow::Stop
@@ -376,6 +394,7 @@ fn run_manifest(args: RunArgs) -> Result<()> {
             Flow::Continue
         }
     })?;
+    bar.take().inspect(ProgressBar::finish_and_clear);
     if args.json {
         writeln!(stdout, "{}", serde_json::to_string(&output)?)?;
     } else {
@@ -388,6 +407,13 @@ fn run_manifest(args: RunArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// A spinner on stderr with `message`, ticking on its own.
+fn spinner(message: &str) -> ProgressBar {
+    let bar = ProgressBar::new_spinner().with_message(message.to_owned());
+    bar.enable_steady_tick(std::time::Duration::from_millis(100));
+    bar
 }
 
 fn bench(args: BenchArgs) -> Result<()> {
