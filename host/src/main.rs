@@ -20,6 +20,13 @@ use indicatif::{ProgressBar, ProgressStyle};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// More detail: the full report behind a plugin's refusal, a drafter's panic message and
+    /// backtrace.
+    #[arg(long, short, global = true)]
+    verbose: bool,
+    /// Only the output and errors: no summaries, warnings or progress on stderr.
+    #[arg(long, short, global = true, conflicts_with = "verbose")]
+    quiet: bool,
 }
 
 #[derive(Args)]
@@ -80,10 +87,6 @@ struct RunArgs {
     /// Print one JSON object at the end instead of streaming text.
     #[arg(long)]
     json: bool,
-    /// Let a drafter's panic print its message and backtrace (it is always reported as an
-    /// error line).
-    #[arg(long)]
-    verbose: bool,
     /// After the text, the statistics (speculation included) as a table on stderr.
     #[arg(long, conflicts_with = "json")]
     stats: bool,
@@ -157,9 +160,6 @@ enum PluginsCommand {
     List {
         #[arg(long)]
         json: bool,
-        /// Show the full report behind a refusal where there is one.
-        #[arg(long)]
-        verbose: bool,
         #[command(flatten)]
         dir: PluginsDir,
     },
@@ -169,8 +169,6 @@ enum PluginsCommand {
         plugin: String,
         #[arg(long)]
         json: bool,
-        #[arg(long)]
-        verbose: bool,
         #[command(flatten)]
         dir: PluginsDir,
     },
@@ -200,7 +198,7 @@ fn version() -> &'static str {
 fn main() -> ExitCode {
     let matches = Cli::command().version(version()).get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
-    if matches!(&cli.command, Command::Run(args) if args.verbose) {
+    if cli.verbose {
         // SAFETY: still single-threaded: the runtime and any plugin start later.
         unsafe { std::env::set_var(plugin_api::sdk::PANIC_OUTPUT_ENV, "1") };
     }
@@ -215,8 +213,9 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> Result<()> {
+    let (verbose, quiet) = (cli.verbose, cli.quiet);
     match cli.command {
-        Command::Run(args) => run_manifest(args)?,
+        Command::Run(args) => run_manifest(args, quiet)?,
         Command::Bench(args) => bench(args)?,
         Command::Doctor { json, dir } => {
             let report = doctor::Report::collect(plugins_dir::resolve(dir.plugins_dir))?;
@@ -243,7 +242,7 @@ fn run(cli: Cli) -> Result<()> {
                 bail!("{}: the checkpoint is broken (see above)", dir.display());
             }
         }
-        Command::Plugins { command: PluginsCommand::List { json, verbose, dir } } => {
+        Command::Plugins { command: PluginsCommand::List { json, dir } } => {
             let (dir, registry) = scan(dir)?;
             if json {
                 let entries: Vec<_> = registry.entries.iter().map(|e| report::entry_json(e, verbose)).collect();
@@ -261,7 +260,7 @@ fn run(cli: Cli) -> Result<()> {
                 }
             }
         }
-        Command::Plugins { command: PluginsCommand::Inspect { plugin, json, verbose, dir } } => {
+        Command::Plugins { command: PluginsCommand::Inspect { plugin, json, dir } } => {
             let path = PathBuf::from(&plugin);
             let outcome = if path.is_file() {
                 load::load(&path, None).map_err(|e| (path.clone(), e))
@@ -313,7 +312,7 @@ fn scan(dir: PluginsDir) -> Result<(PathBuf, Registry)> {
     Ok((dir, registry))
 }
 
-fn run_manifest(args: RunArgs) -> Result<()> {
+fn run_manifest(args: RunArgs, quiet: bool) -> Result<()> {
     let options = RunOptions {
         source: Source {
             manifest: args.manifest,
@@ -337,8 +336,13 @@ fn run_manifest(args: RunArgs) -> Result<()> {
     };
     if let Some(file) = &args.prompts_file {
         let jsonl = std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
-        let bar = std::io::stderr().is_terminal().then(|| spinner(&format!("generating {}", file.display())));
-        let results = host::batch::run_batch(&options, &jsonl, |warning| eprintln!("warning: {warning}"));
+        let bar =
+            (std::io::stderr().is_terminal() && !quiet).then(|| spinner(&format!("generating {}", file.display())));
+        let results = host::batch::run_batch(&options, &jsonl, |warning| {
+            if !quiet {
+                eprintln!("warning: {warning}");
+            }
+        });
         bar.inspect(ProgressBar::finish_and_clear);
         let results = results?;
         let mut out = String::new();
@@ -351,12 +355,14 @@ fn run_manifest(args: RunArgs) -> Result<()> {
             None => print!("{out}"),
         }
         let failed = results.iter().filter(|r| matches!(r.outcome, host::batch::Outcome::Failed { .. })).count();
-        eprintln!("{} requests, {failed} failed", results.len());
+        if !quiet {
+            eprintln!("{} requests, {failed} failed", results.len());
+        }
         return Ok(());
     }
     host::interrupt::install();
     // Progress (loading, a long prefill) only on a terminal: pipes and --json stay clean.
-    let mut bar = std::io::stderr().is_terminal().then(|| spinner("loading the target and drafter"));
+    let mut bar = (std::io::stderr().is_terminal() && !quiet).then(|| spinner("loading the target and drafter"));
     let mut stdout = std::io::stdout().lock();
     let mut stdout_closed = false;
     let output = host::run::run(&options, |event| {
@@ -385,7 +391,9 @@ fn run_manifest(args: RunArgs) -> Result<()> {
             }
             RunEvent::Warning(warning) => {
                 bar.take().inspect(ProgressBar::finish_and_clear);
-                eprintln!("warning: {warning}");
+                if !quiet {
+                    eprintln!("warning: {warning}");
+                }
             }
         }
         if stdout_closed || host::interrupt::requested() {
@@ -402,7 +410,7 @@ fn run_manifest(args: RunArgs) -> Result<()> {
         let _ = writeln!(stdout);
         if args.stats {
             eprint!("{}", output.stats_table());
-        } else {
+        } else if !quiet {
             eprint!("{}", output.summary());
         }
     }

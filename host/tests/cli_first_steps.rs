@@ -189,3 +189,22 @@ fn stats_print_as_a_table() {
         assert!(table.contains(row), "{row}: {table}");
     }
 }
+
+#[test]
+fn quiet_leaves_only_the_output_and_verbose_works_in_every_subcommand() {
+    let dense = dense();
+    let args = ["run", "--model", dense.to_str().unwrap(), "--prompt-ids", "2,17,40", "--max-tokens", "4"];
+    let loud = host(&args, &[]);
+    assert!(text(&loud.stderr).contains("generated"), "the summary: {}", text(&loud.stderr));
+    for quiet in ["-q", "--quiet"] {
+        let out = host(&[&args[..], &[quiet]].concat(), &[]);
+        assert!(out.status.success() && out.stderr.is_empty(), "{quiet}: {}", text(&out.stderr));
+        assert_eq!(out.stdout, loud.stdout);
+    }
+    let refused = host(&["-q", "run", "--model", "/nonexistent", "--prompt-ids", "2"], &[]);
+    assert!(!refused.status.success() && text(&refused.stderr).contains("error:"), "errors still show");
+    for command in [&["plugins", "list"][..], &["doctor"], &["-v", "plugins", "list"]] {
+        let out = host(&[command, &["--verbose"]].concat(), &[]);
+        assert!(out.status.success(), "{command:?}: {}", text(&out.stderr));
+    }
+}
