@@ -216,7 +216,7 @@ fn run(cli: Cli) -> Result<()> {
     let (verbose, quiet) = (cli.verbose, cli.quiet);
     match cli.command {
         Command::Run(args) => run_manifest(args, quiet)?,
-        Command::Bench(args) => bench(args)?,
+        Command::Bench(args) => bench(args, quiet)?,
         Command::Doctor { json, dir } => {
             let report = doctor::Report::collect(plugins_dir::resolve(dir.plugins_dir))?;
             if json {
@@ -424,9 +424,12 @@ fn spinner(message: &str) -> ProgressBar {
     bar
 }
 
-fn bench(args: BenchArgs) -> Result<()> {
+fn bench(args: BenchArgs, quiet: bool) -> Result<()> {
+    let bar = (std::io::stderr().is_terminal() && !quiet).then(|| spinner("benchmarking"));
     if args.kernels {
-        let report = host::bench::kernels::kernels()?;
+        let report = host::bench::kernels::kernels();
+        bar.inspect(ProgressBar::finish_and_clear);
+        let report = report?;
         if args.json {
             println!("{}", serde_json::to_string_pretty(&report)?);
         } else {
@@ -441,7 +444,9 @@ fn bench(args: BenchArgs) -> Result<()> {
         mlx_lm_python: args.mlx_lm_python,
         plugins_dir: plugins_dir::resolve(args.dir.plugins_dir),
     };
-    let report = host::bench::bench(&options)?;
+    let report = host::bench::bench(&options);
+    bar.inspect(ProgressBar::finish_and_clear);
+    let report = report?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
