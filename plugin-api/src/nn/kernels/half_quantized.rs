@@ -119,26 +119,8 @@ mod avx2 {
             let block = X_BLOCK.min(rows - m0);
             let mut sums = [_mm256_setzero_ps(); X_BLOCK];
             for g in 0..groups {
-                let scale = _mm256_set_ps(
-                    w.scales.get((o + 7) * groups + g),
-                    w.scales.get((o + 6) * groups + g),
-                    w.scales.get((o + 5) * groups + g),
-                    w.scales.get((o + 4) * groups + g),
-                    w.scales.get((o + 3) * groups + g),
-                    w.scales.get((o + 2) * groups + g),
-                    w.scales.get((o + 1) * groups + g),
-                    w.scales.get(o * groups + g),
-                );
-                let bias = _mm256_set_ps(
-                    w.biases.get((o + 7) * groups + g),
-                    w.biases.get((o + 6) * groups + g),
-                    w.biases.get((o + 5) * groups + g),
-                    w.biases.get((o + 4) * groups + g),
-                    w.biases.get((o + 3) * groups + g),
-                    w.biases.get((o + 2) * groups + g),
-                    w.biases.get((o + 1) * groups + g),
-                    w.biases.get(o * groups + g),
-                );
+                let scale = per_lane(w.scales, o, groups, g);
+                let bias = per_lane(w.biases, o, groups, g);
                 let mut word = g * w.group / per_word;
                 while word < (g + 1) * w.group / per_word {
                     // The same word of each of the eight rows.
@@ -169,6 +151,16 @@ mod avx2 {
             }
             m0 += block;
         }
+    }
+
+    /// Group g's parameter of rows o..o+8, one per lane.
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn per_lane(params: Params, o: usize, groups: usize, g: usize) -> __m256 {
+        let mut lanes = [0f32; 8];
+        for (j, lane) in lanes.iter_mut().enumerate() {
+            *lane = params.get((o + j) * groups + g);
+        }
+        _mm256_loadu_ps(lanes.as_ptr())
     }
 
     /// Rounds each lane to the nearest bfloat16 or float16 (ties to even), kept as float32.
