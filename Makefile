@@ -63,9 +63,13 @@ bench: build
 	bash tests/oracle/setup-venv.sh
 	[ -e $(BENCH_MODEL)/config.json ] || $(ORACLE_PY) tests/oracle/gemma4_oracle.py --bench $(BENCH_MODEL)
 	[ -e $(BENCH_MODEL)-262k/config.json ] || $(ORACLE_PY) tests/oracle/gemma4_oracle.py --bench $(BENCH_MODEL)-262k --bench-vocab 262144
+	for b in 4 8; do [ -e $(BENCH_MODEL)-q$$b/config.json ] || $(ORACLE_PY) -m mlx_lm convert --hf-path $(BENCH_MODEL) \
+		--mlx-path $(BENCH_MODEL)-q$$b -q --q-bits $$b --q-group-size 64 --dtype bfloat16; done
 	./target/release/host bench --kernels
 	./target/release/host bench --manifest manifests/bench.toml --mlx-lm-python $(ORACLE_PY)
 	./target/release/host bench --manifest manifests/bench-262k.toml --mlx-lm-python $(ORACLE_PY)
+	./target/release/host bench --manifest manifests/bench-q8.toml --mlx-lm-python $(ORACLE_PY)
+	./target/release/host bench --manifest manifests/bench-q4.toml --mlx-lm-python $(ORACLE_PY)
 	./target/release/host bench --manifest manifests/bench-ngram.toml
 	./target/release/host bench --manifest manifests/assistant.toml
 	./target/release/host bench --manifest manifests/dflash.toml
