@@ -430,12 +430,7 @@ fn bench(args: BenchArgs, quiet: bool) -> Result<()> {
         let report = host::bench::kernels::kernels();
         bar.inspect(ProgressBar::finish_and_clear);
         let report = report?;
-        if args.json {
-            println!("{}", serde_json::to_string_pretty(&report)?);
-        } else {
-            print!("{}", report.text());
-        }
-        return Ok(());
+        return print_report(args.json, &report, || report.text());
     }
     let options = BenchOptions {
         manifest: args.manifest.expect("clap requires it without --kernels"),
@@ -447,10 +442,15 @@ fn bench(args: BenchArgs, quiet: bool) -> Result<()> {
     let report = host::bench::bench(&options);
     bar.inspect(ProgressBar::finish_and_clear);
     let report = report?;
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+    print_report(args.json, &report, || report.text())
+}
+
+/// A report as pretty JSON, or as its text.
+fn print_report(json: bool, report: &impl serde::Serialize, text: impl FnOnce() -> String) -> Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(report)?);
     } else {
-        print!("{}", report.text());
+        print!("{}", text());
     }
     Ok(())
 }
