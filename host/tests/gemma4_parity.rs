@@ -110,9 +110,9 @@ fn check_model(name: &str, model_dir: &Path, oracle_dir: &Path, wraps: usize, to
     assert_eq!(generated.tokens, o.tokens, "{name}: the decoding loop differs from mlx-lm");
 }
 
-// Tolerances. The host computes what mlx-lm computes, op for op, except that on the CPU it
-// takes products of 32 rows or more (prefill chunks) through float32 BLAS (`nn::wide`), which
-// sums in another order. Measured largest logit differences (printed with --nocapture):
+// Tolerances. The host computes what mlx-lm computes, op for op, except that on the CPU its
+// half-precision products go through its own loops (`nn::kernels`), which sum in another order
+// than MLX's before the one rounding. Measured largest logit differences (printed with --nocapture):
 // - bfloat16 and 4-bit fixtures, whose prompts are shorter than that: 0 (identical);
 // - the trained demo target (bfloat16, a 112-token prompt): 0.1875, on logits of 16 to 30, where
 //   one bfloat16 rounding step is 0.125: the prefill's activations round differently once or

@@ -482,3 +482,29 @@ fn first_token_logits(m: &Gemma4) -> Vec<f32> {
     let logits = host::generate::last_logits(m, &hidden).unwrap().as_dtype(mlx_rs::Dtype::Float32).unwrap();
     logits.as_slice::<f32>().to_vec()
 }
+
+/// On a half-precision target a row's logits must not depend on how many rows share the
+/// forward: rounding to bfloat16 tips close argmaxes, and a verify window of γ + 1 rows must
+/// give the tokens that one-row decode steps and a many-row prefill give.
+#[test]
+fn greedy_speculation_on_the_bfloat16_demo_target_equals_plain_greedy() {
+    host::runtime::init();
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/kjv-gemma4");
+    let m = Rc::new(load(&dir).unwrap());
+    let tokenizer = host::tokenizer::Tokenizer::load(&dir).unwrap();
+    // A held-out chapter's opening, longer than a wide product (32 rows).
+    let text = "And Abraham journeyed from thence toward the south country, and dwelled between Kadesh \
+                and Shur, and sojourned in Gerar.\nAnd Abraham said of Sarah his wife, She is my sister:";
+    let mut prompt = vec![2];
+    prompt.extend(tokenizer.encode(text).unwrap());
+    assert!(prompt.len() > 32, "{}", prompt.len());
+    let r = Request { prompt, max_tokens: 80, sampling: greedy(), eos: vec![] };
+    let expected = plain(&m, &r);
+    for gamma in [1, 2, 4] {
+        let g = spec(&m, &ngram(), &r, gamma);
+        assert_eq!(g.tokens, expected, "ngram, γ = {gamma}");
+        for seed in 0..2 {
+            assert_eq!(spec(&m, &adversary(seed, &expected), &r, gamma).tokens, expected, "adversary, γ = {gamma}");
+        }
+    }
+}

@@ -60,10 +60,5 @@ pub fn attention(q: &Array, k: &Array, v: &Array, scale: f32, mask: &Mask) -> Re
         Mask::Causal => Some(ScaledDotProductAttentionMask::Causal),
         Mask::Array(m) => Some(ScaledDotProductAttentionMask::Array(m)),
     };
-    let rows = q.shape()[2];
-    if super::wide::takes_float32_route(rows, q.dtype(), false) {
-        let (q32, k32, v32) = (super::wide::float32(q)?, super::wide::float32(k)?, super::wide::float32(v)?);
-        return mlx_rs::fast::scaled_dot_product_attention(q32, k32, v32, scale, mask, None)?.as_dtype(q.dtype());
-    }
     mlx_rs::fast::scaled_dot_product_attention(q, k, v, scale, mask, None)
 }

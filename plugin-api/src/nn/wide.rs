@@ -1,15 +1,15 @@
-//! Products of many rows (a prefill chunk) on the CPU through float32 BLAS.
+//! A float32 route on the CPU, where MLX's own op is slow.
 //!
-//! MLX's CPU matmul calls BLAS only for float32. A bfloat16 or float16 product runs MLX's own
-//! generic kernel and a quantized one a scalar kernel, several times slower than OpenBLAS at
-//! prefill sizes; attention over a long cache pays it on every chunk, so prefill time grew
-//! much faster than the prompt. For many rows, converting the operands to float32 once per call
-//! costs little next to the product, and gives MLX's own result up to summation order where
-//! MLX accumulates in float32: half-precision products (rounded once at the end) and quantized
-//! products of float32 activations. Quantized weights times half-precision activations keep
-//! MLX's op, which computes those in half precision element by element (see
-//! [`super::kernels::applies_to_quantized`]). Few rows (decode steps, verify windows) are
-//! [`super::kernels`]' work.
+//! MLX's CPU matmul calls BLAS only for float32; a quantized product of float32 activations
+//! runs a scalar kernel, several times slower than OpenBLAS at prefill sizes. For 32 rows or
+//! more, dequantizing the weight to float32 once per call costs little next to the product and
+//! gives MLX's result up to summation order. Half-precision weights have their own loops at
+//! every row count ([`super::kernels`]).
+//!
+//! Attention stays MLX's at every query count: in half precision MLX rounds its intermediate
+//! scores, so a float32 attention drifts from mlx-lm (by up to 1.6 on the 4-bit fixture's
+//! logits), and any route chosen by query count would make a verify window's rows differ from
+//! the decode steps they must equal.
 
 use std::sync::OnceLock;
 
@@ -31,9 +31,7 @@ pub fn on_cpu() -> bool {
 /// Whether a product with `rows` rows of `dtype` activations (or quantized weights) should take
 /// the float32 route.
 pub fn takes_float32_route(rows: i32, dtype: Dtype, quantized: bool) -> bool {
-    let half = matches!(dtype, Dtype::Bfloat16 | Dtype::Float16);
-    let worth_it = if quantized { super::kernels::applies_to_quantized(dtype) } else { half };
-    rows >= WIDE_ROWS && worth_it && on_cpu()
+    rows >= WIDE_ROWS && quantized && super::kernels::applies_to_quantized(dtype) && on_cpu()
 }
 
 /// Rows of `x`: the product of every dimension but the last.
@@ -56,7 +54,6 @@ mod tests {
     use mlx_rs::random;
 
     use super::*;
-    use crate::nn::ops::{attention, Mask};
     use crate::nn::{Linear, Quantization};
 
     fn normal(shape: &[i32], seed: u64) -> Array {
@@ -68,21 +65,6 @@ mod tests {
         let (a, b) = (float32(a).unwrap(), float32(b).unwrap());
         let diff = a.subtract(&b).unwrap().abs().unwrap().max(None).unwrap().item_exact::<f32>();
         diff / b.abs().unwrap().max(None).unwrap().item_exact::<f32>()
-    }
-
-    #[test]
-    fn half_precision_products_equal_mlxs_within_one_rounding() {
-        for dtype in [Dtype::Bfloat16, Dtype::Float16] {
-            let x = normal(&[2, WIDE_ROWS, 96], 1).as_dtype(dtype).unwrap();
-            let w = normal(&[80, 96], 2).as_dtype(dtype).unwrap();
-            let linear = Linear { weight: w.clone(), scales: None, biases: None, quantization: None };
-            let ours = linear.forward(&x).unwrap();
-            assert_eq!(ours.dtype(), dtype);
-            let mlx = x.matmul(w.t()).unwrap();
-            let eps = if dtype == Dtype::Bfloat16 { 2f32.powi(-8) } else { 2f32.powi(-11) };
-            let d = relative_difference(&ours, &mlx);
-            assert!(d <= 2.0 * eps, "{dtype:?}: {d}");
-        }
     }
 
     #[test]
@@ -103,17 +85,5 @@ mod tests {
             let d = relative_difference(&ours, &mlx);
             assert!(d <= 1e-5, "{bits} bits, group {group_size}: {d}");
         }
-    }
-
-    #[test]
-    fn half_precision_attention_equals_mlxs_within_rounding() {
-        let q = normal(&[1, 4, WIDE_ROWS, 64], 5).as_dtype(Dtype::Bfloat16).unwrap();
-        let k = normal(&[1, 1, 3 * WIDE_ROWS, 64], 6).as_dtype(Dtype::Bfloat16).unwrap();
-        let v = normal(&[1, 1, 3 * WIDE_ROWS, 64], 7).as_dtype(Dtype::Bfloat16).unwrap();
-        let ours = attention(&q, &k, &v, 0.125, &Mask::Causal).unwrap();
-        let mask = mlx_rs::fast::ScaledDotProductAttentionMask::Causal;
-        let mlx = mlx_rs::fast::scaled_dot_product_attention(&q, &k, &v, 0.125, mask, None).unwrap();
-        let d = relative_difference(&ours, &mlx);
-        assert!(d <= 2e-2, "{d}");
     }
 }

@@ -10,7 +10,9 @@
 //! is not used: these loops are bound by memory, not arithmetic, and the CPUs this runs on
 //! (AMD Zen 4) execute 512-bit operations as two 256-bit halves.
 
-/// The most rows one call handles; more rows go to MLX (and BLAS).
+/// The most rows one call handles for weights MLX reads faster at many rows (quantized weights of
+/// float32 activations, which go through BLAS); half-precision weights take these loops at any
+/// row count (see `kernels`).
 pub const MAX_ROWS: usize = 16;
 
 /// Scales or biases of quantized weights, in the dtype the checkpoint stores.
@@ -37,6 +39,8 @@ pub enum Weight<'a> {
     F32(&'a [f32]),
     /// bfloat16 bit patterns.
     Bf16(&'a [u16]),
+    /// float16 bit patterns.
+    F16(&'a [u16]),
     /// MLX affine quantization: row o holds k / (32 / bits) words, low bits first; one scale
     /// and bias per `group` weights: w = scale · q + bias.
     Quantized {
@@ -51,11 +55,14 @@ pub enum Weight<'a> {
 /// Computes y[m, o] for outputs `outputs` (a range of rows of W) and every row m of x [rows, k];
 /// y is [rows, n] and only its `outputs` columns are written.
 pub fn product(x: &[f32], rows: usize, k: usize, w: Weight, outputs: std::ops::Range<usize>, n: usize, y: &mut [f32]) {
-    debug_assert!(rows <= MAX_ROWS && x.len() == rows * k && y.len() == rows * n);
+    debug_assert!(x.len() == rows * k && y.len() == rows * n);
     #[cfg(target_arch = "x86_64")]
     {
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-            // SAFETY: the CPU has AVX2 and FMA (checked above).
+        let features = std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("f16c");
+        if features {
+            // SAFETY: the CPU has AVX2, FMA and F16C (checked above).
             unsafe { avx2::product(x, rows, k, w, outputs, n, y) };
             return;
         }
@@ -82,6 +89,11 @@ pub(super) mod portable {
                 Weight::Bf16(w) => {
                     for (r, &b) in row.iter_mut().zip(&w[o * k..(o + 1) * k]) {
                         *r = f32::from_bits((b as u32) << 16);
+                    }
+                }
+                Weight::F16(w) => {
+                    for (r, &b) in row.iter_mut().zip(&w[o * k..(o + 1) * k]) {
+                        *r = half::f16::from_bits(b).to_f32();
                     }
                 }
                 Weight::Quantized { packed, scales, biases, bits, group } => {
@@ -113,7 +125,7 @@ mod avx2 {
     const X_BLOCK: usize = 4;
     const W_BLOCK: usize = 2;
 
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn product(
         x: &[f32],
         rows: usize,
@@ -151,7 +163,7 @@ mod avx2 {
     }
 
     /// Row r of W as floats.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn convert_row(w: Weight, r: usize, k: usize, out: &mut [f32]) {
         let dst = out.as_mut_ptr();
         match w {
@@ -159,6 +171,12 @@ mod avx2 {
             Weight::Bf16(w) => {
                 for i in (0..k).step_by(8) {
                     _mm256_storeu_ps(dst.add(i), bf16x8(w.as_ptr().add(r * k + i)));
+                }
+            }
+            Weight::F16(w) => {
+                for i in (0..k).step_by(8) {
+                    let halves = _mm_loadu_si128(w.as_ptr().add(r * k + i) as *const __m128i);
+                    _mm256_storeu_ps(dst.add(i), _mm256_cvtph_ps(halves));
                 }
             }
             Weight::Quantized { packed, scales, biases, bits, group } => {
@@ -183,7 +201,7 @@ mod avx2 {
     /// y[m, o + j] = Σ_i w[j, i] · x[m, i] for the `width` rows of `w` (float32, [width, k]) and
     /// every row m of x.
     #[allow(clippy::too_many_arguments, clippy::needless_range_loop, reason = "register tiles read best by index")]
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn tile(x: &[f32], rows: usize, k: usize, w: &[f32], o: usize, width: usize, n: usize, y: &mut [f32]) {
         let mut m0 = 0;
         while m0 < rows {
@@ -213,20 +231,20 @@ mod avx2 {
     }
 
     /// Eight bfloat16 values as floats: each is the top half of its float32.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn bf16x8(p: *const u16) -> __m256 {
         let halves = _mm_loadu_si128(p as *const __m128i);
         _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16))
     }
 
     /// Eight 8-bit values (two words, low byte first) as floats.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn u8x8(p: *const u32) -> __m256 {
         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i)))
     }
 
     /// The eight 4-bit values of one word (low nibble first) as floats.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn u4x8(word: u32) -> __m256 {
         let shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
         let nibbles =
@@ -234,7 +252,7 @@ mod avx2 {
         _mm256_cvtepi32_ps(nibbles)
     }
 
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn horizontal_sum(v: __m256) -> f32 {
         let pair = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
         let quad = _mm_add_ps(pair, _mm_movehl_ps(pair, pair));

@@ -38,10 +38,15 @@ pub fn small_product(
     let shape = x.shape();
     let k = *shape.last().unwrap_or(&0) as usize;
     let rows = super::wide::rows(x) as usize;
-    // Quantized products of half-precision activations take the exact loops at any row count
-    // (MLX's own is the same computation, one lane wide); the others up to MAX_ROWS.
-    let exact_half = q.is_some() && !applies_to_quantized(x.dtype());
-    if rows == 0 || (rows > MAX_ROWS && !exact_half) || !super::wide::on_cpu() {
+    // Half-precision weights, and quantized weights of half-precision activations, take these
+    // loops at every row count, so that a row's result never depends on how many rows share its
+    // product: speculative decoding verifies a window of rows where plain decoding computes one,
+    // and its output must equal plain decoding's token for token even where a half-precision
+    // rounding would tip an argmax. Quantized weights of float32 activations take them up to
+    // MAX_ROWS.
+    let any_rows =
+        matches!(w.dtype(), Dtype::Bfloat16 | Dtype::Float16) || (q.is_some() && !applies_to_quantized(x.dtype()));
+    if rows == 0 || (rows > MAX_ROWS && !any_rows) || !super::wide::on_cpu() {
         return Ok(None);
     }
     if !matches!(x.dtype(), Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16) {
@@ -77,6 +82,10 @@ pub fn small_product(
             Dtype::Float32 => return Ok(None),
             Dtype::Bfloat16 => match bits16(w) {
                 Some(w) => Weight::Bf16(w),
+                None => return Ok(None),
+            },
+            Dtype::Float16 => match bits16(w) {
+                Some(w) => Weight::F16(w),
                 None => return Ok(None),
             },
             _ => return Ok(None),
