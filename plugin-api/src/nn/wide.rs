@@ -6,10 +6,9 @@
 //! gives MLX's result up to summation order. Half-precision weights have their own loops at
 //! every row count ([`super::kernels`]).
 //!
-//! Attention stays MLX's at every query count: in half precision MLX rounds its intermediate
-//! scores, so a float32 attention drifts from mlx-lm (by up to 1.6 on the 4-bit fixture's
-//! logits), and any route chosen by query count would make a verify window's rows differ from
-//! the decode steps they must equal.
+//! Half-precision attention is not routed here: MLX rounds its intermediate scores, so a
+//! float32 attention drifts from mlx-lm (by up to 1.6 on the 4-bit fixture's logits). It keeps
+//! MLX's steps and roundings with the host's loops for its products (`ops::attention`).
 
 use std::sync::OnceLock;
 
