@@ -1,10 +1,11 @@
-//! `y = x · Wᵀ` for a few rows of x, reading each weight once: the inner loops, per weight format.
+//! `y = x · Wᵀ`, reading each weight once: the inner loops, per weight format.
 //!
 //! Written by hand because neither MLX nor a BLAS does this well on the CPU: OpenBLAS packs the
 //! whole weight for every product, even of one row, and MLX's bfloat16 and quantized CPU
 //! kernels are generic or scalar code. Decoding reads every weight once per step, so the
 //! step's time is the time to stream the weights from memory; these loops convert each loaded
-//! weight vector once and use it for every row of x (up to [`MAX_ROWS`]).
+//! row of W once into a buffer that stays in L1 and use it for every row of x. Each row of x is
+//! summed in the same order whatever the number of rows.
 //!
 //! AVX2 with FMA where the CPU has it (runtime detection), a portable loop elsewhere. AVX-512
 //! is not used: these loops are bound by memory, not arithmetic, and the CPUs this runs on

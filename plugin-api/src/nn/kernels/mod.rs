@@ -66,10 +66,11 @@ pub fn small_product(
             if !applies_to_quantized(x.dtype()) {
                 let half = if x.dtype() == Dtype::Bfloat16 { Half::Bf16 } else { Half::F16 };
                 let w = half_quantized::Quantized { packed, scales, biases, bits, group };
-                return half_product(x, rows, k, n, |xs, y, range| {
-                    half_quantized::product(xs, rows, k, w, half, range, n, y)
-                })
-                .map(Some);
+                // Splitting pays from fewer weights here: every weight costs several operations;
+                // the halves stay whole groups of eight lanes.
+                let split = (n * k >= SPLIT_BYTES / 4 && n >= 16).then_some(n / 16 * 8);
+                return outputs(x, n, split, |xs, range, y| half_quantized::product(xs, rows, k, w, half, range, n, y))
+                    .map(Some);
             }
             Weight::Quantized { packed, scales, biases, bits, group }
         }
@@ -92,65 +93,43 @@ pub fn small_product(
         },
         _ => return Ok(None),
     };
-    let x32 = super::wide::float32(x)?.contiguous()?;
-    let xs = x32.try_as_slice::<f32>().map_err(|e| Exception::custom(e.to_string()))?;
-    let mut y = vec![0f32; rows * n];
     let bytes = w.nbytes() + scales.map_or(0, Array::nbytes);
-    if bytes < SPLIT_BYTES || n < 2 {
-        dot::product(xs, rows, k, weight, 0..n, n, &mut y);
-    } else {
-        split_product(xs, rows, k, weight, n, &mut y);
-    }
-    let mut out_shape = shape.to_vec();
-    *out_shape.last_mut().expect("x has a last axis") = n as i32;
-    let y = Array::from_slice(&y, &out_shape);
-    if x.dtype() == Dtype::Float32 {
-        Ok(Some(y))
-    } else {
-        Ok(Some(y.as_dtype(x.dtype())?))
-    }
+    let split = (bytes >= SPLIT_BYTES && n >= 2).then_some(n / 2);
+    outputs(x, n, split, |xs, range, y| dot::product(xs, rows, k, weight, range, n, y)).map(Some)
 }
 
-/// A quantized product summed in half precision, split between two threads like the others.
-fn half_product(
+/// The `n` outputs of every row of `x` as an array of x's dtype: `run(x, outputs, y)` fills
+/// columns `outputs` of y [rows, n], on one thread or, given a split point, on two.
+fn outputs(
     x: &Array,
-    rows: usize,
-    k: usize,
     n: usize,
-    run: impl Fn(&[f32], &mut [f32], std::ops::Range<usize>) + Sync,
+    split: Option<usize>,
+    run: impl Fn(&[f32], std::ops::Range<usize>, &mut [f32]) + Sync,
 ) -> Result<Array, Exception> {
     let x32 = super::wide::float32(x)?.contiguous()?;
     let xs = x32.try_as_slice::<f32>().map_err(|e| Exception::custom(e.to_string()))?;
+    let rows = xs.len() / x.shape().last().map_or(1, |&k| k.max(1) as usize);
     let mut y = vec![0f32; rows * n];
-    // Splitting pays from fewer weights here: every weight costs several operations.
-    if n * k < SPLIT_BYTES / 4 || n < 16 {
-        run(xs, &mut y, 0..n);
-    } else {
-        let half = n / 16 * 8;
-        let mut upper = vec![0f32; rows * n];
-        std::thread::scope(|scope| {
-            scope.spawn(|| run(xs, &mut upper, half..n));
-            run(xs, &mut y, 0..half);
-        });
-        for m in 0..rows {
-            y[m * n + half..(m + 1) * n].copy_from_slice(&upper[m * n + half..(m + 1) * n]);
+    match split {
+        None => run(xs, 0..n, &mut y),
+        Some(at) => {
+            let mut upper = vec![0f32; rows * n];
+            std::thread::scope(|scope| {
+                scope.spawn(|| run(xs, at..n, &mut upper));
+                run(xs, 0..at, &mut y);
+            });
+            for m in 0..rows {
+                y[m * n + at..(m + 1) * n].copy_from_slice(&upper[m * n + at..(m + 1) * n]);
+            }
         }
     }
     let mut shape = x.shape().to_vec();
     *shape.last_mut().expect("x has a last axis") = n as i32;
-    Array::from_slice(&y, &shape).as_dtype(x.dtype())
-}
-
-/// The product on two threads, each writing its own half of the outputs.
-fn split_product(x: &[f32], rows: usize, k: usize, w: Weight, n: usize, y: &mut [f32]) {
-    let half = n / 2;
-    let mut upper = vec![0f32; rows * n];
-    std::thread::scope(|scope| {
-        scope.spawn(|| dot::product(x, rows, k, w, half..n, n, &mut upper));
-        dot::product(x, rows, k, w, 0..half, n, y);
-    });
-    for m in 0..rows {
-        y[m * n + half..(m + 1) * n].copy_from_slice(&upper[m * n + half..(m + 1) * n]);
+    let y = Array::from_slice(&y, &shape);
+    if x.dtype() == Dtype::Float32 {
+        Ok(y)
+    } else {
+        y.as_dtype(x.dtype())
     }
 }
 
@@ -273,6 +252,24 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn products_split_over_two_threads_equal_mlxs() {
+        // Large enough to split: a 1.2 MB bfloat16 weight, and 266,240 quantized weights.
+        let w = normal(&[1024, 600], 12).as_dtype(Dtype::Bfloat16).unwrap();
+        let x = normal(&[3, 600], 13);
+        let ours = small_product(&x, &w, None, None, None).unwrap().unwrap();
+        let d = relative_difference(&ours, &x.matmul(w.as_dtype(Dtype::Float32).unwrap().t()).unwrap());
+        assert!(d <= 1e-5, "bfloat16: {d}");
+
+        let w = normal(&[1040, 256], 14).as_dtype(Dtype::Bfloat16).unwrap();
+        let (wq, scales, biases) = mlx_rs::ops::quantize(&w, 64, 4).unwrap();
+        let x = normal(&[2, 256], 15).as_dtype(Dtype::Bfloat16).unwrap();
+        let q = Quantization { group_size: 64, bits: 4 };
+        let ours = small_product(&x, &wq, Some(&scales), Some(&biases), Some(q)).unwrap().unwrap();
+        let mlx = mlx_rs::ops::quantized_matmul(&x, &wq, &scales, &biases, true, 64, 4).unwrap();
+        assert_eq!(relative_difference(&ours, &mlx), 0.0, "4-bit, bfloat16 activations");
     }
 
     #[test]
