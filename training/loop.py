@@ -53,12 +53,14 @@ def train(run: Path, model: nn.Module, loss_fn: Callable, batch_at: Callable[[in
           steps: int, lr: float, warmup: int, weight_decay: float = 0.1, clip: float = 1.0,
           save_every: int = 200, log_every: int = 10, desc: str = "train",
           tokens_per_step: int = 0, stop_at: int = 0,
-          heldout: Optional[Callable[[nn.Module], float]] = None, heldout_every: int = 0) -> Dict:
+          heldout: Optional[Callable[[nn.Module], float]] = None, heldout_every: int = 0,
+          seed: int = 0) -> Dict:
     """Runs `loss_fn(model, *batch_at(step))` for steps [resume point, steps) with AdamW.
 
     Returns the last logged figures. `tokens_per_step` only feeds the progress bar's rate;
     `stop_at` ends the run early at that step, saved, as an interruption would. `heldout(model)`,
     a loss on text training never sees, is logged every `heldout_every` steps and at the end.
+    Random draws inside the model (dropout) depend on (seed, step) only, like the batches.
     """
     run.mkdir(parents=True, exist_ok=True)
     opt = optim.AdamW(learning_rate=cosine_schedule(lr, steps, warmup),
@@ -70,7 +72,7 @@ def train(run: Path, model: nn.Module, loss_fn: Callable, batch_at: Callable[[in
         log.unlink()
 
     value_and_grad = nn.value_and_grad(model, loss_fn)
-    state = [model.state, opt.state]
+    state = [model.state, opt.state, mx.random.state]
 
     @mx.compile
     def step_fn(*batch):
@@ -84,6 +86,7 @@ def train(run: Path, model: nn.Module, loss_fn: Callable, batch_at: Callable[[in
                unit="step", smoothing=0.05)
     losses, t_last, last = [], time.perf_counter(), {}
     for step in range(start, steps):
+        mx.random.seed(seed * 1_000_003 + step)
         loss = compiled(*batch_at(step))
         mx.eval(loss, state)
         losses.append(loss.item())

@@ -17,7 +17,7 @@ import train_target as tt
 
 def run(run_dir: Path, stream, stop_at: int = 0):
     p = tt.PRESETS["tiny"]
-    model = tt.build(p["config"], seed=0)
+    model = tt.build(p["config"], seed=0, dropout=p["dropout"])
     last = loop.train(run_dir, model, tt.lm_loss, tt.batches(stream, p["batch"], p["seq"], 0),
                       steps=p["steps"], lr=p["lr"], warmup=p["warmup"], log_every=5,
                       desc="smoke", stop_at=stop_at, tokens_per_step=p["batch"] * p["seq"])

@@ -83,12 +83,12 @@ PRESETS = {
                            kv_heads=1, head_dim=64, global_head_dim=128, intermediate=1024,
                            window=128, ple=32, kv_shared=2),
         model_dir=ROOT / "models" / "kjv-gemma4",
-        steps=2100, batch=8, seq=256, lr=3e-3, warmup=100),
+        steps=2100, batch=8, seq=256, lr=3e-3, warmup=100, dropout=0.15),
     "tiny": dict(
         config=text_config(hidden=64, layer_types=[SW, FA, SW, FA], heads=2, kv_heads=1,
                            head_dim=32, global_head_dim=64, intermediate=128, window=16,
                            ple=8, kv_shared=1),
-        model_dir=None, steps=30, batch=4, seq=64, lr=3e-3, warmup=5),
+        model_dir=None, steps=30, batch=4, seq=64, lr=3e-3, warmup=5, dropout=0.1),
 }
 
 
@@ -122,23 +122,52 @@ def lm_loss(model, inputs, targets):
 
 
 def heldout_loss(stream: np.ndarray, seq: int, batch: int = 8):
-    """Mean cross-entropy over consecutive windows of `stream` (held-out tokens)."""
+    """Mean cross-entropy over consecutive windows of `stream` (held-out tokens), no dropout."""
     n = len(stream) // (seq + 1)
     windows = stream[:n * (seq + 1)].reshape(n, seq + 1)
 
     def measure(model) -> float:
+        model.eval()
         total = 0.0
         for i in range(0, n, batch):
             w = mx.array(windows[i:i + batch])
             total += lm_loss(model, w[:, :-1], w[:, 1:]).item() * len(w)
+        model.train()
         return total / n
     return measure
 
 
-def build(config: Dict, seed: int):
+class NormThenDropout(nn.RMSNorm):
+    """The norm that closes a residual branch, then dropout while training.
+
+    The KJV training split is under a million tokens, a few epochs for a 10M-parameter model:
+    without dropout the held-out loss stops falling after three epochs while the training loss
+    keeps falling. The norm keeps its `weight`, so the checkpoint's tensor names do not change.
+    """
+
+    def __init__(self, norm: nn.RMSNorm, p: float):
+        super().__init__(norm.weight.shape[0], eps=norm.eps)
+        self.weight = norm.weight
+        self.p = p
+
+    def __call__(self, x: mx.array) -> mx.array:
+        h = super().__call__(x)
+        if not self.training or self.p == 0:
+            return h
+        keep = mx.random.bernoulli(1 - self.p, h.shape)
+        return mx.where(keep, h / (1 - self.p), mx.zeros_like(h))
+
+
+def build(config: Dict, seed: int, dropout: float = 0.0):
+    """mlx-lm's Gemma 4, with dropout on the attention and MLP branches when training."""
     mx.random.seed(seed)
     model = gemma4_text.Model(gemma4_text.ModelArgs.from_dict(config))
+    for layer in model.model.layers:
+        layer.post_attention_layernorm = NormThenDropout(layer.post_attention_layernorm, dropout)
+        layer.post_feedforward_layernorm = NormThenDropout(layer.post_feedforward_layernorm,
+                                                           dropout)
     mx.eval(model.parameters())
+    model.train()
     return model
 
 
@@ -179,7 +208,7 @@ def main() -> None:
     heldout = token_stream(tok, corpus.load("heldout"))[:HELDOUT_TOKENS]
 
     config = p["config"]
-    model = build(config, args.seed)
+    model = build(config, args.seed, p["dropout"])
     n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
     print(f"{args.preset}: {n_params / 1e6:.2f}M parameters, {len(stream)} training tokens, "
           f"{steps} steps of {p['batch']}x{p['seq']} "
@@ -187,7 +216,8 @@ def main() -> None:
     last = loop.train(run, model, lm_loss, batches(stream, p["batch"], p["seq"], args.seed),
                       steps=steps, lr=p["lr"], warmup=p["warmup"], desc=args.preset,
                       tokens_per_step=p["batch"] * p["seq"],
-                      heldout=heldout_loss(heldout, p["seq"]), heldout_every=HELDOUT_LOG_EVERY)
+                      heldout=heldout_loss(heldout, p["seq"]), heldout_every=HELDOUT_LOG_EVERY,
+                      seed=args.seed)
     print(json.dumps(last))
     out = args.export or p["model_dir"]
     if out is not None:

@@ -474,6 +474,72 @@ fn four_rows_in_one_batch_equal_four_single_runs() {
     }
 }
 
+/// Continuous batching: rows join a running batch between rounds and leave when they finish
+/// (one is cancelled mid-flight); each row's output equals its plain decoding, with the ngram
+/// drafter and with none.
+#[test]
+fn rows_joining_and_leaving_mid_flight_equal_single_runs() {
+    use host::generate::{Event, Flow};
+    use host::speculative::LiveBatch;
+    let m = model("ple-kvshare");
+    let requests: Vec<Request> = (0..5)
+        .map(|i| Request {
+            prompt: PROMPT[..4 + 2 * i].to_vec(),
+            max_tokens: 20 + 9 * i,
+            sampling: if i % 2 == 0 { greedy() } else { sampled(40 + i as u64) },
+            eos: vec![],
+        })
+        .collect();
+    let drafter = ngram();
+    for with_drafter in [true, false] {
+        let config = SpecConfig { draft_tokens: 3, verify: Verify::Match };
+        let mut batch = LiveBatch::new(&m, with_drafter.then_some(&drafter), config).unwrap();
+        let mut done: Vec<Option<Generation>> = vec![None; requests.len()];
+        let mut streamed: Vec<Vec<u32>> = vec![Vec::new(); requests.len()];
+        const CANCELLED: usize = 3;
+        let mut round = 0;
+        while done.iter().any(Option::is_none) {
+            // Request i joins at round 4i; request 3 is cancelled after its 5th token.
+            for (i, request) in requests.iter().enumerate() {
+                if round == 4 * i {
+                    batch.join(i, request.clone(), |_| Flow::Continue).unwrap();
+                }
+            }
+            for (i, g) in batch
+                .round(|i, event| {
+                    let Event::Token(t) = event else { return Flow::Continue };
+                    streamed[i].push(t);
+                    if i == CANCELLED && streamed[i].len() == 5 {
+                        Flow::Stop
+                    } else {
+                        Flow::Continue
+                    }
+                })
+                .unwrap()
+            {
+                assert!(done[i].replace(g).is_none(), "row {i} finished twice");
+            }
+            round += 1;
+            assert!(round < 500, "the batch does not finish");
+        }
+        for (i, (request, g)) in requests.iter().zip(&done).enumerate() {
+            let g = g.as_ref().unwrap();
+            let alone = plain(&m, request);
+            assert_eq!(g.tokens, streamed[i], "row {i}: the stream is the output");
+            if i == CANCELLED {
+                assert_eq!(g.stop, host::generate::StopReason::Interrupted);
+                assert_eq!(g.tokens, alone[..5], "row {i} (cancelled), drafter {with_drafter}");
+            } else {
+                assert_eq!(g.tokens, alone, "row {i}, drafter {with_drafter}");
+            }
+            assert!(g.stats.drafter_error.is_none());
+        }
+        let drafted: usize = done.iter().map(|g| g.as_ref().unwrap().stats.drafted).sum();
+        assert_eq!(drafted > 0, with_drafter, "{drafted} drafted");
+        assert!(batch.is_empty());
+    }
+}
+
 /// The target's logits for the first generated token of PROMPT.
 fn first_token_logits(m: &Gemma4) -> Vec<f32> {
     let mut caches = m.make_caches(1, 2);

@@ -6,7 +6,6 @@
 
 use std::cell::RefCell;
 use std::rc::Rc;
-use std::time::Instant;
 
 use mlx_rs::Array;
 use plugin_api::{Ports, PrefillMode};
@@ -17,12 +16,12 @@ use crate::plugin::{DrafterError, LoadedDrafter};
 use crate::target_view::TargetView;
 
 mod accept;
+mod live;
 mod prefill;
 mod round;
 mod slot;
 
-use prefill::prefill_rows;
-use round::{drop_finished, round, Batch};
+pub use live::LiveBatch;
 
 /// How drafted tokens are accepted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
@@ -135,29 +134,17 @@ pub fn generate_speculative_rows<R: Into<Flow>>(
     for request in requests {
         check_request(model, request)?;
     }
-    check_pairing(model, drafter).map_err(GenerateError::Drafter)?;
-    let taps = Taps::of(drafter);
-    let mut rows: Vec<Row> = requests.iter().map(|r| Row::new(r, config.draft_tokens)).collect();
-
-    let started = Instant::now();
-    let caches = Rc::new(RefCell::new(Vec::new()));
-    let view = TargetView::new(model.clone(), caches.clone(), drafter.info.capabilities.ports);
-    let slack = config.draft_tokens + 1;
-    let (joined, mut slot) = prefill_rows(model, drafter, &view, requests, &mut rows, slack, &taps, &mut on_event)?;
-    *caches.borrow_mut() = joined;
-    let prefill_ms = started.elapsed().as_secs_f64() * 1e3;
-
-    let decoding = Instant::now();
-    let mut batch = Batch { model, caches: &caches, requests, config, taps: &taps, active: (0..rows.len()).collect() };
-    drop_finished(&mut batch, &rows, &mut slot)?;
-    while !batch.active.is_empty() {
-        round(&batch, &mut rows, &mut slot, &mut on_event)?;
-        drop_finished(&mut batch, &rows, &mut slot)?;
+    let mut batch = LiveBatch::new(model, Some(drafter), config)?;
+    for (r, request) in requests.iter().enumerate() {
+        batch.join(r, request.clone(), |event| on_event(r, event))?;
     }
-    let decode_ms = decoding.elapsed().as_secs_f64() * 1e3;
-
-    let dropped = slot.dropped_reason();
-    Ok(rows.into_iter().map(|row| row.finish(prefill_ms, decode_ms, dropped.clone())).collect())
+    let mut out: Vec<Option<Generation>> = vec![None; requests.len()];
+    while !batch.is_empty() {
+        for (r, generation) in batch.round(&mut on_event)? {
+            out[r] = Some(generation);
+        }
+    }
+    Ok(out.into_iter().map(|g| g.expect("every row finishes")).collect())
 }
 
 /// What the drafter reads of each target forward (its `taps` port): nothing, the final hidden

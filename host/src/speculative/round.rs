@@ -100,17 +100,3 @@ fn draft(batch: &Batch, rows: &[Row], slot: &mut DrafterSlot) -> Result<Vec<Prop
     }
     Ok(proposals)
 }
-
-/// Removes finished rows from the batch: from `active`, the caches and the drafter's rows.
-pub(super) fn drop_finished(batch: &mut Batch, rows: &[Row], slot: &mut DrafterSlot) -> Result<(), GenerateError> {
-    let still: Vec<usize> = (0..batch.active.len()).filter(|&b| rows[batch.active[b]].stop.is_none()).collect();
-    if still.len() < batch.active.len() && !still.is_empty() {
-        for cache in batch.caches.borrow_mut().iter_mut() {
-            cache.filter_rows(&still)?;
-        }
-        let keep: Vec<u32> = still.iter().map(|&b| b as u32).collect();
-        slot.call(|g| g.filter_rows(&keep));
-    }
-    batch.active = still.iter().map(|&b| batch.active[b]).collect();
-    Ok(())
-}

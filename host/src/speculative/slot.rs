@@ -7,6 +7,8 @@ use crate::plugin::DrafterError;
 pub(super) enum DrafterSlot {
     Active(DrafterGroup),
     Dropped(String),
+    /// No drafter was configured: plain decoding through the same loop.
+    Absent,
 }
 
 impl DrafterSlot {
@@ -22,11 +24,26 @@ impl DrafterSlot {
         }
     }
 
+    /// The slot of a batch that `other`'s one row joins: the rows of `other`'s drafter are
+    /// appended to this one's. A failure on either side drops the drafter for the whole batch.
+    pub(super) fn join(self, other: DrafterSlot) -> DrafterSlot {
+        match (self, other) {
+            (DrafterSlot::Active(mut group), DrafterSlot::Active(mut one)) => {
+                match one.capture(0).and_then(|state| group.append(vec![state])) {
+                    Ok(()) => DrafterSlot::Active(group),
+                    Err(e) => DrafterSlot::Dropped(e.to_string()),
+                }
+            }
+            (DrafterSlot::Active(_), DrafterSlot::Dropped(reason)) => DrafterSlot::Dropped(reason),
+            (slot, _) => slot,
+        }
+    }
+
     /// Why the drafter was dropped, if it was.
     pub(super) fn dropped_reason(&self) -> Option<String> {
         match self {
-            DrafterSlot::Active(_) => None,
             DrafterSlot::Dropped(reason) => Some(reason.clone()),
+            _ => None,
         }
     }
 }

@@ -1,0 +1,168 @@
+//! A batch that rows join and leave between rounds (continuous batching). Each row is prefilled
+//! on its own and joined to the running batch: its caches stacked onto the batch's, its drafter
+//! row captured and appended to the batch's drafter. Finished rows leave through `filter_rows`.
+//! A row's output does not depend on which rows share its rounds.
+
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::time::Instant;
+
+use super::prefill::prefill_row;
+use super::round::{round, Batch};
+use super::slot::DrafterSlot;
+use super::{check_pairing, Row, SpecConfig, Taps};
+use crate::generate::{check_request, Event, Flow, GenerateError, Generation, Request};
+use crate::model::{Gemma4, LayerCache};
+use crate::plugin::LoadedDrafter;
+use crate::target_view::TargetView;
+
+/// Who a row is and when it started.
+struct Member<Id> {
+    id: Id,
+    prefill_ms: f64,
+    decoding: Instant,
+}
+
+pub struct LiveBatch<'a, Id> {
+    model: &'a Gemma4,
+    drafter: Option<&'a LoadedDrafter>,
+    config: SpecConfig,
+    taps: Taps,
+    /// The batch's caches, one row per member in order; `view` lends them to the drafter.
+    caches: Rc<RefCell<Vec<LayerCache>>>,
+    view: TargetView,
+    slot: DrafterSlot,
+    /// Per row, in the order of the caches and of the drafter's rows.
+    members: Vec<Member<Id>>,
+    requests: Vec<Request>,
+    rows: Vec<Row>,
+}
+
+impl<'a, Id: Copy> LiveBatch<'a, Id> {
+    /// An empty batch of `model` with `drafter` (or plain decoding through the same loop). A
+    /// pairing the host cannot serve is refused here.
+    pub fn new(
+        model: &'a Rc<Gemma4>,
+        drafter: Option<&'a LoadedDrafter>,
+        config: SpecConfig,
+    ) -> Result<Self, GenerateError> {
+        if let Some(d) = drafter {
+            check_pairing(model, d).map_err(GenerateError::Drafter)?;
+        }
+        let caches = Rc::new(RefCell::new(Vec::new()));
+        let ports = drafter.map_or(plugin_api::Ports::NONE, |d| d.info.capabilities.ports);
+        Ok(LiveBatch {
+            model,
+            drafter,
+            config,
+            taps: drafter.map_or(Taps::None, Taps::of),
+            view: TargetView::new(model.clone(), caches.clone(), ports),
+            caches,
+            slot: DrafterSlot::Absent,
+            members: Vec::new(),
+            requests: Vec::new(),
+            rows: Vec::new(),
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.members.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.members.is_empty()
+    }
+
+    /// Prefills `request` and joins it to the batch; `on_event` sees the prefill's progress. A
+    /// request the model cannot serve is refused without touching the batch.
+    pub fn join(
+        &mut self,
+        id: Id,
+        request: Request,
+        mut on_event: impl FnMut(Event) -> Flow,
+    ) -> Result<(), GenerateError> {
+        check_request(self.model, &request)?;
+        let started = Instant::now();
+        let mut row = Row::new(&request, self.config.draft_tokens);
+        let slack = self.config.draft_tokens + 1;
+        let (caches, slot) =
+            prefill_row(self.model, self.drafter, &self.view, &request, &mut row, slack, &self.taps, &mut on_event)?;
+        if self.members.is_empty() {
+            // The row's own drafter, opened over `view`, becomes the batch's.
+            *self.caches.borrow_mut() = caches;
+            self.slot = slot;
+        } else {
+            let mut live = self.caches.borrow_mut();
+            let joined = std::mem::take(&mut *live)
+                .into_iter()
+                .zip(caches)
+                .map(|(batch, one)| LayerCache::stack(vec![batch, one]))
+                .collect::<Result<Vec<_>, _>>()?;
+            *live = joined;
+            self.slot = std::mem::replace(&mut self.slot, DrafterSlot::Absent).join(slot);
+        }
+        let prefill_ms = started.elapsed().as_secs_f64() * 1e3;
+        self.members.push(Member { id, prefill_ms, decoding: Instant::now() });
+        self.requests.push(request);
+        self.rows.push(row);
+        Ok(())
+    }
+
+    /// One round for every row (draft, verify, accept, commit); `on_event` sees every token as
+    /// it is accepted and may stop its row. Returns the rows that finished, which left the batch.
+    pub fn round(
+        &mut self,
+        mut on_event: impl FnMut(Id, Event) -> Flow,
+    ) -> Result<Vec<(Id, Generation)>, GenerateError> {
+        let mut finished = self.leave_finished()?;
+        if !self.members.is_empty() {
+            let batch = Batch {
+                model: self.model,
+                caches: &self.caches,
+                requests: &self.requests,
+                config: self.config,
+                taps: &self.taps,
+                active: (0..self.requests.len()).collect(),
+            };
+            let members = &self.members;
+            round(&batch, &mut self.rows, &mut self.slot, &mut |r, event| on_event(members[r].id, event))?;
+            finished.extend(self.leave_finished()?);
+        }
+        Ok(finished)
+    }
+
+    /// Removes finished rows from the caches, the drafter and the batch.
+    fn leave_finished(&mut self) -> Result<Vec<(Id, Generation)>, GenerateError> {
+        let keep: Vec<usize> = (0..self.rows.len()).filter(|&r| self.rows[r].stop.is_none()).collect();
+        if keep.len() == self.rows.len() {
+            return Ok(Vec::new());
+        }
+        if keep.is_empty() {
+            // The next row to join starts the batch afresh, with a fresh drafter even after a
+            // failure.
+            self.caches.borrow_mut().clear();
+        } else {
+            for cache in self.caches.borrow_mut().iter_mut() {
+                cache.filter_rows(&keep)?;
+            }
+            let rows: Vec<u32> = keep.iter().map(|&r| r as u32).collect();
+            self.slot.call(|g| g.filter_rows(&rows));
+        }
+        let reason = self.slot.dropped_reason();
+        let mut finished = Vec::new();
+        for r in (0..self.rows.len()).rev() {
+            if self.rows[r].stop.is_some() {
+                let member = self.members.remove(r);
+                self.requests.remove(r);
+                let row = self.rows.remove(r);
+                let decode_ms = member.decoding.elapsed().as_secs_f64() * 1e3;
+                finished.push((member.id, row.finish(member.prefill_ms, decode_ms, reason.clone())));
+            }
+        }
+        finished.reverse();
+        if self.members.is_empty() {
+            self.slot = DrafterSlot::Absent;
+        }
+        Ok(finished)
+    }
+}
