@@ -3,6 +3,7 @@
 
 pub mod batch;
 pub mod bench;
+pub mod chat;
 pub mod check_model;
 pub mod doctor;
 pub mod generate;
@@ -15,6 +16,7 @@ pub mod plugins_dir;
 pub mod run;
 pub mod runtime;
 pub mod sampling;
+pub mod serve;
 pub mod speculative;
 pub mod target_view;
 pub mod tokenizer;

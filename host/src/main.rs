@@ -95,6 +95,43 @@ struct RunArgs {
 }
 
 #[derive(Args)]
+struct ServeArgs {
+    /// The manifest: target, drafter, generation defaults.
+    #[arg(long, value_name = "FILE", required_unless_present = "model")]
+    manifest: Option<PathBuf>,
+    /// The target: a directory, or a Hugging Face model id found in the local cache.
+    #[arg(long, short = 'm', value_name = "PATH|ID")]
+    model: Option<String>,
+    /// A drafter kind from the plugins directory (overrides the manifest's).
+    #[arg(long, value_name = "KIND")]
+    drafter: Option<String>,
+    /// The drafter's checkpoint directory.
+    #[arg(long, value_name = "DIR")]
+    drafter_artifact: Option<PathBuf>,
+    /// Tokens the drafter proposes per round, the most a request may ask for.
+    #[arg(long, value_name = "N")]
+    draft_tokens: Option<u32>,
+    /// Address to listen on; only this machine can connect by default.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on (0: any free port, printed at start).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Require `Authorization: Bearer KEY` on every endpoint but /health (default:
+    /// $HOST_API_KEY).
+    #[arg(long, value_name = "KEY", env = "HOST_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// Requests decoded together at most.
+    #[arg(long, value_name = "N", default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=256))]
+    max_batch: u32,
+    /// Requests waiting at most; more are answered 429.
+    #[arg(long, value_name = "N", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
+    max_queue: u32,
+    #[command(flatten)]
+    dir: PluginsDir,
+}
+
+#[derive(Args)]
 struct BenchArgs {
     #[arg(long, value_name = "FILE", required_unless_present = "kernels")]
     manifest: Option<PathBuf>,
@@ -125,6 +162,9 @@ enum Command {
     /// Time plain decoding against mlx-lm on the manifest's target or, for a manifest with a
     /// [drafter], plain against speculative decoding; paired and interleaved.
     Bench(BenchArgs),
+    /// Serve the manifest's model over an OpenAI-compatible HTTP API (/v1/completions,
+    /// /v1/chat/completions, /v1/models, /health, /metrics), batching requests as they come.
+    Serve(ServeArgs),
     /// Show the MLX runtime, BLAS, device and plugins directory this process uses.
     Doctor {
         /// Print one JSON object instead of text.
@@ -217,6 +257,7 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Run(args) => run_manifest(args, quiet)?,
         Command::Bench(args) => bench(args, quiet)?,
+        Command::Serve(args) => serve(args, quiet)?,
         Command::Doctor { json, dir } => {
             let report = doctor::Report::collect(plugins_dir::resolve(dir.plugins_dir))?;
             if json {
@@ -310,6 +351,36 @@ fn scan(dir: PluginsDir) -> Result<(PathBuf, Registry)> {
     let dir = plugins_dir::resolve(dir.plugins_dir);
     let registry = Registry::scan(&dir).with_context(|| format!("reading plugins directory {}", dir.display()))?;
     Ok((dir, registry))
+}
+
+fn serve(args: ServeArgs, quiet: bool) -> Result<()> {
+    let options = host::serve::ServeOptions {
+        run: RunOptions {
+            source: Source {
+                manifest: args.manifest,
+                model: args.model,
+                drafter: args.drafter,
+                drafter_artifact: args.drafter_artifact,
+            },
+            overrides: Overrides { draft_tokens: args.draft_tokens, ..Overrides::default() },
+            plugins_dir: plugins_dir::resolve(args.dir.plugins_dir),
+        },
+        host: args.host,
+        port: args.port,
+        api_key: args.api_key,
+        max_batch: args.max_batch as usize,
+        max_queue: args.max_queue as usize,
+    };
+    host::serve::serve(
+        options,
+        |address| eprintln!("listening on http://{address}"),
+        move |warning| {
+            if !quiet {
+                eprintln!("warning: {warning}");
+            }
+        },
+    )?;
+    Ok(())
 }
 
 fn run_manifest(args: RunArgs, quiet: bool) -> Result<()> {

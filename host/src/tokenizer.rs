@@ -30,6 +30,12 @@ impl Tokenizer {
         Ok(encoding.get_ids().to_vec())
     }
 
+    /// Ids of text that already holds its special tokens, such as a rendered chat template.
+    pub fn encode_rendered(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        let encoding = self.inner.encode(text, false).map_err(|e| TokenizerError::Encode(e.to_string()))?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
     pub fn decode(&self, ids: &[u32]) -> String {
         self.inner.decode(ids, true).unwrap_or_default()
     }

@@ -75,15 +75,22 @@ impl<'a, Id: Copy> LiveBatch<'a, Id> {
 
     /// Prefills `request` and joins it to the batch; `on_event` sees the prefill's progress. A
     /// request the model cannot serve is refused without touching the batch.
-    pub fn join(
+    pub fn join(&mut self, id: Id, request: Request, on_event: impl FnMut(Event) -> Flow) -> Result<(), GenerateError> {
+        self.join_drafting(id, request, self.config.draft_tokens, on_event)
+    }
+
+    /// [`LiveBatch::join`] for a row that drafts at most `draft_tokens` per round (no more than
+    /// the batch's own draft length, which sized the caches' rollback).
+    pub fn join_drafting(
         &mut self,
         id: Id,
         request: Request,
+        draft_tokens: usize,
         mut on_event: impl FnMut(Event) -> Flow,
     ) -> Result<(), GenerateError> {
         check_request(self.model, &request)?;
         let started = Instant::now();
-        let mut row = Row::new(&request, self.config.draft_tokens);
+        let mut row = Row::new(&request, draft_tokens.min(self.config.draft_tokens));
         let slack = self.config.draft_tokens + 1;
         let (caches, slot) =
             prefill_row(self.model, self.drafter, &self.view, &request, &mut row, slack, &self.taps, &mut on_event)?;

@@ -102,6 +102,11 @@ impl Row {
         }
     }
 
+    /// The row's draft length (a request may ask for less than the batch's).
+    fn draft_tokens(&self) -> usize {
+        self.by_position.len()
+    }
+
     /// The generation, with the statistics derived from the counts.
     fn finish(self, prefill_ms: f64, decode_ms: f64, drafter_error: Option<String>) -> Generation {
         let mut s = self.stats;

@@ -78,7 +78,7 @@ fn draft(batch: &Batch, rows: &[Row], slot: &mut DrafterSlot) -> Result<Vec<Prop
     let depths: Vec<usize> = batch
         .active
         .iter()
-        .map(|&r| batch.config.draft_tokens.min(batch.requests[r].max_tokens - rows[r].tokens.len() - 1))
+        .map(|&r| rows[r].draft_tokens().min(batch.requests[r].max_tokens - rows[r].tokens.len() - 1))
         .collect();
     let depth = depths.iter().copied().max().unwrap_or(0);
     let empty = || batch.active.iter().map(|_| Proposal::default()).collect::<Vec<_>>();

@@ -1,0 +1,409 @@
+//! `host serve`: an OpenAI-compatible HTTP server. The HTTP side (axum on tokio) checks each
+//! request and turns tokens into text; one engine thread owns the model and the drafter and
+//! runs every request as a row of one continuously batched, speculating verify loop.
+
+mod engine;
+mod metrics;
+mod openai;
+mod text;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::{Request as HttpRequest, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+
+use crate::chat::ChatTemplate;
+use crate::generate::{Generation, StopReason};
+use crate::run::{RunError, RunOptions};
+use crate::tokenizer::{StreamDecoder, Tokenizer};
+use engine::{Job, JobEvent};
+use metrics::Metrics;
+use openai::{ApiError, Endpoint, Prepared, Served};
+use text::StopText;
+
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    pub run: RunOptions,
+    pub host: String,
+    pub port: u16,
+    /// Requests must carry `Authorization: Bearer <key>` (all but `/health`).
+    pub api_key: Option<String>,
+    /// Rows in the running batch at most.
+    pub max_batch: usize,
+    /// Requests waiting to join the batch at most; more are answered 429.
+    pub max_queue: usize,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error(transparent)]
+    Load(#[from] RunError),
+    #[error(transparent)]
+    Chat(#[from] crate::chat::ChatError),
+    #[error("binding {address}: {source}")]
+    Bind { address: String, source: std::io::Error },
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error("the engine thread stopped before it was ready")]
+    EngineGone,
+}
+
+struct App {
+    served: Served,
+    jobs: SyncSender<Job>,
+    metrics: Arc<Metrics>,
+    api_key: Option<String>,
+    next_id: AtomicU64,
+}
+
+/// Loads the manifest's model and drafter, then serves until SIGTERM or Ctrl-C, after which it
+/// takes no new connection and finishes the requests in flight. `on_listening` is told the
+/// bound address (the port may have been 0); `warn` what the user should know.
+pub fn serve(
+    options: ServeOptions,
+    on_listening: impl FnOnce(SocketAddr),
+    warn: impl FnMut(String) + Send + 'static,
+) -> Result<(), ServeError> {
+    let metrics = Arc::new(Metrics::new());
+    let (jobs, queue) = sync_channel(options.max_queue);
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let engine = {
+        let (run, max_batch, metrics) = (options.run.clone(), options.max_batch, metrics.clone());
+        std::thread::Builder::new()
+            .name("engine".into())
+            .spawn(move || engine::run(run, max_batch, queue, ready_tx, metrics, warn))?
+    };
+    let ready = ready_rx.recv().map_err(|_| ServeError::EngineGone)??;
+    let model_dir = ready.model_dir.clone();
+    let name = model_dir.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned());
+    let served = Served {
+        name,
+        ready,
+        tokenizer: Tokenizer::load(&model_dir).map_err(RunError::from)?,
+        template: ChatTemplate::load(&model_dir)?,
+    };
+    let app = Arc::new(App { served, jobs, metrics, api_key: options.api_key.clone(), next_id: AtomicU64::new(0) });
+
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let result = runtime.block_on(async move {
+        let address = format!("{}:{}", options.host, options.port);
+        let listener = tokio::net::TcpListener::bind(&address)
+            .await
+            .map_err(|source| ServeError::Bind { address: address.clone(), source })?;
+        on_listening(listener.local_addr()?);
+        axum::serve(listener, router(app)).with_graceful_shutdown(shutdown_signal()).await?;
+        Ok(())
+    });
+    // The router and its job sender are gone: the engine finishes what it holds and returns.
+    engine.join().map_err(|_| ServeError::EngineGone)?;
+    result
+}
+
+fn router(app: Arc<App>) -> Router {
+    let authorized = Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/metrics", get(metrics_text))
+        .route_layer(middleware::from_fn_with_state(app.clone(), require_key));
+    Router::new().route("/health", get(|| async { Json(json!({"status": "ok"})) })).merge(authorized).with_state(app)
+}
+
+async fn shutdown_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term => {}
+    }
+}
+
+async fn require_key(State(app): State<Arc<App>>, request: HttpRequest, next: Next) -> Response {
+    if let Some(key) = &app.api_key {
+        let given = request.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+        if given.and_then(|v| v.strip_prefix("Bearer ")) != Some(key.as_str()) {
+            app.metrics.count("rejected");
+            let why = if given.is_some() { "the API key is wrong" } else { "an API key is required" };
+            return ApiError::new(StatusCode::UNAUTHORIZED, None, format!("{why}: send `Authorization: Bearer <key>`"))
+                .into_response();
+        }
+    }
+    next.run(request).await
+}
+
+async fn models(State(app): State<Arc<App>>) -> Json<Value> {
+    Json(json!({
+        "object": "list",
+        "data": [{"id": app.served.name, "object": "model", "created": now(), "owned_by": "host"}],
+    }))
+}
+
+async fn metrics_text(State(app): State<Arc<App>>) -> impl IntoResponse {
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], app.metrics.text())
+}
+
+async fn completions(State(app): State<Arc<App>>, body: Bytes) -> Response {
+    generate(app, Endpoint::Completions, body).await
+}
+
+async fn chat_completions(State(app): State<Arc<App>>, body: Bytes) -> Response {
+    generate(app, Endpoint::Chat, body).await
+}
+
+async fn generate(app: Arc<App>, endpoint: Endpoint, body: Bytes) -> Response {
+    let received = Instant::now();
+    let number = app.next_id.fetch_add(1, Ordering::Relaxed);
+    let seed = now().wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ number;
+    let prepared = match openai::parse(&body).and_then(|b| app.served.prepare(endpoint, b, seed)) {
+        Ok(p) => p,
+        Err(e) => {
+            app.metrics.count("rejected");
+            return e.into_response();
+        }
+    };
+    let (events_tx, events) = unbounded_channel();
+    let stop = Arc::new(AtomicBool::new(false));
+    let job = Job {
+        request: prepared.request.clone(),
+        events: events_tx,
+        stop: stop.clone(),
+        draft_tokens: prepared.draft_tokens,
+    };
+    app.metrics.queue_depth.inc();
+    if let Err(e) = app.jobs.try_send(job) {
+        app.metrics.queue_depth.dec();
+        app.metrics.count("rejected");
+        return match e {
+            TrySendError::Full(_) => {
+                ApiError::new(StatusCode::TOO_MANY_REQUESTS, None, "the queue is full; retry shortly").into_response()
+            }
+            TrySendError::Disconnected(_) => {
+                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, None, "the server is shutting down").into_response()
+            }
+        };
+    }
+    let reply = Reply { app: app.clone(), endpoint, id: reply_id(endpoint, number), created: now(), prepared };
+    if reply.prepared.stream {
+        stream(reply, events, stop, received)
+    } else {
+        let mut text = String::new();
+        let outcome = drive(&app, &reply.prepared, events, &stop, received, |piece| {
+            text.push_str(piece);
+            true
+        })
+        .await;
+        match outcome {
+            Outcome::Finished(g, stopped) => {
+                app.metrics.count("ok");
+                Json(reply.whole(&text, &g, stopped)).into_response()
+            }
+            Outcome::Failed(message) => {
+                app.metrics.count("failed");
+                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, None, message).into_response()
+            }
+            Outcome::Gone => StatusCode::NO_CONTENT.into_response(),
+        }
+    }
+}
+
+/// Server-sent events: one chunk per piece of text, then the finish reason, the usage when
+/// asked for, and `[DONE]`. A client that disconnects ends its row at its next token.
+fn stream(reply: Reply, events: UnboundedReceiver<JobEvent>, stop: Arc<AtomicBool>, received: Instant) -> Response {
+    let (tx, rx) = unbounded_channel::<Result<SseEvent, std::convert::Infallible>>();
+    let send = |tx: &UnboundedSender<_>, value: Value| tx.send(Ok(SseEvent::default().data(value.to_string()))).is_ok();
+    tokio::spawn(async move {
+        let app = reply.app.clone();
+        if reply.endpoint == Endpoint::Chat {
+            send(&tx, reply.chunk(json!({"role": "assistant", "content": ""}), None));
+        }
+        let outcome = drive(&app, &reply.prepared, events, &stop, received, |piece| {
+            let delta = match reply.endpoint {
+                Endpoint::Chat => json!({"content": piece}),
+                Endpoint::Completions => json!(piece),
+            };
+            send(&tx, reply.chunk(delta, None))
+        })
+        .await;
+        match outcome {
+            Outcome::Finished(g, stopped) => {
+                app.metrics.count("ok");
+                let empty = if reply.endpoint == Endpoint::Chat { json!({}) } else { json!("") };
+                send(&tx, reply.chunk(empty, Some(finish_reason(&g, stopped))));
+                if reply.prepared.include_usage {
+                    send(&tx, reply.usage_chunk(&g));
+                }
+            }
+            Outcome::Failed(message) => {
+                app.metrics.count("failed");
+                send(&tx, ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, None, message).body());
+            }
+            Outcome::Gone => return,
+        }
+        let _ = tx.send(Ok(SseEvent::default().data("[DONE]")));
+    });
+    Sse::new(tokio_stream::wrappers::UnboundedReceiverStream::new(rx)).into_response()
+}
+
+enum Outcome {
+    /// The generation, and whether a stop string ended its text.
+    Finished(Generation, bool),
+    Failed(String),
+    /// The client left.
+    Gone,
+}
+
+/// Turns the engine's tokens into text for `emit`, cut at the first stop string (after which
+/// the row is told to stop). `emit` answers false when the client is gone.
+async fn drive(
+    app: &App,
+    prepared: &Prepared,
+    mut events: UnboundedReceiver<JobEvent>,
+    stop: &AtomicBool,
+    received: Instant,
+    mut emit: impl FnMut(&str) -> bool,
+) -> Outcome {
+    let mut decoder = StreamDecoder::new(&app.served.tokenizer);
+    let mut text = StopText::new(prepared.stops.clone());
+    let mut last_token: Option<Instant> = None;
+    while let Some(event) = events.recv().await {
+        match event {
+            JobEvent::Token(token) => {
+                let now = Instant::now();
+                match last_token {
+                    None => app.metrics.time_to_first_token.observe((now - received).as_secs_f64()),
+                    Some(t) => app.metrics.inter_token_latency.observe((now - t).as_secs_f64()),
+                }
+                last_token = Some(now);
+                let piece = text.push(&decoder.push(token));
+                if !piece.is_empty() && !emit(&piece) {
+                    return Outcome::Gone;
+                }
+                if text.stopped() {
+                    stop.store(true, Ordering::Relaxed);
+                }
+            }
+            JobEvent::Done(generation) => {
+                let stopped = text.stopped();
+                if !stopped {
+                    let rest = text.push(&decoder.finish()) + &text.finish();
+                    if !rest.is_empty() && !emit(&rest) {
+                        return Outcome::Gone;
+                    }
+                }
+                return Outcome::Finished(generation, stopped);
+            }
+            JobEvent::Failed(message) => return Outcome::Failed(message),
+        }
+    }
+    Outcome::Failed("the engine stopped".into())
+}
+
+/// The fields every response of one request shares.
+struct Reply {
+    app: Arc<App>,
+    endpoint: Endpoint,
+    id: String,
+    created: u64,
+    prepared: Prepared,
+}
+
+impl Reply {
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.endpoint, chunk) {
+            (Endpoint::Completions, _) => "text_completion",
+            (Endpoint::Chat, false) => "chat.completion",
+            (Endpoint::Chat, true) => "chat.completion.chunk",
+        }
+    }
+
+    fn whole(&self, text: &str, g: &Generation, stopped: bool) -> Value {
+        let choice = match self.endpoint {
+            Endpoint::Completions => {
+                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish_reason(g, stopped)})
+            }
+            Endpoint::Chat => json!({
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": null,
+                "finish_reason": finish_reason(g, stopped),
+            }),
+        };
+        json!({
+            "id": self.id, "object": self.object(false), "created": self.created, "model": self.app.served.name,
+            "choices": [choice], "usage": usage(g),
+        })
+    }
+
+    fn chunk(&self, delta: Value, finish_reason: Option<&str>) -> Value {
+        let choice = match self.endpoint {
+            Endpoint::Completions => {
+                json!({"index": 0, "text": delta, "logprobs": null, "finish_reason": finish_reason})
+            }
+            Endpoint::Chat => json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish_reason}),
+        };
+        json!({
+            "id": self.id, "object": self.object(true), "created": self.created, "model": self.app.served.name,
+            "choices": [choice],
+        })
+    }
+
+    fn usage_chunk(&self, g: &Generation) -> Value {
+        json!({
+            "id": self.id, "object": self.object(true), "created": self.created, "model": self.app.served.name,
+            "choices": [], "usage": usage(g),
+        })
+    }
+}
+
+fn finish_reason(g: &Generation, stopped: bool) -> &'static str {
+    match (stopped, g.stop) {
+        (false, StopReason::MaxTokens) => "length",
+        _ => "stop",
+    }
+}
+
+/// OpenAI's usage, with what speculation did under `speculative`.
+fn usage(g: &Generation) -> Value {
+    let s = &g.stats;
+    json!({
+        "prompt_tokens": s.prompt_tokens,
+        "completion_tokens": s.generated_tokens,
+        "total_tokens": s.prompt_tokens + s.generated_tokens,
+        "speculative": {
+            "drafted_tokens": s.drafted,
+            "accepted_tokens": s.accepted,
+            "rounds": s.rounds,
+            "target_forwards": s.target_forwards,
+            "tokens_per_round": s.mean_accept_len,
+            "acceptance_rate": s.acceptance_rate,
+            "drafter_error": s.drafter_error,
+        },
+    })
+}
+
+fn reply_id(endpoint: Endpoint, number: u64) -> String {
+    let prefix = if endpoint == Endpoint::Chat { "chatcmpl" } else { "cmpl" };
+    format!("{prefix}-{:x}-{number}", now())
+}
+
+fn now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}

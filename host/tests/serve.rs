@@ -1,0 +1,337 @@
+//! `host serve` over HTTP: the OpenAI endpoints, streamed and not; requests batched together
+//! each equal to their single run; stop strings; errors in OpenAI's shape; API keys; a full
+//! queue; a client that leaves; SIGTERM finishing the requests in flight.
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+struct Server {
+    child: Child,
+    base: String,
+}
+
+impl Server {
+    /// `host serve` on the demo target with prompt lookup, on a free port.
+    fn start(extra: &[&str]) -> Server {
+        let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests/demo-ngram.toml");
+        let mut child = Command::new(env!("CARGO_BIN_EXE_host"))
+            .args(["serve", "--manifest", manifest.to_str().unwrap(), "--port", "0"])
+            .args(extra)
+            .env_remove("HOST_API_KEY")
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stderr = BufReader::new(child.stderr.take().unwrap());
+        let mut line = String::new();
+        loop {
+            line.clear();
+            assert!(stderr.read_line(&mut line).unwrap() > 0, "host serve exited before listening");
+            if let Some(address) = line.trim().strip_prefix("listening on ") {
+                let base = address.to_owned();
+                // Keep draining stderr so the server never blocks on it.
+                std::thread::spawn(move || std::io::copy(&mut stderr, &mut std::io::sink()));
+                return Server { child, base };
+            }
+        }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    /// POSTs `body` to `path`: (status, JSON body).
+    fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        self.post_with(path, &body.to_string(), None)
+    }
+
+    fn post_with(&self, path: &str, body: &str, key: Option<&str>) -> (u16, Value) {
+        let mut request = ureq::post(&self.url(path)).set("content-type", "application/json");
+        if let Some(key) = key {
+            request = request.set("authorization", &format!("Bearer {key}"));
+        }
+        match request.send_string(body) {
+            Ok(r) => (r.status(), r.into_json().unwrap()),
+            Err(ureq::Error::Status(code, r)) => (code, r.into_json().unwrap()),
+            Err(e) => panic!("{path}: {e}"),
+        }
+    }
+
+    fn get(&self, path: &str) -> String {
+        ureq::get(&self.url(path)).call().unwrap().into_string().unwrap()
+    }
+
+    /// The value of a metric line starting with `name` (0 when absent).
+    fn metric(&self, name: &str) -> f64 {
+        self.get("/metrics")
+            .lines()
+            .find_map(|l| l.strip_prefix(name).and_then(|rest| rest.trim().parse().ok()))
+            .unwrap_or(0.0)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn completion(prompt: &str, max_tokens: u32, extra: Value) -> Value {
+    let mut body = json!({"model": "kjv-gemma4", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0});
+    body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    body
+}
+
+/// The `data:` payloads of a server-sent event stream.
+fn sse_events(body: impl Read) -> Vec<String> {
+    BufReader::new(body)
+        .lines()
+        .map_while(Result::ok)
+        .filter_map(|l| l.strip_prefix("data: ").map(str::to_owned))
+        .collect()
+}
+
+/// `host run`'s text for the same greedy request.
+fn host_run(prompt: &str, max_tokens: u32) -> String {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests/demo-ngram.toml");
+    let out = Command::new(env!("CARGO_BIN_EXE_host"))
+        .args(["run", "--manifest", manifest.to_str().unwrap(), "--prompt", prompt, "--json"])
+        .args(["--max-tokens", &max_tokens.to_string(), "--temperature", "0"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice::<Value>(&out.stdout).unwrap()["text"].as_str().unwrap().to_owned()
+}
+
+const PROMPTS: [&str; 6] = [
+    "In the beginning",
+    "And it came to pass after",
+    "The word of the LORD came",
+    "Now it came to pass, when",
+    "And Abraham said",
+    "Blessed is the man",
+];
+
+#[test]
+fn completions_streamed_and_not_equal_host_run() {
+    let server = Server::start(&[]);
+    let expected = host_run(PROMPTS[0], 40);
+    let (status, whole) = server.post("/v1/completions", &completion(PROMPTS[0], 40, json!({})));
+    assert_eq!(status, 200, "{whole}");
+    assert_eq!(whole["object"], "text_completion");
+    assert_eq!(whole["choices"][0]["text"], expected.as_str());
+    assert_eq!(whole["choices"][0]["finish_reason"], "length");
+    assert_eq!(whole["usage"]["completion_tokens"], 40);
+    assert!(whole["usage"]["speculative"]["rounds"].as_u64().unwrap() > 0);
+
+    let body = completion(PROMPTS[0], 40, json!({"stream": true, "stream_options": {"include_usage": true}}));
+    let response = ureq::post(&server.url("/v1/completions")).send_json(body).unwrap();
+    assert_eq!(response.header("content-type"), Some("text/event-stream"));
+    let events = sse_events(response.into_reader());
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    let text: String = chunks.iter().filter_map(|c| c["choices"][0]["text"].as_str()).collect();
+    assert_eq!(text, expected);
+    let finish: Vec<&Value> =
+        chunks.iter().map(|c| &c["choices"][0]["finish_reason"]).filter(|f| !f.is_null()).collect();
+    assert_eq!(finish, [&json!("length")]);
+    let usage = &chunks.last().unwrap()["usage"];
+    assert_eq!(usage["completion_tokens"], 40, "the last chunk carries the usage");
+    assert_eq!(chunks.last().unwrap()["choices"], json!([]));
+}
+
+#[test]
+fn concurrent_requests_each_equal_their_single_run() {
+    let server = Server::start(&["--max-batch", "4"]);
+    // Greedy rows and seeded sampled rows, alone first, then all at once.
+    let body = |i: usize| {
+        let sampled = if i % 2 == 1 { json!({"temperature": 0.8, "seed": 100 + i}) } else { json!({}) };
+        completion(PROMPTS[i], 24 + 4 * i as u32, sampled)
+    };
+    let alone: Vec<Value> = (0..PROMPTS.len()).map(|i| server.post("/v1/completions", &body(i)).1).collect();
+    let together: Vec<Value> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..PROMPTS.len())
+            .map(|i| {
+                let (server, body) = (&server, body(i));
+                s.spawn(move || {
+                    // Staggered, so that rows join a batch already running.
+                    std::thread::sleep(Duration::from_millis(30 * i as u64));
+                    server.post("/v1/completions", &body).1
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
+        assert_eq!(a["choices"][0]["text"], t["choices"][0]["text"], "request {i}");
+        assert_eq!(a["usage"]["completion_tokens"], t["usage"]["completion_tokens"], "request {i}");
+    }
+    assert!(server.metric("host_batch_size") <= 4.0);
+    assert_eq!(server.metric("host_requests_total{outcome=\"ok\"}"), 2.0 * PROMPTS.len() as f64);
+    assert!(server.metric("host_drafted_tokens_total") > 0.0);
+}
+
+#[test]
+fn a_stop_string_ends_the_text_and_is_not_emitted() {
+    let server = Server::start(&[]);
+    let (_, full) = server.post("/v1/completions", &completion(PROMPTS[1], 60, json!({})));
+    let full = full["choices"][0]["text"].as_str().unwrap().to_owned();
+    // A stop string from the middle of the greedy text, spanning whatever tokens it spans.
+    let start = full.char_indices().nth(full.chars().count() / 2).unwrap().0;
+    let stop: String = full[start..].chars().take(4).collect();
+    let cut = &full[..full.find(&stop).unwrap()];
+    let (status, stopped) = server.post("/v1/completions", &completion(PROMPTS[1], 60, json!({"stop": [stop]})));
+    assert_eq!(status, 200);
+    assert_eq!(stopped["choices"][0]["text"], cut);
+    assert_eq!(stopped["choices"][0]["finish_reason"], "stop");
+
+    let body = completion(PROMPTS[1], 60, json!({"stop": stop, "stream": true}));
+    let events = sse_events(ureq::post(&server.url("/v1/completions")).send_json(body).unwrap().into_reader());
+    let text: String = events
+        .iter()
+        .filter(|e| e.as_str() != "[DONE]")
+        .filter_map(|e| serde_json::from_str::<Value>(e).unwrap()["choices"][0]["text"].as_str().map(str::to_owned))
+        .collect();
+    assert_eq!(text, cut);
+}
+
+#[test]
+fn chat_uses_the_checkpoints_template_streamed_and_not() {
+    let server = Server::start(&[]);
+    let body = json!({
+        "model": "kjv-gemma4",
+        "messages": [{"role": "user", "content": "Who made the heaven and the earth?"}],
+        "max_completion_tokens": 24,
+        "temperature": 0,
+    });
+    let (status, whole) = server.post("/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{whole}");
+    assert_eq!(whole["object"], "chat.completion");
+    assert_eq!(whole["choices"][0]["message"]["role"], "assistant");
+    let content = whole["choices"][0]["message"]["content"].as_str().unwrap().to_owned();
+    // The template's prompt: <bos>, the turn markers and the question, not re-tokenized with a
+    // second <bos>.
+    assert!(whole["usage"]["prompt_tokens"].as_u64().unwrap() > 8);
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let events = sse_events(ureq::post(&server.url("/v1/chat/completions")).send_json(streamed).unwrap().into_reader());
+    let chunks: Vec<Value> =
+        events.iter().filter(|e| e.as_str() != "[DONE]").map(|e| serde_json::from_str(e).unwrap()).collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk"));
+    let text: String = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+    assert_eq!(text, content);
+}
+
+#[test]
+fn bad_requests_get_openai_errors_naming_the_field() {
+    let server = Server::start(&[]);
+    let check = |path: &str, body: &str, status: u16, param: Value, says: &str| {
+        let (code, error) = server.post_with(path, body, None);
+        assert_eq!(code, status, "{body}: {error}");
+        assert_eq!(error["error"]["param"], param, "{body}: {error}");
+        let message = error["error"]["message"].as_str().unwrap();
+        assert!(message.contains(says), "{body}: {message}");
+    };
+    let c = "/v1/completions";
+    check(c, "{\"prompt\": \"x\"", 400, Value::Null, "not valid JSON");
+    check(c, r#"{"prompt": "x", "tempreature": 0}"#, 422, json!("tempreature"), "unknown field `tempreature`");
+    check(c, r#"{"prompt": "x", "temperature": "hot"}"#, 422, json!("temperature"), "temperature");
+    check(c, r#"{"prompt": "x", "temperature": 3}"#, 422, json!("temperature"), "[0, 2]");
+    check(c, r#"{"prompt": "x", "n": 2}"#, 422, json!("n"), "only 1");
+    check(c, r#"{"prompt": "x", "model": "gpt-4"}"#, 404, json!("model"), "kjv-gemma4");
+    check(c, r#"{"prompt": [1, 2, 999999]}"#, 422, json!("prompt"), "outside the vocabulary");
+    check(c, r#"{"prompt": "x", "max_tokens": 200000}"#, 422, json!("max_tokens"), "context");
+    let long = format!("{{\"prompt\": [{}]}}", vec!["5"; 131_072].join(","));
+    check(c, &long, 413, json!("prompt"), "context of 131072");
+    check(c, r#"{"messages": [{"role": "user", "content": "x"}]}"#, 422, json!("messages"), "chat/completions");
+    let chat = "/v1/chat/completions";
+    check(chat, r#"{"messages": [{"role": "wizard", "content": "x"}]}"#, 422, json!("messages[0].role"), "wizard");
+    check(chat, r#"{"messages": []}"#, 422, json!("messages"), "at least one");
+    check(c, r#"{"prompt": "x", "draft_tokens": 9}"#, 422, json!("draft_tokens"), "1 to the server's 4");
+    assert!(server.metric("host_requests_total{outcome=\"rejected\"}") >= 13.0);
+}
+
+#[test]
+fn an_api_key_guards_everything_but_health() {
+    let server = Server::start(&["--api-key", "sesame"]);
+    let body = completion(PROMPTS[0], 4, json!({})).to_string();
+    let (code, error) = server.post_with("/v1/completions", &body, None);
+    assert_eq!((code, error["error"]["type"].as_str()), (401, Some("authentication_error")));
+    assert_eq!(server.post_with("/v1/completions", &body, Some("wrong")).0, 401);
+    assert_eq!(server.post_with("/v1/completions", &body, Some("sesame")).0, 200);
+    assert!(ureq::get(&server.url("/v1/models")).call().is_err());
+    let models: Value =
+        ureq::get(&server.url("/v1/models")).set("authorization", "Bearer sesame").call().unwrap().into_json().unwrap();
+    assert_eq!(models["data"][0]["id"], "kjv-gemma4");
+    assert_eq!(server.get("/health"), r#"{"status":"ok"}"#);
+}
+
+#[test]
+fn a_full_queue_answers_429_with_retry_after() {
+    let server = Server::start(&["--max-batch", "1", "--max-queue", "1"]);
+    let codes: Vec<(u16, Option<String>)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..6)
+            .map(|_| {
+                let server = &server;
+                s.spawn(move || {
+                    let body = completion(PROMPTS[2], 64, json!({}));
+                    match ureq::post(&server.url("/v1/completions")).send_json(body) {
+                        Ok(r) => (r.status(), None),
+                        Err(ureq::Error::Status(code, r)) => (code, r.header("retry-after").map(str::to_owned)),
+                        Err(e) => panic!("{e}"),
+                    }
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(codes.iter().any(|c| c.0 == 200), "{codes:?}");
+    let refused: Vec<_> = codes.iter().filter(|c| c.0 == 429).collect();
+    assert!(!refused.is_empty(), "{codes:?}");
+    assert!(refused.iter().all(|c| c.1.as_deref() == Some("1")), "{codes:?}");
+}
+
+#[test]
+fn a_client_that_leaves_cancels_its_row() {
+    let server = Server::start(&[]);
+    let body = completion(PROMPTS[3], 4000, json!({"stream": true}));
+    let response = ureq::post(&server.url("/v1/completions")).send_json(body).unwrap();
+    let mut reader = BufReader::new(response.into_reader());
+    let mut line = String::new();
+    while !line.starts_with("data: ") {
+        line.clear();
+        reader.read_line(&mut line).unwrap();
+    }
+    drop(reader);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while server.metric("host_requests_total{outcome=\"cancelled\"}") < 1.0 {
+        assert!(Instant::now() < deadline, "the row was not cancelled:\n{}", server.get("/metrics"));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(server.metric("host_batch_size"), 0.0);
+    assert!(server.metric("host_generated_tokens_total") < 4000.0);
+    // The server goes on serving.
+    assert_eq!(server.post("/v1/completions", &completion(PROMPTS[0], 4, json!({}))).0, 200);
+}
+
+#[test]
+fn sigterm_finishes_the_requests_in_flight() {
+    let mut server = Server::start(&[]);
+    let url = server.url("/v1/completions");
+    let request = std::thread::spawn(move || {
+        ureq::post(&url).send_json(completion(PROMPTS[4], 120, json!({}))).unwrap().into_json::<Value>().unwrap()
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    // SAFETY: signalling a child process this test started.
+    unsafe { libc::kill(server.child.id() as i32, libc::SIGTERM) };
+    let reply = request.join().unwrap();
+    assert_eq!(reply["usage"]["completion_tokens"], 120);
+    let status = server.child.wait().unwrap();
+    assert!(status.success(), "{status:?}");
+}
