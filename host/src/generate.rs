@@ -101,6 +101,8 @@ impl From<()> for Flow {
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Stats {
     pub prompt_tokens: usize,
+    /// Prompt tokens whose prefill was reused from an earlier prompt (`host serve`'s prefix cache).
+    pub cached_prompt_tokens: usize,
     pub generated_tokens: usize,
     pub drafted: usize,
     pub accepted: usize,

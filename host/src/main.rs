@@ -66,7 +66,8 @@ struct RunArgs {
     /// Prompt as token ids, comma-separated.
     #[arg(long, value_delimiter = ',', value_name = "IDS")]
     prompt_ids: Option<Vec<u32>>,
-    /// Wrap a text prompt in the Gemma chat format.
+    /// Wrap a text prompt as one user turn in the checkpoint's chat template (Gemma's turn
+    /// format when it ships none).
     #[arg(long, conflicts_with = "prompt_ids")]
     chat: bool,
     #[arg(long, value_name = "N")]
@@ -127,6 +128,9 @@ struct ServeArgs {
     /// Requests waiting at most; more are answered 429.
     #[arg(long, value_name = "N", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
     max_queue: u32,
+    /// MiB of target caches kept for prompts that later prompts extend (0: no prefix cache).
+    #[arg(long, value_name = "MB", default_value_t = 256)]
+    prefix_cache_mb: u32,
     #[command(flatten)]
     dir: PluginsDir,
 }
@@ -370,6 +374,7 @@ fn serve(args: ServeArgs, quiet: bool) -> Result<()> {
         api_key: args.api_key,
         max_batch: args.max_batch as usize,
         max_queue: args.max_queue as usize,
+        prefix_cache_mb: args.prefix_cache_mb as usize,
     };
     host::serve::serve(
         options,

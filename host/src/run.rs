@@ -6,6 +6,7 @@ use std::rc::Rc;
 
 use serde::Serialize;
 
+use crate::chat::{ChatTemplate, Message};
 use crate::generate::{generate, Event, Flow, GenerateError, Request, Stats, StopReason};
 use crate::manifest::{Manifest, ManifestError};
 use crate::model::{Gemma4, ModelError};
@@ -176,6 +177,8 @@ pub enum RequestError {
     NoPrompt,
     #[error("{0}")]
     Tokenizer(#[from] crate::tokenizer::TokenizerError),
+    #[error(transparent)]
+    Chat(#[from] crate::chat::ChatError),
 }
 
 /// The request `host run` generates.
@@ -188,7 +191,15 @@ pub fn resolve_request(
 ) -> Result<Request, RequestError> {
     let g = &manifest.generation;
     let chat = overrides.chat || g.chat;
-    let encode = |text: &str| tokenizer.encode(&if chat { tokenizer.chat_prompt(text) } else { text.to_owned() });
+    let template = if chat { Some(ChatTemplate::load(&manifest.target_model)?) } else { None };
+    let encode = |text: &str| -> Result<Vec<u32>, RequestError> {
+        match &template {
+            None => Ok(tokenizer.encode(text)?),
+            Some(t) => {
+                Ok(tokenizer.encode_rendered(&t.render(&[Message { role: "user".into(), content: text.into() }])?)?)
+            }
+        }
+    };
     let prompt = match (&overrides.prompt_ids, &overrides.prompt, &g.prompt_ids, &g.prompt) {
         (Some(ids), _, _, _) => ids.clone(),
         (None, Some(text), _, _) => encode(text)?,

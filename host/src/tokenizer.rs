@@ -1,4 +1,4 @@
-//! Text ↔ token ids through a checkpoint's `tokenizer.json`, and the Gemma chat format.
+//! Text ↔ token ids through a checkpoint's `tokenizer.json`.
 
 use std::path::{Path, PathBuf};
 
@@ -47,12 +47,6 @@ impl Tokenizer {
     /// Ids the tokenizer knows as end-of-sequence markers.
     pub fn eos_ids(&self) -> Vec<u32> {
         ["<eos>", "<end_of_turn>", "</s>", "<|endoftext|>"].iter().filter_map(|t| self.token_id(t)).collect()
-    }
-
-    /// A single user turn in the Gemma chat format, ready for the model to answer.
-    pub fn chat_prompt(&self, user: &str) -> String {
-        let bos = if self.inner.get_post_processor().is_some() { "" } else { "<bos>" };
-        format!("{bos}<start_of_turn>user\n{user}<end_of_turn>\n<start_of_turn>model\n")
     }
 }
 

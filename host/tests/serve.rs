@@ -96,10 +96,11 @@ fn sse_events(body: impl Read) -> Vec<String> {
 }
 
 /// `host run`'s text for the same greedy request.
-fn host_run(prompt: &str, max_tokens: u32) -> String {
+fn host_run(prompt: &str, max_tokens: u32, extra: &[&str]) -> String {
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests/demo-ngram.toml");
     let out = Command::new(env!("CARGO_BIN_EXE_host"))
         .args(["run", "--manifest", manifest.to_str().unwrap(), "--prompt", prompt, "--json"])
+        .args(extra)
         .args(["--max-tokens", &max_tokens.to_string(), "--temperature", "0"])
         .output()
         .unwrap();
@@ -119,7 +120,7 @@ const PROMPTS: [&str; 6] = [
 #[test]
 fn completions_streamed_and_not_equal_host_run() {
     let server = Server::start(&[]);
-    let expected = host_run(PROMPTS[0], 40);
+    let expected = host_run(PROMPTS[0], 40, &[]);
     let (status, whole) = server.post("/v1/completions", &completion(PROMPTS[0], 40, json!({})));
     assert_eq!(status, 200, "{whole}");
     assert_eq!(whole["object"], "text_completion");
@@ -213,9 +214,11 @@ fn chat_uses_the_checkpoints_template_streamed_and_not() {
     assert_eq!(whole["object"], "chat.completion");
     assert_eq!(whole["choices"][0]["message"]["role"], "assistant");
     let content = whole["choices"][0]["message"]["content"].as_str().unwrap().to_owned();
-    // The template's prompt: <bos>, the turn markers and the question, not re-tokenized with a
-    // second <bos>.
-    assert!(whole["usage"]["prompt_tokens"].as_u64().unwrap() > 8);
+    assert_eq!(
+        content,
+        host_run("Who made the heaven and the earth?", 24, &["--chat"]),
+        "host run --chat renders alike"
+    );
 
     let mut streamed = body.clone();
     streamed["stream"] = json!(true);
@@ -334,4 +337,23 @@ fn sigterm_finishes_the_requests_in_flight() {
     assert_eq!(reply["usage"]["completion_tokens"], 120);
     let status = server.child.wait().unwrap();
     assert!(status.success(), "{status:?}");
+}
+
+#[test]
+fn a_prompt_extending_an_earlier_one_hits_the_prefix_cache() {
+    let server = Server::start(&[]);
+    let first = "And Abraham journeyed from thence toward the south country, and dwelled between Kadesh";
+    let (_, a) = server.post("/v1/completions", &completion(first, 8, json!({})));
+    assert_eq!(a["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let longer = format!("{first} and Shur, and sojourned in Gerar.");
+    let (_, b) = server.post("/v1/completions", &completion(&longer, 8, json!({})));
+    let cached = b["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    assert_eq!(cached + 1, a["usage"]["prompt_tokens"].as_u64().unwrap(), "all of the first prompt but its last token");
+    assert_eq!(server.metric("host_prefix_cache_hits_total"), 1.0);
+    assert!(server.metric("host_prefix_cache_bytes") > 0.0);
+
+    let uncached = Server::start(&["--prefix-cache-mb", "0"]);
+    let (_, c) = uncached.post("/v1/completions", &completion(&longer, 8, json!({})));
+    assert_eq!(b["choices"][0]["text"], c["choices"][0]["text"]);
+    assert_eq!(c["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
 }

@@ -540,6 +540,58 @@ fn rows_joining_and_leaving_mid_flight_equal_single_runs() {
     }
 }
 
+/// The prefix cache: a prompt that extends an earlier one (past the sliding window) prefills
+/// only its new tokens, restoring the earlier prompt's caches and drafter row, and its output
+/// equals plain decoding, greedy and sampled, with the ngram drafter and with none.
+#[test]
+fn a_prompt_extending_a_cached_one_gives_the_same_output() {
+    use host::generate::Flow;
+    use host::speculative::LiveBatch;
+    host::runtime::init();
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/kjv-gemma4");
+    let m = Rc::new(load(&dir).unwrap());
+    let tokenizer = host::tokenizer::Tokenizer::load(&dir).unwrap();
+    let verses = "And Abraham journeyed from thence toward the south country, and dwelled between Kadesh \
+                  and Shur, and sojourned in Gerar.\nAnd Abraham said of Sarah his wife, She is my sister: \
+                  and Abimelech king of Gerar sent, and took Sarah.\nBut God came to Abimelech in a dream by \
+                  night, and said to him, Behold, thou art but a dead man, for the woman which thou hast \
+                  taken; for she is a man's wife.\nBut Abimelech had not come near her: and he said, LORD, \
+                  wilt thou slay also a righteous nation?\nSaid he not unto me, She is my sister? and she, even \
+                  she herself said, He is my brother: in the integrity of my heart and innocency of my hands \
+                  have I done this.\nAnd God said unto him in a dream, Yea, I know that thou didst this in \
+                  the integrity of thy heart.\n";
+    let first = tokenizer.encode(verses).unwrap();
+    let window = 128;
+    assert!(first.len() > window + 8, "{}", first.len());
+    let mut longer = first.clone();
+    longer.extend(tokenizer.encode_rendered("Now therefore restore the man his wife; for he is a prophet").unwrap());
+    let drafter = ngram();
+    for with_drafter in [true, false] {
+        for sampling in [greedy(), sampled(3)] {
+            let config = SpecConfig { draft_tokens: 3, verify: Verify::Match };
+            let mut batch =
+                LiveBatch::new(&m, with_drafter.then_some(&drafter), config).unwrap().with_prefix_cache(64 << 20);
+            let mut outputs = Vec::new();
+            for (i, prompt) in [&first, &longer].into_iter().enumerate() {
+                let request = Request { prompt: prompt.clone(), max_tokens: 40, sampling, eos: vec![] };
+                batch.join(i, request.clone(), |_| Flow::Continue).unwrap();
+                let mut done = Vec::new();
+                while !batch.is_empty() {
+                    done.extend(batch.round(|_, _| Flow::Continue).unwrap());
+                }
+                let (_, g) = done.pop().unwrap();
+                let context = format!("prompt {i}, drafter {with_drafter}, {sampling:?}");
+                assert_eq!(g.tokens, plain(&m, &request), "{context}");
+                outputs.push(g);
+            }
+            assert_eq!(outputs[0].stats.cached_prompt_tokens, 0);
+            assert_eq!(outputs[1].stats.cached_prompt_tokens, first.len() - 1, "the whole first prefill was reused");
+            assert!(outputs[1].stats.drafter_error.is_none());
+            assert!(batch.prefix_cache_bytes() > 0);
+        }
+    }
+}
+
 /// The target's logits for the first generated token of PROMPT.
 fn first_token_logits(m: &Gemma4) -> Vec<f32> {
     let mut caches = m.make_caches(1, 2);

@@ -17,6 +17,8 @@ pub enum CacheError {
 /// Rows a full cache grows by at a time.
 const GROWTH: usize = 256;
 
+/// Cloning is cheap (arrays are shared) and safe: every write makes new arrays.
+#[derive(Clone)]
 pub struct LayerCache {
     /// The attention window for sliding layers; `None` for full attention.
     window: Option<usize>,
@@ -61,6 +63,11 @@ impl LayerCache {
             slot_positions: vec![Vec::new(); rows],
             offsets: vec![0; rows],
         }
+    }
+
+    /// Bytes of keys and values held.
+    pub fn nbytes(&self) -> usize {
+        self.keys.iter().chain(&self.values).map(|a| a.nbytes()).sum()
     }
 
     pub fn rows(&self) -> usize {

@@ -48,6 +48,7 @@ pub struct Ready {
 pub fn run(
     options: RunOptions,
     max_batch: usize,
+    prefix_cache_bytes: usize,
     jobs: Receiver<Job>,
     ready: std::sync::mpsc::Sender<Result<Ready, RunError>>,
     metrics: Arc<Metrics>,
@@ -66,8 +67,10 @@ pub fn run(
     let drafter = session.drafter.as_ref().map(|(d, _)| d);
     let config =
         session.drafter.as_ref().map_or(SpecConfig { draft_tokens: 0, verify: Verify::Match }, |(_, config)| *config);
-    let new_batch =
-        || LiveBatch::new(&session.model, drafter, config).expect("pairing checked when the session opened");
+    let new_batch = || {
+        let batch = LiveBatch::new(&session.model, drafter, config).expect("pairing checked when the session opened");
+        batch.with_prefix_cache(prefix_cache_bytes)
+    };
     let mut batch = new_batch();
     let mut waiting: HashMap<u64, Job> = HashMap::new();
     let mut next_id = 0u64;
@@ -97,6 +100,7 @@ pub fn run(
                     });
                     match joined {
                         Ok(()) => {
+                            metrics.prefix_cache_bytes.set(batch.prefix_cache_bytes() as i64);
                             waiting.insert(id, job);
                         }
                         Err(e) => {

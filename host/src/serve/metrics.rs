@@ -26,6 +26,10 @@ pub struct Metrics {
     pub tokens_per_round: Histogram,
     pub batch_size: Gauge,
     pub queue_depth: Gauge,
+    pub prefix_cache_hits: Counter,
+    /// Prompt tokens whose prefill a cached prefix saved.
+    pub prefix_cache_tokens: Counter,
+    pub prefix_cache_bytes: Gauge,
     pub time_to_first_token: Histogram,
     pub inter_token_latency: Histogram,
 }
@@ -44,6 +48,9 @@ impl Metrics {
             tokens_per_round: Histogram::new([1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0]),
             batch_size: Gauge::default(),
             queue_depth: Gauge::default(),
+            prefix_cache_hits: Counter::default(),
+            prefix_cache_tokens: Counter::default(),
+            prefix_cache_bytes: Gauge::default(),
             time_to_first_token: latency(),
             inter_token_latency: latency(),
         };
@@ -60,6 +67,22 @@ impl Metrics {
         );
         registry.register("batch_size", "Rows in the running batch", m.batch_size.clone());
         registry.register("queue_depth", "Requests waiting to join the batch", m.queue_depth.clone());
+        registry.register(
+            "prefix_cache_hits",
+            "Requests whose prompt extended a cached one",
+            m.prefix_cache_hits.clone(),
+        );
+        registry.register(
+            "prefix_cache_tokens",
+            "Prompt tokens whose prefill the prefix cache saved",
+            m.prefix_cache_tokens.clone(),
+        );
+        registry.register_with_unit(
+            "prefix_cache",
+            "Target caches the prefix cache holds",
+            prometheus_client::registry::Unit::Bytes,
+            m.prefix_cache_bytes.clone(),
+        );
         registry.register_with_unit(
             "time_to_first_token",
             "From request to its first token",
@@ -85,6 +108,10 @@ impl Metrics {
         self.generated_tokens.inc_by(stats.generated_tokens as u64);
         self.drafted_tokens.inc_by(stats.drafted as u64);
         self.accepted_tokens.inc_by(stats.accepted as u64);
+        if stats.cached_prompt_tokens > 0 {
+            self.prefix_cache_hits.inc();
+            self.prefix_cache_tokens.inc_by(stats.cached_prompt_tokens as u64);
+        }
         if stats.rounds > 0 {
             self.tokens_per_round.observe(stats.mean_accept_len);
         }

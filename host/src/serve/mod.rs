@@ -44,6 +44,8 @@ pub struct ServeOptions {
     pub max_batch: usize,
     /// Requests waiting to join the batch at most; more are answered 429.
     pub max_queue: usize,
+    /// Bound of the prefix cache in MiB of target caches (0: none).
+    pub prefix_cache_mb: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -81,9 +83,10 @@ pub fn serve(
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     let engine = {
         let (run, max_batch, metrics) = (options.run.clone(), options.max_batch, metrics.clone());
+        let prefix_cache_bytes = options.prefix_cache_mb << 20;
         std::thread::Builder::new()
             .name("engine".into())
-            .spawn(move || engine::run(run, max_batch, queue, ready_tx, metrics, warn))?
+            .spawn(move || engine::run(run, max_batch, prefix_cache_bytes, queue, ready_tx, metrics, warn))?
     };
     let ready = ready_rx.recv().map_err(|_| ServeError::EngineGone)??;
     let model_dir = ready.model_dir.clone();
@@ -387,6 +390,7 @@ fn usage(g: &Generation) -> Value {
         "prompt_tokens": s.prompt_tokens,
         "completion_tokens": s.generated_tokens,
         "total_tokens": s.prompt_tokens + s.generated_tokens,
+        "prompt_tokens_details": {"cached_tokens": s.cached_prompt_tokens},
         "speculative": {
             "drafted_tokens": s.drafted,
             "accepted_tokens": s.accepted,

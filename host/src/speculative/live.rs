@@ -8,6 +8,7 @@ use std::rc::Rc;
 use std::time::Instant;
 
 use super::prefill::prefill_row;
+use super::prefix_cache::PrefixCache;
 use super::round::{round, Batch};
 use super::slot::DrafterSlot;
 use super::{check_pairing, Row, SpecConfig, Taps};
@@ -36,6 +37,7 @@ pub struct LiveBatch<'a, Id> {
     members: Vec<Member<Id>>,
     requests: Vec<Request>,
     rows: Vec<Row>,
+    prefixes: Option<PrefixCache>,
 }
 
 impl<'a, Id: Copy> LiveBatch<'a, Id> {
@@ -62,7 +64,20 @@ impl<'a, Id: Copy> LiveBatch<'a, Id> {
             members: Vec::new(),
             requests: Vec::new(),
             rows: Vec::new(),
+            prefixes: None,
         })
+    }
+
+    /// Keeps prefilled prompts, up to `bytes` of target caches, so that a prompt extending an
+    /// earlier one prefills only its new tokens. The output is the same with or without.
+    pub fn with_prefix_cache(mut self, bytes: usize) -> Self {
+        self.prefixes = (bytes > 0).then(|| PrefixCache::new(bytes));
+        self
+    }
+
+    /// Bytes of target caches the prefix cache holds.
+    pub fn prefix_cache_bytes(&self) -> usize {
+        self.prefixes.as_ref().map_or(0, PrefixCache::bytes)
     }
 
     pub fn len(&self) -> usize {
@@ -92,8 +107,32 @@ impl<'a, Id: Copy> LiveBatch<'a, Id> {
         let started = Instant::now();
         let mut row = Row::new(&request, draft_tokens.min(self.config.draft_tokens));
         let slack = self.config.draft_tokens + 1;
-        let (caches, slot) =
-            prefill_row(self.model, self.drafter, &self.view, &request, &mut row, slack, &self.taps, &mut on_event)?;
+        let prefix = &request.prompt[..request.prompt.len() - 1];
+        let from = self.prefixes.as_mut().and_then(|c| c.take_longest(prefix));
+        row.stats.cached_prompt_tokens = from.as_ref().map_or(0, |p| p.len);
+        let (caches, mut slot) = prefill_row(
+            self.model,
+            self.drafter,
+            &self.view,
+            &request,
+            &mut row,
+            slack,
+            &self.taps,
+            from,
+            &mut on_event,
+        )?;
+        if let Some(cache) = &mut self.prefixes {
+            // With a drafter, a prefix is kept only with its drafter row.
+            match (&mut slot, self.drafter) {
+                (_, None) => cache.insert(prefix.to_vec(), caches.clone(), None),
+                (DrafterSlot::Active(one), Some(_)) => {
+                    if let Ok(state) = one.capture(0) {
+                        cache.insert(prefix.to_vec(), caches.clone(), Some(state));
+                    }
+                }
+                _ => {}
+            }
+        }
         if self.members.is_empty() {
             // The row's own drafter, opened over `view`, becomes the batch's.
             *self.caches.borrow_mut() = caches;

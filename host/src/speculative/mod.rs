@@ -18,6 +18,7 @@ use crate::target_view::TargetView;
 mod accept;
 mod live;
 mod prefill;
+mod prefix_cache;
 mod round;
 mod slot;
 

@@ -2,6 +2,7 @@
 //! window. The row gets its own caches and drafter row; [`super::LiveBatch`] joins them to the
 //! batch after.
 
+use super::prefix_cache::Prefix;
 use super::slot::DrafterSlot;
 use super::{forward, Row, Taps};
 use crate::generate::{Event, Flow, GenerateError, Request, StopReason, PREFILL_CHUNK};
@@ -9,8 +10,9 @@ use crate::model::{Gemma4, LayerCache};
 use crate::plugin::LoadedDrafter;
 use crate::target_view::TargetView;
 
-/// The row's caches and its drafter row (`view` is what the drafter reads of the target).
-/// Opening the drafter is fatal when it fails; a failing drafter prefill only drops the drafter.
+/// The row's caches and its drafter row (`view` is what the drafter reads of the target),
+/// going on `from` a prefilled prefix of the prompt when there is one. Opening the drafter is
+/// fatal when it fails; a failing drafter prefill or restore only drops the drafter.
 #[expect(clippy::too_many_arguments, reason = "the inputs of one step of the loop, each used once")]
 pub(super) fn prefill_row(
     model: &Gemma4,
@@ -20,13 +22,17 @@ pub(super) fn prefill_row(
     row: &mut Row,
     slack: usize,
     taps: &Taps,
+    from: Option<Prefix>,
     on_event: &mut impl FnMut(Event) -> Flow,
 ) -> Result<(Vec<LayerCache>, DrafterSlot), GenerateError> {
     let prefix = &request.prompt[..request.prompt.len() - 1];
-    let mut caches = model.make_caches(1, slack);
+    let (mut caches, restored, mut done) = match from {
+        Some(p) => (p.caches, Some(p.drafter), p.len),
+        None => (model.make_caches(1, slack), None, 0),
+    };
     let mut contexts = Vec::new();
-    let mut done = 0;
-    for chunk in prefix.chunks(PREFILL_CHUNK) {
+    let rest = &prefix[done..];
+    for chunk in rest.chunks(PREFILL_CHUNK) {
         let (hidden, context) = forward(model, &mut caches, &[chunk], taps)?;
         row.stats.target_forwards += 1;
         // MLX is lazy: computing each chunk here makes the progress real.
@@ -38,13 +44,24 @@ pub(super) fn prefill_row(
         }
     }
     let Some(drafter) = drafter else { return Ok((caches, DrafterSlot::Absent)) };
-    let mut one = drafter.open(view.boxed(), 1, model.config.vocab_size as u32).map_err(GenerateError::Drafter)?;
-    let prefilled = if prefix.is_empty() {
-        Ok(())
-    } else {
-        let context = if contexts.is_empty() { None } else { Some(mlx_rs::ops::concatenate(&contexts, 1)?) };
-        one.prefill(prefix, context.as_ref())
+    let vocab = model.config.vocab_size as u32;
+    let (mut one, restored) = match restored {
+        None => (drafter.open(view.boxed(), 1, vocab).map_err(GenerateError::Drafter)?, Ok(())),
+        Some(state) => {
+            let mut group = drafter.open(view.boxed(), 0, vocab).map_err(GenerateError::Drafter)?;
+            let restored = match state {
+                Some(state) => group.append(vec![state]),
+                None => Err(crate::plugin::DrafterError::InvalidAnswer {
+                    kind: drafter.kind().to_owned(),
+                    call: "capture",
+                    reason: "the cached prefix has no drafter row".into(),
+                }),
+            };
+            (group, restored)
+        }
     };
+    let context = if contexts.is_empty() { None } else { Some(mlx_rs::ops::concatenate(&contexts, 1)?) };
+    let prefilled = restored.and_then(|()| if rest.is_empty() { Ok(()) } else { one.prefill(rest, context.as_ref()) });
     let slot = match prefilled {
         Ok(()) => DrafterSlot::Active(one),
         Err(e) => DrafterSlot::Dropped(e.to_string()),
