@@ -10,7 +10,7 @@ FIXTURES := cargo build --manifest-path tests/fixtures/Cargo.toml --target-dir t
 ORACLE_PY := tests/oracle/.venv/bin/python
 BENCH_MODEL := target/bench-model
 
-.PHONY: setup build fixtures run test doctor oracle bench demo-model training-smoke
+.PHONY: setup build fixtures run serve test doctor oracle bench demo-model training-smoke
 
 setup:
 	@bash scripts/setup.sh
@@ -26,7 +26,12 @@ fixtures: setup
 run: build
 	./target/release/host run --manifest manifests/default.toml
 
+# An OpenAI-compatible server on the embedded default, at http://127.0.0.1:8080/v1.
+serve: build
+	./target/release/host serve --manifest manifests/default.toml
+
 test: setup fixtures training-smoke
+	bash tests/clients/setup.sh
 	cargo build --workspace
 	cargo test --workspace
 
