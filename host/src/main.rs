@@ -112,25 +112,27 @@ struct ServeArgs {
     /// Tokens the drafter proposes per round, the most a request may ask for.
     #[arg(long, value_name = "N")]
     draft_tokens: Option<u32>,
-    /// Address to listen on; only this machine can connect by default.
-    #[arg(long, default_value = "127.0.0.1")]
-    host: String,
-    /// Port to listen on (0: any free port, printed at start).
-    #[arg(long, default_value_t = 8080)]
-    port: u16,
+    /// Address to listen on (default: the manifest's [server] host, else 127.0.0.1: only this
+    /// machine can connect).
+    #[arg(long)]
+    host: Option<String>,
+    /// Port to listen on (default: the manifest's, else 8080; 0: any free port, printed at start).
+    #[arg(long)]
+    port: Option<u16>,
     /// Require `Authorization: Bearer KEY` on every endpoint but /health (default:
-    /// $HOST_API_KEY).
+    /// $HOST_API_KEY, else the manifest's).
     #[arg(long, value_name = "KEY", env = "HOST_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
-    /// Requests decoded together at most.
-    #[arg(long, value_name = "N", default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=256))]
-    max_batch: u32,
-    /// Requests waiting at most; more are answered 429.
-    #[arg(long, value_name = "N", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
-    max_queue: u32,
-    /// MiB of target caches kept for prompts that later prompts extend (0: no prefix cache).
-    #[arg(long, value_name = "MB", default_value_t = 256)]
-    prefix_cache_mb: u32,
+    /// Requests decoded together at most (default: the manifest's, else 8).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=256))]
+    max_batch: Option<u32>,
+    /// Requests waiting at most; more are answered 429 (default: the manifest's, else 64).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    max_queue: Option<u32>,
+    /// MiB of target caches kept for prompts that later prompts extend; 0: no prefix cache
+    /// (default: the manifest's, else 256).
+    #[arg(long, value_name = "MB")]
+    prefix_cache_mb: Option<u32>,
     #[command(flatten)]
     dir: PluginsDir,
 }
@@ -358,23 +360,25 @@ fn scan(dir: PluginsDir) -> Result<(PathBuf, Registry)> {
 }
 
 fn serve(args: ServeArgs, quiet: bool) -> Result<()> {
+    let source = Source {
+        manifest: args.manifest,
+        model: args.model,
+        drafter: args.drafter,
+        drafter_artifact: args.drafter_artifact,
+    };
+    let server = source.load()?.server;
     let options = host::serve::ServeOptions {
         run: RunOptions {
-            source: Source {
-                manifest: args.manifest,
-                model: args.model,
-                drafter: args.drafter,
-                drafter_artifact: args.drafter_artifact,
-            },
+            source,
             overrides: Overrides { draft_tokens: args.draft_tokens, ..Overrides::default() },
             plugins_dir: plugins_dir::resolve(args.dir.plugins_dir),
         },
-        host: args.host,
-        port: args.port,
-        api_key: args.api_key,
-        max_batch: args.max_batch as usize,
-        max_queue: args.max_queue as usize,
-        prefix_cache_mb: args.prefix_cache_mb as usize,
+        host: args.host.or(server.host).unwrap_or_else(|| "127.0.0.1".into()),
+        port: args.port.or(server.port).unwrap_or(8080),
+        api_key: args.api_key.or(server.api_key),
+        max_batch: args.max_batch.or(server.max_batch).unwrap_or(8) as usize,
+        max_queue: args.max_queue.or(server.max_queue).unwrap_or(64) as usize,
+        prefix_cache_mb: args.prefix_cache_mb.or(server.prefix_cache_mb).unwrap_or(256) as usize,
     };
     host::serve::serve(
         options,

@@ -63,6 +63,8 @@ struct File {
     drafter: Option<DrafterSection>,
     #[serde(default)]
     generation: Generation,
+    #[serde(default)]
+    server: Server,
 }
 
 #[derive(Debug, Deserialize)]
@@ -124,6 +126,18 @@ impl Default for Generation {
     }
 }
 
+/// `host serve`'s settings; each can be given on the command line instead, which wins.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Server {
+    pub host: Option<String>,
+    pub port: Option<u16>,
+    pub api_key: Option<String>,
+    pub max_batch: Option<u32>,
+    pub max_queue: Option<u32>,
+    pub prefix_cache_mb: Option<u32>,
+}
+
 /// A checked manifest, paths resolved.
 #[derive(Debug, Clone)]
 pub struct Manifest {
@@ -131,6 +145,7 @@ pub struct Manifest {
     pub target_model: PathBuf,
     pub drafter: Option<DrafterSpec>,
     pub generation: Generation,
+    pub server: Server,
 }
 
 #[derive(Debug, Clone)]
@@ -174,6 +189,7 @@ impl Source {
                 target_model: PathBuf::new(),
                 drafter: None,
                 generation: Generation::default(),
+                server: Server::default(),
             },
             (None, None) => return Err(error("give --manifest or --model".into())),
         };
@@ -280,7 +296,14 @@ impl Manifest {
         if parsed.generation.prompt.is_some() && parsed.generation.prompt_ids.is_some() {
             return Err(at(None, "generation: give `prompt` or `prompt_ids`, not both".into()));
         }
-        Ok(Manifest { file: file.to_owned(), target_model, drafter, generation: parsed.generation })
+        let server = parsed.server;
+        if server.max_batch.is_some_and(|n| !(1..=256).contains(&n)) {
+            return Err(at(None, format!("server.max_batch: must be 1 to 256, got {}", server.max_batch.unwrap())));
+        }
+        if server.max_queue == Some(0) {
+            return Err(at(None, "server.max_queue: must be at least 1, got 0".into()));
+        }
+        Ok(Manifest { file: file.to_owned(), target_model, drafter, generation: parsed.generation, server })
     }
 
     /// Checks the drafter section against the plugin's descriptor: known option keys, and an

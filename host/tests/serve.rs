@@ -17,7 +17,10 @@ struct Server {
 impl Server {
     /// `host serve` on the demo target with prompt lookup, on a free port.
     fn start(extra: &[&str]) -> Server {
-        let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests/demo-ngram.toml");
+        Server::start_with(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests/demo-ngram.toml"), extra)
+    }
+
+    fn start_with(manifest: &Path, extra: &[&str]) -> Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_host"))
             .args(["serve", "--manifest", manifest.to_str().unwrap(), "--port", "0"])
             .args(extra)
@@ -356,4 +359,25 @@ fn a_prompt_extending_an_earlier_one_hits_the_prefix_cache() {
     let (_, c) = uncached.post("/v1/completions", &completion(&longer, 8, json!({})));
     assert_eq!(b["choices"][0]["text"], c["choices"][0]["text"]);
     assert_eq!(c["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+}
+
+#[test]
+fn the_manifest_server_section_sets_what_flags_do_not() {
+    let demo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests/demo-ngram.toml");
+    let dir = tempfile::tempdir().unwrap();
+    let manifest = dir.path().join("m.toml");
+    let text = std::fs::read_to_string(&demo)
+        .unwrap()
+        .replace("../models", demo.parent().unwrap().join("../models").to_str().unwrap());
+    std::fs::write(&manifest, format!("{text}\n[server]\napi_key = \"from-manifest\"\nport = 1\n")).unwrap();
+    // --port wins over the manifest's port 1; the manifest's key holds.
+    let server = Server::start_with(&manifest, &[]);
+    let body = completion(PROMPTS[0], 2, json!({})).to_string();
+    assert_eq!(server.post_with("/v1/completions", &body, None).0, 401);
+    assert_eq!(server.post_with("/v1/completions", &body, Some("from-manifest")).0, 200);
+
+    std::fs::write(&manifest, format!("{text}\n[server]\nmax_batch = 0\n")).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_host")).args(["manifest", "check"]).arg(&manifest).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("server.max_batch: must be 1 to 256, got 0"), "{stderr}");
 }
