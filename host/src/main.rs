@@ -145,6 +145,16 @@ struct BenchArgs {
     /// MLX's, next to the machine's read bandwidth (needs no manifest).
     #[arg(long)]
     kernels: bool,
+    /// Time the serving engine instead: aggregate tokens/s with this many requests in flight
+    /// (comma-separated concurrencies), plain against speculative.
+    #[arg(long, value_delimiter = ',', value_name = "N,N,...", conflicts_with = "kernels")]
+    serving: Option<Vec<usize>>,
+    /// Requests per serving run (distinct prompts: the manifest's, cut to different lengths).
+    #[arg(long, default_value_t = 16, requires = "serving")]
+    requests: usize,
+    /// Tokens the drafter proposes per round (overrides the manifest's).
+    #[arg(long, value_name = "N")]
+    draft_tokens: Option<u32>,
     /// Measured pairs (host, mlx-lm), run in alternating order.
     #[arg(long, default_value_t = 6)]
     pairs: usize,
@@ -518,6 +528,9 @@ fn bench(args: BenchArgs, quiet: bool) -> Result<()> {
         max_tokens: args.max_tokens,
         mlx_lm_python: args.mlx_lm_python,
         plugins_dir: plugins_dir::resolve(args.dir.plugins_dir),
+        serving: args.serving,
+        requests: args.requests,
+        draft_tokens: args.draft_tokens,
     };
     let report = host::bench::bench(&options);
     bar.inspect(ProgressBar::finish_and_clear);

@@ -381,3 +381,21 @@ fn the_manifest_server_section_sets_what_flags_do_not() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && stderr.contains("server.max_batch: must be 1 to 256, got 0"), "{stderr}");
 }
+
+#[test]
+fn bench_serving_reports_each_concurrency_with_identical_outputs() {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests/demo-ngram.toml");
+    let out = Command::new(env!("CARGO_BIN_EXE_host"))
+        .args(["bench", "--manifest", manifest.to_str().unwrap(), "--serving", "1,3", "--requests", "3"])
+        .args(["--pairs", "1", "--max-tokens", "12", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = report["rows"].as_array().unwrap();
+    assert_eq!(rows.iter().map(|r| r["concurrency"].as_u64().unwrap()).collect::<Vec<_>>(), [1, 3]);
+    for row in rows {
+        assert_eq!(row["identical"], true, "{row}");
+        assert!(row["plain_tokens_per_s"][0].as_f64().unwrap() > 0.0, "{row}");
+    }
+}

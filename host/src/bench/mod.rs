@@ -11,7 +11,9 @@ use crate::model::Gemma4;
 
 pub mod kernels;
 mod report;
+mod serving;
 pub use report::{bench, BenchOptions, BenchReport, BenchRunError, MLX_LM_PYTHON_ENV};
+pub use serving::{ServingBench, ServingRow};
 
 /// The script that times mlx-lm's own generation, run with `python -c`.
 const MLX_LM_DECODE: &str = include_str!("mlx_lm_decode.py");

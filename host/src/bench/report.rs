@@ -24,6 +24,12 @@ pub struct BenchOptions {
     pub max_tokens: u32,
     pub mlx_lm_python: Option<PathBuf>,
     pub plugins_dir: PathBuf,
+    /// Measure the serving engine at these concurrencies instead (`--serving`).
+    pub serving: Option<Vec<usize>>,
+    /// Requests per serving run.
+    pub requests: usize,
+    /// Overrides the manifest's draft length.
+    pub draft_tokens: Option<u32>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -40,6 +46,10 @@ pub enum BenchRunError {
     NoMlxLm,
     #[error("--pairs: must be at least 1")]
     NoPairs,
+    #[error("--serving compares plain and speculative decoding: the manifest needs a [drafter]")]
+    ServingWithoutDrafter,
+    #[error("--serving: concurrencies and --requests must be at least 1")]
+    NoServing,
 }
 
 /// What was measured, with what it was measured on.
@@ -66,6 +76,7 @@ pub enum BenchReport {
         #[serde(flatten)]
         result: SpeculativeBench,
     },
+    Serving(super::ServingBench),
 }
 
 pub fn bench(options: &BenchOptions) -> Result<BenchReport, BenchRunError> {
@@ -74,6 +85,16 @@ pub fn bench(options: &BenchOptions) -> Result<BenchReport, BenchRunError> {
     }
     let (manifest, model, request, drafter) = setup(options)?;
     let (prompt_tokens, max_tokens) = (request.prompt.len(), request.max_tokens);
+    if let Some(concurrencies) = &options.serving {
+        let Some((drafter, config)) = drafter else { return Err(BenchRunError::ServingWithoutDrafter) };
+        if concurrencies.contains(&0) || options.requests == 0 {
+            return Err(BenchRunError::NoServing);
+        }
+        let requests = distinct_requests(&request, options.requests);
+        let result = super::serving::serving(&model, &drafter, config, &requests, concurrencies, options.pairs)
+            .map_err(BenchError::Generate)?;
+        return Ok(BenchReport::Serving(result));
+    }
     if let Some((drafter, config)) = drafter {
         let result = speculative(&model, &drafter, &request, config, options.pairs).map_err(BenchError::Generate)?;
         let kind = drafter.kind().to_owned();
@@ -95,6 +116,18 @@ pub fn bench(options: &BenchOptions) -> Result<BenchReport, BenchRunError> {
     Ok(BenchReport::Plain { prompt_tokens, max_tokens, result })
 }
 
+/// `n` requests with distinct prompts: the manifest's prompt cut to lengths spread over its
+/// second half.
+fn distinct_requests(request: &Request, n: usize) -> Vec<Request> {
+    let len = request.prompt.len();
+    (0..n)
+        .map(|i| {
+            let keep = (len - i * len / (2 * n)).max(2.min(len));
+            Request { prompt: request.prompt[..keep].to_vec(), ..request.clone() }
+        })
+        .collect()
+}
+
 type Setup = (Manifest, Rc<Gemma4>, Request, Option<(LoadedDrafter, SpecConfig)>);
 
 /// The manifest's target, its greedy request of exactly `max_tokens` (no EOS stop, so both
@@ -106,9 +139,14 @@ fn setup(options: &BenchOptions) -> Result<Setup, RunError> {
     let overrides = Overrides { max_tokens: Some(options.max_tokens), temperature: Some(0.0), ..Overrides::default() };
     let mut request = resolve_request(&manifest, &overrides, &model, &tokenizer, &CheckpointDefaults::default())?;
     request.eos.clear();
-    let drafter = load_drafter(&manifest, &options.plugins_dir)?;
-    if let Some((d, _)) = &drafter {
+    let mut drafter = load_drafter(&manifest, &options.plugins_dir)?;
+    if let Some((d, config)) = &mut drafter {
         probe_open(&model, d)?;
+        match options.draft_tokens {
+            Some(n) if n == 0 || n > crate::manifest::MAX_DRAFT_TOKENS => return Err(RunError::DraftTokens(n)),
+            Some(n) => config.draft_tokens = n as usize,
+            None => {}
+        }
     }
     Ok((manifest, model, request, drafter))
 }
@@ -120,6 +158,7 @@ impl BenchReport {
             BenchReport::Speculative { kind, draft_tokens, prompt_tokens, max_tokens, result } => {
                 speculative_text(kind, *draft_tokens, *prompt_tokens, *max_tokens, result)
             }
+            BenchReport::Serving(result) => result.text(),
         }
     }
 }
