@@ -399,3 +399,40 @@ fn bench_serving_reports_each_concurrency_with_identical_outputs() {
         assert!(row["plain_tokens_per_s"][0].as_f64().unwrap() > 0.0, "{row}");
     }
 }
+
+#[test]
+fn a_failing_drafter_fails_no_request() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let plugin = root.join("target/fixtures/debug/libmisbehaving.so");
+    assert!(plugin.exists(), "{} is missing: make fixtures", plugin.display());
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(&plugin, dir.path().join("libmisbehaving.so")).unwrap();
+    let manifest = dir.path().join("m.toml");
+    let model = root.join("models/kjv-gemma4").canonicalize().unwrap();
+    std::fs::write(
+        &manifest,
+        format!(
+            "[target]\nmodel = {model:?}\n[drafter]\nkind = \"misbehaving\"\n[drafter.options]\nmode = \"panic-in-draft\"\n"
+        ),
+    )
+    .unwrap();
+    let server = Server::start_with(&manifest, &["--plugins-dir", dir.path().to_str().unwrap()]);
+    let plain = Server::start_with(&root.join("manifests/default.toml"), &[]);
+    let replies: Vec<(u16, Value)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..3)
+            .map(|i| {
+                let server = &server;
+                s.spawn(move || server.post("/v1/completions", &completion(PROMPTS[i], 16, json!({}))))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (i, (status, reply)) in replies.iter().enumerate() {
+        assert_eq!(*status, 200, "{reply}");
+        // It panics in draft, or, for a row joining a running batch, cannot capture its row.
+        let error = reply["usage"]["speculative"]["drafter_error"].as_str().unwrap_or_default();
+        assert!(error.contains("panic") || error.contains("capture"), "request {i}: {reply}");
+        let (_, alone) = plain.post("/v1/completions", &completion(PROMPTS[i], 16, json!({})));
+        assert_eq!(reply["choices"][0]["text"], alone["choices"][0]["text"], "request {i}");
+    }
+}

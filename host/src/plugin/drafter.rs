@@ -144,9 +144,11 @@ impl DrafterGroup {
         Ok(())
     }
 
+    /// A failed call leaves the drafter's state unknown, so it is not called again; a call it
+    /// answers as unsupported (a row group that cannot capture its rows) changed nothing.
     fn checked<T>(&mut self, call: &'static str, answer: Result<T, PluginError>) -> Result<T, DrafterError> {
         answer.map_err(|error| {
-            self.poisoned = true;
+            self.poisoned |= error.kind != plugin_api::ErrorKind::UNSUPPORTED;
             DrafterError::Plugin { kind: self.kind.clone(), call, error }
         })
     }

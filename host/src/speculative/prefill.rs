@@ -11,8 +11,9 @@ use crate::plugin::LoadedDrafter;
 use crate::target_view::TargetView;
 
 /// The row's caches and its drafter row (`view` is what the drafter reads of the target),
-/// going on `from` a prefilled prefix of the prompt when there is one. Opening the drafter is
-/// fatal when it fails; a failing drafter prefill or restore only drops the drafter.
+/// going on `from` a prefilled prefix of the prompt when there is one. A drafter that fails to
+/// open, restore or prefill is dropped (the pairing was checked when it was first opened), and
+/// the row decodes plainly.
 #[expect(clippy::too_many_arguments, reason = "the inputs of one step of the loop, each used once")]
 pub(super) fn prefill_row(
     model: &Gemma4,
@@ -45,25 +46,27 @@ pub(super) fn prefill_row(
     }
     let Some(drafter) = drafter else { return Ok((caches, DrafterSlot::Absent)) };
     let vocab = model.config.vocab_size as u32;
-    let (mut one, restored) = match restored {
-        None => (drafter.open(view.boxed(), 1, vocab).map_err(GenerateError::Drafter)?, Ok(())),
-        Some(state) => {
-            let mut group = drafter.open(view.boxed(), 0, vocab).map_err(GenerateError::Drafter)?;
-            let restored = match state {
-                Some(state) => group.append(vec![state]),
-                None => Err(crate::plugin::DrafterError::InvalidAnswer {
-                    kind: drafter.kind().to_owned(),
-                    call: "capture",
-                    reason: "the cached prefix has no drafter row".into(),
-                }),
-            };
-            (group, restored)
-        }
-    };
     let context = if contexts.is_empty() { None } else { Some(mlx_rs::ops::concatenate(&contexts, 1)?) };
-    let prefilled = restored.and_then(|()| if rest.is_empty() { Ok(()) } else { one.prefill(rest, context.as_ref()) });
+    let opened = match restored {
+        None => drafter.open(view.boxed(), 1, vocab),
+        Some(state) => drafter.open(view.boxed(), 0, vocab).and_then(|mut group| {
+            let state = state.ok_or_else(|| crate::plugin::DrafterError::InvalidAnswer {
+                kind: drafter.kind().to_owned(),
+                call: "capture",
+                reason: "the cached prefix has no drafter row".into(),
+            })?;
+            group.append(vec![state])?;
+            Ok(group)
+        }),
+    };
+    let prefilled = opened.and_then(|mut one| {
+        if !rest.is_empty() {
+            one.prefill(rest, context.as_ref())?;
+        }
+        Ok(one)
+    });
     let slot = match prefilled {
-        Ok(()) => DrafterSlot::Active(one),
+        Ok(one) => DrafterSlot::Active(one),
         Err(e) => DrafterSlot::Dropped(e.to_string()),
     };
     Ok((caches, slot))
