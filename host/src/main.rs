@@ -37,10 +37,10 @@ struct PluginsDir {
     plugins_dir: Option<PathBuf>,
 }
 
+/// What to load: a manifest, or a model (and drafter) named on the command line.
 #[derive(Args)]
-#[command(allow_negative_numbers = true)]
-struct RunArgs {
-    /// The manifest: target, drafter, generation settings.
+struct SourceArgs {
+    /// The manifest: target, drafter, generation (and serving) settings.
     #[arg(long, value_name = "FILE", required_unless_present = "model")]
     manifest: Option<PathBuf>,
     /// The target: a directory, or a Hugging Face model id (ORG/NAME[@REVISION]) found in the
@@ -53,6 +53,19 @@ struct RunArgs {
     /// The drafter's checkpoint directory.
     #[arg(long, value_name = "DIR")]
     drafter_artifact: Option<PathBuf>,
+}
+
+impl From<SourceArgs> for Source {
+    fn from(a: SourceArgs) -> Source {
+        Source { manifest: a.manifest, model: a.model, drafter: a.drafter, drafter_artifact: a.drafter_artifact }
+    }
+}
+
+#[derive(Args)]
+#[command(allow_negative_numbers = true)]
+struct RunArgs {
+    #[command(flatten)]
+    source: SourceArgs,
     /// Prompt text (overrides the manifest's).
     #[arg(long, conflicts_with = "prompt_ids")]
     prompt: Option<String>,
@@ -97,18 +110,8 @@ struct RunArgs {
 
 #[derive(Args)]
 struct ServeArgs {
-    /// The manifest: target, drafter, generation defaults.
-    #[arg(long, value_name = "FILE", required_unless_present = "model")]
-    manifest: Option<PathBuf>,
-    /// The target: a directory, or a Hugging Face model id found in the local cache.
-    #[arg(long, short = 'm', value_name = "PATH|ID")]
-    model: Option<String>,
-    /// A drafter kind from the plugins directory (overrides the manifest's).
-    #[arg(long, value_name = "KIND")]
-    drafter: Option<String>,
-    /// The drafter's checkpoint directory.
-    #[arg(long, value_name = "DIR")]
-    drafter_artifact: Option<PathBuf>,
+    #[command(flatten)]
+    source: SourceArgs,
     /// Tokens the drafter proposes per round, the most a request may ask for.
     #[arg(long, value_name = "N")]
     draft_tokens: Option<u32>,
@@ -370,12 +373,7 @@ fn scan(dir: PluginsDir) -> Result<(PathBuf, Registry)> {
 }
 
 fn serve(args: ServeArgs, quiet: bool) -> Result<()> {
-    let source = Source {
-        manifest: args.manifest,
-        model: args.model,
-        drafter: args.drafter,
-        drafter_artifact: args.drafter_artifact,
-    };
+    let source = Source::from(args.source);
     let server = source.load()?.server;
     let options = host::serve::ServeOptions {
         run: RunOptions {
@@ -404,12 +402,7 @@ fn serve(args: ServeArgs, quiet: bool) -> Result<()> {
 
 fn run_manifest(args: RunArgs, quiet: bool) -> Result<()> {
     let options = RunOptions {
-        source: Source {
-            manifest: args.manifest,
-            model: args.model,
-            drafter: args.drafter,
-            drafter_artifact: args.drafter_artifact,
-        },
+        source: args.source.into(),
         overrides: Overrides {
             prompt: args.prompt,
             prompt_ids: args.prompt_ids,
