@@ -109,7 +109,9 @@ pub fn serve(
         axum::serve(listener, router(app)).with_graceful_shutdown(shutdown_signal()).await?;
         Ok(())
     });
-    // The router and its job sender are gone: the engine finishes what it holds and returns.
+    // With the runtime gone, so is every job sender: the engine finishes what it holds and
+    // returns.
+    drop(runtime);
     engine.join().map_err(|_| ServeError::EngineGone)?;
     result
 }
