@@ -21,23 +21,25 @@ impl Server {
     }
 
     fn start_with(manifest: &Path, extra: &[&str]) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_host"))
+        let child = Command::new(env!("CARGO_BIN_EXE_host"))
             .args(["serve", "--manifest", manifest.to_str().unwrap(), "--port", "0"])
             .args(extra)
             .env_remove("HOST_API_KEY")
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        let mut stderr = BufReader::new(child.stderr.take().unwrap());
+        // Owned by a Server at once, so that a failure below still stops the process.
+        let mut server = Server { child, base: String::new() };
+        let mut stderr = BufReader::new(server.child.stderr.take().unwrap());
         let mut line = String::new();
         loop {
             line.clear();
             assert!(stderr.read_line(&mut line).unwrap() > 0, "host serve exited before listening");
             if let Some(address) = line.trim().strip_prefix("listening on ") {
-                let base = address.to_owned();
+                server.base = address.to_owned();
                 // Keep draining stderr so the server never blocks on it.
                 std::thread::spawn(move || std::io::copy(&mut stderr, &mut std::io::sink()));
-                return Server { child, base };
+                return server;
             }
         }
     }
