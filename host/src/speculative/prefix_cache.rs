@@ -72,7 +72,8 @@ mod tests {
     use super::*;
     use mlx_rs::Array;
 
-    /// One full-attention cache holding `n` positions of 1 head of dimension 4, float32.
+    /// One full-attention cache holding `n` positions of 1 head of dimension 4, float32 (its
+    /// bytes grow in steps of 256 positions).
     fn caches(n: usize) -> Vec<LayerCache> {
         let mut cache = LayerCache::full(1);
         let kv = Array::zeros::<f32>(&[1, 1, n as i32, 4]).unwrap();
@@ -102,7 +103,7 @@ mod tests {
         assert_eq!(c.bytes(), 2 * one);
         assert!(c.take_longest(&[1, 0]).is_none(), "the oldest went first");
         assert!(c.take_longest(&[3, 0]).is_some());
-        c.insert(vec![4], caches(100), None);
+        c.insert(vec![4], caches(600), None);
         assert!(c.take_longest(&[4, 0]).is_none(), "larger than the bound: not kept");
     }
 }
