@@ -144,6 +144,13 @@ fn adversary(seed: u64, script: &[u32]) -> HostDrafter {
     HostDrafter::load_root(sdk::root_module::<Adversary>(), "adversary", None, &options).unwrap()
 }
 
+/// The trained bfloat16 demo target and its tokenizer.
+fn demo_target() -> (Rc<Gemma4>, host::tokenizer::Tokenizer) {
+    host::runtime::init();
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/kjv-gemma4");
+    (Rc::new(load(&dir).unwrap()), host::tokenizer::Tokenizer::load(&dir).unwrap())
+}
+
 fn ngram() -> HostDrafter {
     let plugin = load_library(&common::workspace_plugin("ngram"), None).unwrap();
     HostDrafter::load(&plugin, None, "max_ngram = 3").unwrap()
@@ -547,10 +554,7 @@ fn rows_joining_and_leaving_mid_flight_equal_single_runs() {
 fn a_prompt_extending_a_cached_one_gives_the_same_output() {
     use host::generate::Flow;
     use host::speculative::LiveBatch;
-    host::runtime::init();
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/kjv-gemma4");
-    let m = Rc::new(load(&dir).unwrap());
-    let tokenizer = host::tokenizer::Tokenizer::load(&dir).unwrap();
+    let (m, tokenizer) = demo_target();
     let verses = "And Abraham journeyed from thence toward the south country, and dwelled between Kadesh \
                   and Shur, and sojourned in Gerar.\nAnd Abraham said of Sarah his wife, She is my sister: \
                   and Abimelech king of Gerar sent, and took Sarah.\nBut God came to Abimelech in a dream by \
@@ -606,10 +610,7 @@ fn first_token_logits(m: &Gemma4) -> Vec<f32> {
 /// give the tokens that one-row decode steps and a many-row prefill give.
 #[test]
 fn greedy_speculation_on_the_bfloat16_demo_target_equals_plain_greedy() {
-    host::runtime::init();
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/kjv-gemma4");
-    let m = Rc::new(load(&dir).unwrap());
-    let tokenizer = host::tokenizer::Tokenizer::load(&dir).unwrap();
+    let (m, tokenizer) = demo_target();
     // A held-out chapter's opening, longer than a wide product (32 rows).
     let text = "And Abraham journeyed from thence toward the south country, and dwelled between Kadesh \
                 and Shur, and sojourned in Gerar.\nAnd Abraham said of Sarah his wife, She is my sister:";
