@@ -2,7 +2,7 @@
 # Prepares the native side of MLX so that mlx-rs builds and runs on Linux x86_64.
 #
 # What it does, and why (shared/design/mlx-runtime.md has the measurements):
-#   1. apt packages for the native build (cmake, g++, libclang for bindgen) and OpenBLAS;
+#   1. apt packages for the native build (cmake, g++, libclang for bindgen), OpenBLAS and a font;
 #   2. bindgen-cli 0.72.1, the version mlx-sys 0.7.0 generates its bindings with;
 #   3. the MLX wheel from PyPI (mlx-cpu by default; MLX_WHEEL selects another, e.g. a CUDA one),
 #      unpacked into .native/ with its bundled reference BLAS/LAPACK pointed at OpenBLAS;
@@ -30,7 +30,8 @@ command -v cargo >/dev/null || die "cargo not found: install a Rust toolchain (r
   say "warning: RUSTFLAGS is set and replaces the rpath in .cargo/config.toml; binaries may not find libmlx.so"
 
 # --- 1. system packages -----------------------------------------------------------------------
-APT_PACKAGES=(cmake g++ libclang-dev libopenblas0-pthread)
+# fonts-dejavu-core: the font `host bench --plot` draws its text with.
+APT_PACKAGES=(cmake g++ libclang-dev libopenblas0-pthread fonts-dejavu-core)
 # A Python that already has pip (e.g. pyenv's) is enough to download the wheel.
 python3 -m pip --version >/dev/null 2>&1 || APT_PACKAGES+=(python3 python3-pip)
 missing=()

@@ -13,7 +13,11 @@ if [ ! -e /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 ]; then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libopenblas0-pthread >/dev/null
 fi
-want=$(cat "$HERE/requirements.txt" "$HERE/../tests/oracle/requirements.txt" "${BASH_SOURCE[0]}" | sha256sum | cut -d' ' -f1)
+# dflash 0.1.0 and dspark-mlx 0.1.0 (the DFlash and DeepSpec DSpark model classes the drafter
+# trainers train) install without their dependencies, as in the oracle venv: see
+# tests/oracle/requirements-dflash.txt and requirements-dspark.txt.
+REQS_DRAFTERS=("$HERE/../tests/oracle/requirements-dflash.txt" "$HERE/../tests/oracle/requirements-dspark.txt")
+want=$(cat "$HERE/requirements.txt" "$HERE/../tests/oracle/requirements.txt" "${REQS_DRAFTERS[@]}" "${BASH_SOURCE[0]}" | sha256sum | cut -d' ' -f1)
 if [ -x "$VENV/bin/python" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$want" ]; then
   exit 0
 fi
@@ -26,8 +30,10 @@ fi
 say "installing pinned packages into $VENV"
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-input \
   --only-binary=:all: -r "$HERE/requirements.txt"
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-input \
+  --only-binary=:all: --no-deps --require-hashes -r "${REQS_DRAFTERS[0]}" -r "${REQS_DRAFTERS[1]}"
 site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 bash "$HERE/../scripts/openblas-links.sh" "$site"
-"$VENV/bin/python" -c 'import mlx.core as mx, mlx_lm, tokenizers, matplotlib; mx.eval(mx.ones((8, 8)) @ mx.ones((8, 8)))'
+"$VENV/bin/python" -c 'import mlx.core as mx, mlx_lm, tokenizers, matplotlib, dflash.model_mlx, dspark_mlx.arch.gemma4; mx.eval(mx.ones((8, 8)) @ mx.ones((8, 8)))'
 echo "$want" >"$STAMP"
 say "ready in $VENV"

@@ -1,8 +1,11 @@
-"""Smoke test of the target trainer on the tiny preset (run by `make test`, under a minute):
-the loss falls, and a run interrupted halfway and resumed ends exactly where an uninterrupted
-run ends."""
+"""Smoke test of the trainers on their tiny presets (run by `make test`, about two minutes):
+the target's loss falls, and a run interrupted halfway and resumed ends exactly where an
+uninterrupted run ends; then each drafter trainer, run as its command, learns from that tiny
+target for a few steps (its loss falls) and writes a checkpoint."""
 
 import json
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -13,6 +16,10 @@ import corpus
 import loop
 import tokenizer as tk
 import train_target as tt
+
+HERE = Path(__file__).resolve().parent
+DRAFTERS = {"dflash": "config.json", "dspark": "dspark.json", "deepspec": "config.json",
+            "assistant": "config.json"}
 
 
 def run(run_dir: Path, stream, stop_at: int = 0):
@@ -45,6 +52,19 @@ def main() -> None:
         assert worst <= 1e-5, f"resumed weights differ from the uninterrupted run by {worst}"
         print(f"smoke: loss {first:.3f} -> {last['loss']:.3f}; resumed run matches "
               f"(largest weight difference {worst:.1e})")
+
+        target = Path(tmp) / "target"
+        tt.export(whole, tt.PRESETS["tiny"]["config"], tok, target)
+        for kind, config in DRAFTERS.items():
+            run_dir, out = Path(tmp) / f"run-{kind}", Path(tmp) / f"out-{kind}"
+            subprocess.run([sys.executable, str(HERE / f"train_{kind}.py"), "--preset", "tiny",
+                            "--target", str(target), "--run", str(run_dir), "--out", str(out),
+                            "--data", str(Path(tmp) / "data")], check=True)
+            log = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
+            assert log[-1]["loss"] < log[0]["loss"], f"{kind}: loss did not fall: {log}"
+            assert (out / config).exists() and (out / "model.safetensors").exists(), kind
+            print(f"smoke: {kind} loss {log[0]['loss']:.3f} -> {log[-1]['loss']:.3f}, wrote "
+                  f"{config} and model.safetensors")
 
 
 if __name__ == "__main__":

@@ -111,6 +111,8 @@ pub struct Stats {
     pub mean_accept_len: f64,
     pub acceptance_rate: f64,
     pub accepted_by_position: Vec<f64>,
+    /// Rounds that drafted each position (what `accepted_by_position` is a share of).
+    pub drafted_by_position: Vec<usize>,
     pub prefill_ms: f64,
     pub decode_ms: f64,
     pub prefill_tokens_per_s: f64,

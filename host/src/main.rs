@@ -142,8 +142,25 @@ struct ServeArgs {
 
 #[derive(Args)]
 struct BenchArgs {
-    #[arg(long, value_name = "FILE", required_unless_present = "kernels")]
+    #[arg(long, value_name = "FILE", required_unless_present_any = ["kernels", "sweep"])]
     manifest: Option<PathBuf>,
+    /// Time drafters instead: these manifests (one target, each with a [drafter]) at every
+    /// --draft-tokens length on every prompt of --prompts-file, against plain decoding.
+    #[arg(long, value_delimiter = ',', value_name = "FILE,FILE,...", conflicts_with_all = ["kernels", "manifest", "serving"], requires = "prompts_file")]
+    sweep: Option<Vec<PathBuf>>,
+    /// The sweep's prompts: one JSON object per line with a `prompt` (and an optional `id`).
+    #[arg(long, value_name = "FILE", requires = "sweep")]
+    prompts_file: Option<PathBuf>,
+    /// Adds sampled runs at this temperature to the sweep's greedy ones, verified both by
+    /// `match` and, for drafters that return probabilities, by `rejection`.
+    #[arg(long, requires = "sweep")]
+    temperature: Option<f32>,
+    /// Nucleus mass of the sweep's sampled runs.
+    #[arg(long, default_value_t = 0.95, requires = "temperature")]
+    top_p: f32,
+    /// Draws the sweep's speed-up against draft length, per drafter and mode, as a PNG.
+    #[arg(long, value_name = "FILE.png", requires = "sweep")]
+    plot: Option<PathBuf>,
     /// Time the CPU products of one to sixteen rows per weight format, the host's against
     /// MLX's, next to the machine's read bandwidth (needs no manifest).
     #[arg(long)]
@@ -155,9 +172,10 @@ struct BenchArgs {
     /// Requests per serving run (distinct prompts: the manifest's, cut to different lengths).
     #[arg(long, default_value_t = 16, requires = "serving")]
     requests: usize,
-    /// Tokens the drafter proposes per round (overrides the manifest's).
-    #[arg(long, value_name = "N")]
-    draft_tokens: Option<u32>,
+    /// Tokens the drafter proposes per round (overrides the manifest's); with --sweep, a
+    /// comma-separated list of lengths to time.
+    #[arg(long, value_delimiter = ',', value_name = "N")]
+    draft_tokens: Vec<u32>,
     /// Measured pairs (host, mlx-lm), run in alternating order.
     #[arg(long, default_value_t = 6)]
     pairs: usize,
@@ -515,15 +533,36 @@ fn bench(args: BenchArgs, quiet: bool) -> Result<()> {
         let report = report?;
         return print_report(args.json, &report, || report.text());
     }
+    if let Some(manifests) = args.sweep {
+        let options = host::bench::sweep::SweepOptions {
+            manifests,
+            prompts_file: args.prompts_file.expect("clap requires it with --sweep"),
+            draft_tokens: args.draft_tokens.iter().map(|&n| n as usize).collect(),
+            max_tokens: args.max_tokens,
+            temperature: args.temperature,
+            top_p: args.top_p,
+            plugins_dir: plugins_dir::resolve(args.dir.plugins_dir),
+        };
+        let report = host::bench::sweep::sweep(&options);
+        bar.inspect(ProgressBar::finish_and_clear);
+        let report = report?;
+        if let Some(path) = &args.plot {
+            host::bench::plot::speedups(&report, path)?;
+        }
+        return print_report(args.json, &report, || report.text());
+    }
+    if args.draft_tokens.len() > 1 {
+        anyhow::bail!("--draft-tokens: one length, unless with --sweep");
+    }
     let options = BenchOptions {
-        manifest: args.manifest.expect("clap requires it without --kernels"),
+        manifest: args.manifest.expect("clap requires it without --kernels or --sweep"),
         pairs: args.pairs,
         max_tokens: args.max_tokens,
         mlx_lm_python: args.mlx_lm_python,
         plugins_dir: plugins_dir::resolve(args.dir.plugins_dir),
         serving: args.serving,
         requests: args.requests,
-        draft_tokens: args.draft_tokens,
+        draft_tokens: args.draft_tokens.first().copied(),
     };
     let report = host::bench::bench(&options);
     bar.inspect(ProgressBar::finish_and_clear);

@@ -47,6 +47,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 import dflash.model_mlx as dfm  # noqa: E402  (only its target-layer hook, _patch_model)
+import gemma4_oracle as g4  # noqa: E402
 import dspark_mlx  # noqa: E402
 from dspark_mlx.loader import load_draft  # noqa: E402
 from dspark_mlx.loop import _confident_prefix_length  # noqa: E402
@@ -376,12 +377,51 @@ def make(out_root: Path, name: str = "gemma4-dense", max_tries: int = 400) -> Di
     return meta
 
 
+# A trained drafter on the demo target: three held-out prompts, each followed by this many of
+# the target's greedy tokens (the last past the target's 128-token window).
+TRAINED_STATES = (0, 60, 200)
+
+
+def trained(target_dir: Path, drafter_dir: Path, prompts: Path, out: Path) -> Dict[str, Any]:
+    """dspark-mlx's greedy drafts for a trained checkpoint on three held-out target states:
+    `state{i}.input_ids` (the last id is the pending token), `state{i}.draft_tokens` and
+    `.draft_margins` (top-1 minus top-2 of each Markov-corrected row)."""
+    target, tokenizer = mlx_lm.load(str(target_dir))
+    drafter, _ = load_draft(str(drafter_dir))
+    dfm._patch_model(target, list(drafter.args.target_layer_ids))
+    lines = [json.loads(l) for l in prompts.read_text().splitlines() if l.strip()]
+    o: Dict[str, np.ndarray] = {}
+    meta: Dict[str, Any] = {"drafter": str(drafter_dir.relative_to(ROOT)), "states": []}
+    for i, (line, n) in enumerate(zip(lines, TRAINED_STATES)):
+        prompt_ids = list(tokenizer.encode(line["prompt"]))
+        seq = prompt_ids + g4.greedy_oracle(target, prompt_ids, n + 1)["tokens"].tolist()
+        T = len(prompt_ids) + n
+        ctx, _ = target_taps(target, seq[:T])
+        st = draft_state(drafter, ctx, seq[T])
+        o[f"state{i}.input_ids"] = np.array(seq[:T + 1], dtype=np.int32)
+        o[f"state{i}.draft_tokens"] = st["draft_tokens"]
+        o[f"state{i}.draft_margins"] = margins(st["draft_logits"]).astype(np.float32)
+        meta["states"].append({"prompt": line["id"], "greedy_tokens": n,
+                               "min_margin": round(float(o[f"state{i}.draft_margins"].min()), 4)})
+    mx.save_safetensors(str(out), {k: mx.array(v) for k, v in sorted(o.items())},
+                        metadata={"format": "deepspec-oracle"})
+    out.with_suffix(".json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=FIXTURES)
     ap.add_argument("--only", nargs="*", choices=sorted(VARIANTS), help="fixtures to (re)generate")
+    ap.add_argument("--trained", type=Path, metavar="DRAFTER_DIR",
+                    help="record a trained drafter's drafts on the demo target instead")
     args = ap.parse_args()
     mx.set_default_device(mx.cpu)
+    if args.trained:
+        demo = ROOT / "models" / "kjv-gemma4"
+        out = ROOT / "tests" / "fixtures" / "kjv-demo" / "deepspec-drafts.safetensors"
+        print(json.dumps(trained(demo, args.trained.resolve(), demo / "bench-prompts.jsonl", out)))
+        return 0
     for name in args.only or VARIANTS:
         meta = make(args.out, name)
         print(json.dumps({k: meta[k] for k in ("drafter", "truncation", "stats", "seconds")}))

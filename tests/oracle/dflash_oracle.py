@@ -428,11 +428,51 @@ def make(out_root: Path, name: str = "gemma4-dense", max_tries: int = 200) -> Di
     return meta
 
 
+# A trained drafter on the demo target: three held-out prompts, each followed by this many of
+# the target's greedy tokens (the last past the target's 128-token window).
+TRAINED_STATES = (0, 60, 200)
+
+
+def trained(target_dir: Path, drafter_dir: Path, prompts: Path, out: Path) -> Dict[str, Any]:
+    """dflash's drafts for a trained drafter on three held-out target states, as `make` records
+    them for the random fixture: `state{i}.input_ids` (the last id is the pending token) and
+    `state{i}.draft_tokens` / `.draft_margins` (top-1 minus top-2 per draft row)."""
+    target, tokenizer = mlx_lm.load(str(target_dir))
+    draft = load_draft_local(drafter_dir).bind(target)
+    dfm._patch_model(target, draft.config.target_layer_ids)
+    bs = draft.config.block_size
+    lines = [json.loads(l) for l in prompts.read_text().splitlines() if l.strip()]
+    o: Dict[str, np.ndarray] = {}
+    meta: Dict[str, Any] = {"drafter": str(drafter_dir.relative_to(ROOT)), "states": []}
+    for i, (line, n) in enumerate(zip(lines, TRAINED_STATES)):
+        prompt_ids = list(tokenizer.encode(line["prompt"]))
+        tokens = g4.greedy_oracle(target, prompt_ids, n + 1)["tokens"].tolist()
+        seq = prompt_ids + tokens
+        taps, _ = target_taps(target, seq[:len(prompt_ids) + n])
+        st = draft_state(draft, taps, seq[len(prompt_ids) + n], bs)
+        o[f"state{i}.input_ids"] = np.array(seq[:len(prompt_ids) + n + 1], dtype=np.int32)
+        o[f"state{i}.draft_tokens"] = st["draft_tokens"]
+        o[f"state{i}.draft_margins"] = margins(st["draft_logits"]).astype(np.float32)
+        meta["states"].append({"prompt": line["id"], "greedy_tokens": n,
+                               "min_margin": round(float(o[f"state{i}.draft_margins"].min()), 4)})
+    mx.save_safetensors(str(out), {k: mx.array(v) for k, v in sorted(o.items())},
+                        metadata={"format": "dflash-oracle"})
+    out.with_suffix(".json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=FIXTURES)
+    ap.add_argument("--trained", type=Path, metavar="DRAFTER_DIR",
+                    help="record a trained drafter's drafts on the demo target instead")
     args = ap.parse_args()
     mx.set_default_device(mx.cpu)
+    if args.trained:
+        demo = ROOT / "models" / "kjv-gemma4"
+        out = ROOT / "tests" / "fixtures" / "kjv-demo" / "dflash-drafts.safetensors"
+        print(json.dumps(trained(demo, args.trained.resolve(), demo / "bench-prompts.jsonl", out)))
+        return 0
     meta = make(args.out)
     print(json.dumps({k: meta[k] for k in ("stats", "stream_accepted", "seconds")}))
     return 0

@@ -470,11 +470,55 @@ def make(out_root: Path, max_tries: int = 5000) -> Dict[str, Any]:
     return meta
 
 
+# A trained drafter on the demo target: three held-out prompts, each followed by this many of
+# the target's greedy tokens (the last past the target's 128-token window).
+TRAINED_STATES = (0, 60, 200)
+
+
+def trained(target_dir: Path, drafter_dir: Path, prompts: Path, out: Path) -> Dict[str, Any]:
+    """The NumPy equations' greedy drafts for a trained checkpoint on three held-out target
+    states: `state{i}.input_ids` (the last id is the pending token), `state{i}.draft_tokens`
+    and `.draft_margins` (top-1 minus top-2 of each Markov-corrected row)."""
+    meta_in = json.loads((drafter_dir / "dspark.json").read_text())
+    cfg, eps = meta_in["config"], meta_in["dims"]["eps"]
+    w64 = {k: np.array(v.astype(mx.float32)).astype(np.float64)
+           for k, v in mx.load(str(drafter_dir / "model.safetensors")).items()}
+    target, tokenizer = mlx_lm.load(str(target_dir))
+    E = np.array(target.model.embed_tokens.weight.astype(mx.float32)).astype(np.float64)
+    softcap = float(json.loads((target_dir / "config.json").read_text())["final_logit_softcapping"])
+    store = install_taps(target, cfg["tapLayers"])
+    lines = [json.loads(l) for l in prompts.read_text().splitlines() if l.strip()]
+    o: Dict[str, np.ndarray] = {}
+    meta: Dict[str, Any] = {"drafter": str(drafter_dir.relative_to(ROOT)), "states": []}
+    for i, (line, n) in enumerate(zip(lines, TRAINED_STATES)):
+        prompt_ids = list(tokenizer.encode(line["prompt"]))
+        toks, _ = greedy(target, prompt_ids, n + 1)
+        seq = prompt_ids + toks
+        T = len(prompt_ids) + n
+        taps, _ = target_taps(target, store, cfg["tapLayers"], seq[:T], E)
+        d = draft(w64, cfg, E, eps, taps.astype(np.float64), seq[T], softcap)
+        o[f"state{i}.input_ids"] = np.array(seq[:T + 1], dtype=np.int32)
+        o[f"state{i}.draft_tokens"] = d["tokens"].astype(np.int32)
+        o[f"state{i}.draft_margins"] = top2(d["L"]).astype(np.float32)
+        meta["states"].append({"prompt": line["id"], "greedy_tokens": n,
+                               "min_margin": round(float(top2(d["L"]).min()), 4)})
+    write_safetensors(out, o, {"format": "dspark-oracle"})
+    out.with_suffix(".json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=FIXTURES)
+    ap.add_argument("--trained", type=Path, metavar="DRAFTER_DIR",
+                    help="record a trained drafter's drafts on the demo target instead")
     args = ap.parse_args()
     mx.set_default_device(mx.cpu)
+    if args.trained:
+        demo = ROOT / "models" / "kjv-gemma4"
+        out = ROOT / "tests" / "fixtures" / "kjv-demo" / "dspark-drafts.safetensors"
+        print(json.dumps(trained(demo, args.trained.resolve(), demo / "bench-prompts.jsonl", out)))
+        return 0
     meta = make(args.out)
     print(json.dumps({k: meta[k] for k in ("stats", "per_state", "seconds")}, indent=1))
     return 0

@@ -12,6 +12,8 @@ use crate::model::Gemma4;
 pub mod kernels;
 mod report;
 mod serving;
+pub mod plot;
+pub mod sweep;
 pub use report::{bench, BenchOptions, BenchReport, BenchRunError, MLX_LM_PYTHON_ENV};
 pub use serving::{ServingBench, ServingRow};
 

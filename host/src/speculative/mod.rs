@@ -119,6 +119,7 @@ impl Row {
         s.acceptance_rate = if s.drafted == 0 { 0.0 } else { s.accepted as f64 / s.drafted as f64 };
         s.accepted_by_position =
             self.by_position.iter().take_while(|(d, _)| *d > 0).map(|&(d, a)| a as f64 / d as f64).collect();
+        s.drafted_by_position = self.by_position.iter().map(|&(d, _)| d).take_while(|&d| d > 0).collect();
         s.prefill_tokens_per_s = per_second(s.prompt_tokens, prefill_ms);
         s.decode_tokens_per_s = per_second(self.tokens.len(), decode_ms);
         Generation { tokens: self.tokens, stop: self.stop.unwrap_or(StopReason::MaxTokens), stats: s }

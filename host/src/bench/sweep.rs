@@ -1,0 +1,314 @@
+//! `host bench --sweep`: drafters × draft lengths on a file of prompts, against plain decoding
+//! of the same target. For each prompt, plain decoding runs before and after every drafter and
+//! draft length (their order reversed on every other prompt, so that drift hits both ends
+//! alike); a configuration's speed-up on that prompt is the mean of the two plain times over its
+//! own time. Greedy always; with a temperature also sampled, once with `match` verification and
+//! once with `rejection` where the drafter returns probabilities.
+
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+use std::time::Instant;
+
+use serde::Serialize;
+
+use super::summary;
+use crate::generate::{generate, Generation, GenerateError, Request};
+use crate::manifest::Manifest;
+use crate::model::Gemma4;
+use crate::plugin::LoadedDrafter;
+use crate::run::{load_drafter, resolve_request, CheckpointDefaults, Overrides, RunError};
+use crate::speculative::{generate_speculative, probe_open, SpecConfig, Verify};
+use crate::tokenizer::Tokenizer;
+
+#[derive(Debug, Clone)]
+pub struct SweepOptions {
+    /// Manifests with a [drafter], all on one target.
+    pub manifests: Vec<PathBuf>,
+    /// One JSON object per line with a `prompt` (and optionally an `id`).
+    pub prompts_file: PathBuf,
+    pub draft_tokens: Vec<usize>,
+    pub max_tokens: u32,
+    /// Adds sampled runs at this temperature (with `top_p`) to the greedy ones.
+    pub temperature: Option<f32>,
+    pub top_p: f32,
+    pub plugins_dir: PathBuf,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SweepError {
+    #[error(transparent)]
+    Setup(#[from] RunError),
+    #[error(transparent)]
+    Generate(#[from] GenerateError),
+    #[error("{path}: {reason}")]
+    Prompts { path: PathBuf, reason: String },
+    #[error("--sweep: {0} has no [drafter]")]
+    NoDrafter(PathBuf),
+    #[error("--sweep: {0} has another target than {1} ({2} against {3})")]
+    Targets(PathBuf, PathBuf, PathBuf, PathBuf),
+    #[error("--sweep: give at least one manifest and one draft length, each length 1..={max}", max = crate::manifest::MAX_DRAFT_TOKENS)]
+    Empty,
+}
+
+/// One drafter at one draft length in one sampling mode, over every prompt.
+#[derive(Debug, Serialize)]
+pub struct SweepRow {
+    /// The manifest's file stem (`demo-dflash`).
+    pub drafter: String,
+    pub kind: String,
+    pub draft_tokens: usize,
+    /// `greedy`, or the verification of a sampled run: `match` or `rejection`.
+    pub mode: String,
+    /// Generated tokens per target forward, over all prompts.
+    pub tau: f64,
+    pub acceptance_by_position: Vec<f64>,
+    pub target_forwards: usize,
+    pub plain_forwards: usize,
+    /// Plain time / speculative time per prompt.
+    pub speedups: Vec<f64>,
+    pub speedup_median: f64,
+    pub speedup_min: f64,
+    pub speedup_max: f64,
+    /// Prompts whose output equalled plain decoding's (expected of all but `rejection`).
+    pub identical: usize,
+}
+
+#[derive(Debug, Serialize)]
+pub struct SweepReport {
+    pub prompts: usize,
+    pub max_tokens: usize,
+    pub temperature: Option<f32>,
+    pub top_p: f32,
+    /// Plain decoding's median tokens/s (greedy).
+    pub plain_tokens_per_s: f64,
+    pub rows: Vec<SweepRow>,
+}
+
+struct Drafter {
+    name: String,
+    loaded: LoadedDrafter,
+}
+
+/// Counts for one row, summed over prompts.
+#[derive(Default)]
+struct Tally {
+    generated: usize,
+    forwards: usize,
+    plain_forwards: usize,
+    drafted: Vec<usize>,
+    accepted: Vec<usize>,
+    speedups: Vec<f64>,
+    identical: usize,
+}
+
+pub fn sweep(options: &SweepOptions) -> Result<SweepReport, SweepError> {
+    if options.manifests.is_empty()
+        || options.draft_tokens.is_empty()
+        || options.draft_tokens.iter().any(|&n| n == 0 || n > crate::manifest::MAX_DRAFT_TOKENS as usize)
+    {
+        return Err(SweepError::Empty);
+    }
+    let (model, tokenizer, manifest, drafters) = setup(options)?;
+    let prompts = read_prompts(&options.prompts_file)?;
+    let mut modes = vec![("greedy", Verify::Match, 0.0)];
+    if let Some(t) = options.temperature.filter(|&t| t > 0.0) {
+        modes.push(("match", Verify::Match, t));
+        modes.push(("rejection", Verify::Rejection, t));
+    }
+    let configs: Vec<(usize, usize, usize)> = (0..modes.len())
+        .flat_map(|m| {
+            let drafters = &drafters;
+            (0..drafters.len()).flat_map(move |d| options.draft_tokens.iter().map(move |&n| (m, d, n)))
+        })
+        .filter(|&(m, d, _)| modes[m].1 != Verify::Rejection || drafters[d].loaded.info.capabilities.draft_probabilities)
+        .collect();
+    let mut tallies: Vec<Tally> = configs.iter().map(|_| Tally::default()).collect();
+    let mut plain_rates = Vec::new();
+    for (i, prompt) in prompts.iter().enumerate() {
+        for (m, &(_, _, temperature)) in modes.iter().enumerate() {
+            let overrides = Overrides {
+                prompt: Some(prompt.clone()),
+                max_tokens: Some(options.max_tokens),
+                temperature: Some(temperature),
+                top_p: Some(options.top_p),
+                seed: Some(i as u64),
+                ..Overrides::default()
+            };
+            let mut request = resolve_request(&manifest, &overrides, &model, &tokenizer, &CheckpointDefaults::default())
+                .map_err(RunError::from)?;
+            request.eos.clear();
+            if i == 0 {
+                timed_plain(&model, &request)?;
+            }
+            let (before, plain) = timed_plain(&model, &request)?;
+            let mut order: Vec<usize> = (0..configs.len()).filter(|&c| configs[c].0 == m).collect();
+            if i % 2 == 1 {
+                order.reverse();
+            }
+            let mut spec_runs = Vec::new();
+            for &c in &order {
+                let (_, d, n) = configs[c];
+                let config = SpecConfig { draft_tokens: n, verify: modes[m].1 };
+                let start = Instant::now();
+                let g = generate_speculative(&model, &drafters[d].loaded, &request, config, |_| {})?;
+                spec_runs.push((c, start.elapsed().as_secs_f64(), g));
+            }
+            let (after, _) = timed_plain(&model, &request)?;
+            let plain_s = (before + after) / 2.0;
+            if m == 0 {
+                plain_rates.push(plain.tokens.len() as f64 / plain_s);
+            }
+            for (c, seconds, g) in spec_runs {
+                tallies[c].add(&plain, &g, plain_s / seconds);
+            }
+        }
+    }
+    let rows = configs
+        .iter()
+        .zip(tallies)
+        .map(|(&(m, d, n), t)| t.row(&drafters[d], n, modes[m].0))
+        .collect();
+    Ok(SweepReport {
+        prompts: prompts.len(),
+        max_tokens: options.max_tokens as usize,
+        temperature: options.temperature,
+        top_p: options.top_p,
+        plain_tokens_per_s: summary(&plain_rates).0,
+        rows,
+    })
+}
+
+fn timed_plain(model: &Gemma4, request: &Request) -> Result<(f64, Generation), GenerateError> {
+    let start = Instant::now();
+    let g = generate(model, request, |_| {})?;
+    Ok((start.elapsed().as_secs_f64(), g))
+}
+
+impl Tally {
+    fn add(&mut self, plain: &Generation, spec: &Generation, speedup: f64) {
+        let s = &spec.stats;
+        self.generated += s.generated_tokens;
+        self.forwards += s.target_forwards;
+        self.plain_forwards += plain.stats.target_forwards;
+        for (k, (&drafted, &rate)) in s.drafted_by_position.iter().zip(&s.accepted_by_position).enumerate() {
+            if self.drafted.len() <= k {
+                self.drafted.push(0);
+                self.accepted.push(0);
+            }
+            self.drafted[k] += drafted;
+            self.accepted[k] += (rate * drafted as f64).round() as usize;
+        }
+        self.speedups.push(speedup);
+        self.identical += usize::from(plain.tokens == spec.tokens);
+    }
+
+    fn row(self, drafter: &Drafter, draft_tokens: usize, mode: &str) -> SweepRow {
+        let (median, min, max) = summary(&self.speedups);
+        SweepRow {
+            drafter: drafter.name.clone(),
+            kind: drafter.loaded.kind().to_owned(),
+            draft_tokens,
+            mode: mode.to_owned(),
+            tau: self.generated as f64 / self.forwards.max(1) as f64,
+            acceptance_by_position: self.drafted.iter().zip(&self.accepted).map(|(&d, &a)| a as f64 / d.max(1) as f64).collect(),
+            target_forwards: self.forwards,
+            plain_forwards: self.plain_forwards,
+            speedups: self.speedups,
+            speedup_median: median,
+            speedup_min: min,
+            speedup_max: max,
+            identical: self.identical,
+        }
+    }
+}
+
+type Setup = (Rc<Gemma4>, Tokenizer, Manifest, Vec<Drafter>);
+
+/// The shared target (from the first manifest) and every manifest's drafter, opened against it.
+fn setup(options: &SweepOptions) -> Result<Setup, SweepError> {
+    let first = Manifest::load(&options.manifests[0]).map_err(RunError::from)?;
+    let model = Rc::new(crate::model::load(&first.target_model).map_err(RunError::from)?);
+    let tokenizer = Tokenizer::load(&first.target_model).map_err(RunError::from)?;
+    let canonical = |p: &Path| p.canonicalize().unwrap_or_else(|_| p.to_owned());
+    let mut drafters = Vec::new();
+    for path in &options.manifests {
+        let manifest = Manifest::load(path).map_err(RunError::from)?;
+        if canonical(&manifest.target_model) != canonical(&first.target_model) {
+            return Err(SweepError::Targets(
+                path.clone(),
+                options.manifests[0].clone(),
+                manifest.target_model.clone(),
+                first.target_model.clone(),
+            ));
+        }
+        let Some((loaded, _)) = load_drafter(&manifest, &options.plugins_dir).map_err(RunError::from)? else {
+            return Err(SweepError::NoDrafter(path.clone()));
+        };
+        probe_open(&model, &loaded).map_err(RunError::from)?;
+        let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+        drafters.push(Drafter { name, loaded });
+    }
+    Ok((model, tokenizer, first, drafters))
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PromptLine {
+    #[allow(dead_code)]
+    id: Option<String>,
+    prompt: String,
+}
+
+fn read_prompts(path: &Path) -> Result<Vec<String>, SweepError> {
+    let error = |reason: String| SweepError::Prompts { path: path.to_owned(), reason };
+    let text = std::fs::read_to_string(path).map_err(|e| error(e.to_string()))?;
+    let prompts: Vec<String> = text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(n, l)| {
+            serde_json::from_str::<PromptLine>(l).map(|p| p.prompt).map_err(|e| error(format!("line {}: {e}", n + 1)))
+        })
+        .collect::<Result<_, _>>()?;
+    if prompts.is_empty() {
+        return Err(error("no prompts".into()));
+    }
+    Ok(prompts)
+}
+
+impl SweepReport {
+    pub fn text(&self) -> String {
+        let mut out = format!(
+            "drafters on {} prompts x {} tokens; plain decoding {:.1} tok/s (greedy, median)\n\
+             {:<16} {:<10} {:>2} {:>5} {:>8} {:>18} {:>9} {:>9}  acceptance by position\n",
+            self.prompts,
+            self.max_tokens,
+            self.plain_tokens_per_s,
+            "drafter",
+            "mode",
+            "γ",
+            "τ",
+            "speed-up",
+            "range",
+            "forwards",
+            "identical",
+        );
+        for r in &self.rows {
+            let by_position: Vec<String> = r.acceptance_by_position.iter().map(|a| format!("{a:.2}")).collect();
+            out.push_str(&format!(
+                "{:<16} {:<10} {:>2} {:>5.2} {:>7.2}x {:>18} {:>9} {:>6}/{:<2}  [{}]\n",
+                r.drafter,
+                r.mode,
+                r.draft_tokens,
+                r.tau,
+                r.speedup_median,
+                format!("[{:.2}, {:.2}]", r.speedup_min, r.speedup_max),
+                r.target_forwards,
+                r.identical,
+                self.prompts,
+                by_position.join(", ")
+            ));
+        }
+        out
+    }
+}

@@ -1,0 +1,170 @@
+"""What the drafter trainers share: the frozen target's head, blocks at many anchors in one
+pass, RoPE at arbitrary positions, and the command line every `train_<kind>.py` takes.
+
+A training batch holds `rows` target continuations (drafter_data.py) and `anchors` anchor
+positions in each. Every block of every anchor runs in one pass: the block rows attend to the
+row's context through a mask that keeps each block to the positions before its anchor (what the
+drafter would have been given at that point of decoding) and apart from the other blocks.
+"""
+
+import argparse
+import json
+from pathlib import Path
+from typing import Callable, Dict, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+import drafter_data
+import loop
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+
+class TargetHead:
+    """The target's frozen embedding, final norm and soft-capped tied head."""
+
+    def __init__(self, target_dir: Path):
+        model = drafter_data.load_float32_target(target_dir)
+        inner = model.model
+        self.embed = mx.stop_gradient(inner.embed_tokens.weight)      # [V, H]
+        self.embed_scale = float(inner.embed_scale)
+        self.norm_weight = mx.stop_gradient(inner.norm.weight)
+        self.eps = inner.norm.eps
+        self.softcap = float(model.final_logit_softcapping or 0.0)
+
+    def logits(self, h: mx.array) -> mx.array:
+        """The head on hidden states that are already normed."""
+        logits = h @ self.embed.T
+        return mx.tanh(logits / self.softcap) * self.softcap if self.softcap else logits
+
+    def distribution(self, last_layer: mx.array) -> mx.array:
+        """The target's next-token probabilities from its last layer's output (a tap)."""
+        h = mx.fast.rms_norm(last_layer, self.norm_weight, self.eps)
+        return mx.softmax(self.logits(h).astype(mx.float32), axis=-1)
+
+
+def rope(x: mx.array, positions: mx.array, inv_freq: mx.array) -> mx.array:
+    """Half-split RoPE (dims i and i + hd/2 rotate together) at a position per row:
+    x [B, heads, N, hd], positions [B, N], inv_freq [hd/2] (zeros leave a pair unrotated)."""
+    half = x.shape[-1] // 2
+    angles = positions[:, None, :, None].astype(mx.float32) * inv_freq
+    cos, sin = mx.cos(angles), mx.sin(angles)
+    x1, x2 = x[..., :half], x[..., half:]
+    return mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def block_positions(anchors: mx.array, block: int) -> mx.array:
+    """Absolute positions of every block row [B, A·block]: anchor p's rows sit at p, p+1, …"""
+    b, a = anchors.shape
+    return (anchors[:, :, None] + mx.arange(block)).reshape(b, a * block)
+
+
+def block_inputs(tokens: mx.array, anchors: mx.array, block: int, mask_id: int) -> mx.array:
+    """[anchor token, mask, …, mask] for every anchor [B, A·block]."""
+    b, a = anchors.shape
+    anchor_ids = mx.take_along_axis(tokens, anchors, axis=1)[..., None]
+    masks = mx.full((b, a, block - 1), mask_id, dtype=tokens.dtype)
+    return mx.concatenate([anchor_ids, masks], axis=-1).reshape(b, a * block)
+
+
+def tokens_after(tokens: mx.array, anchors: mx.array, first: int, count: int) -> mx.array:
+    """tokens[p + first + k] for k < count at every anchor p: [B, A, count]."""
+    idx = anchors[:, :, None] + first + mx.arange(count)
+    b, a, _ = idx.shape
+    return mx.take_along_axis(tokens, idx.reshape(b, -1), axis=1).reshape(b, a, count)
+
+
+def rows_after(values: mx.array, anchors: mx.array, first: int, count: int) -> mx.array:
+    """values[p + first + k] for k < count at every anchor p: [B, A, count, …]."""
+    idx = anchors[:, :, None] + first + mx.arange(count)
+    b, a, _ = idx.shape
+    picked = mx.take_along_axis(values, idx.reshape(b, -1)[..., None], axis=1)
+    return picked.reshape(b, a, count, *values.shape[2:])
+
+
+def block_mask(anchors: mx.array, context: int, block: int, window: Optional[int] = None,
+               causal: bool = False) -> mx.array:
+    """Which keys each block row reads [B, 1, A·block, context + A·block]: context positions
+    before its anchor (and inside `window` of the row's own position, if given), and the rows
+    of its own block (up to itself if `causal`)."""
+    b, a = anchors.shape
+    n = a * block
+    key = mx.arange(context)
+    q_anchor = mx.repeat(anchors, block, axis=1)[:, :, None]              # [B, Q, 1]
+    ctx = key < q_anchor
+    if window is not None:
+        ctx = ctx & (block_positions(anchors, block)[:, :, None] - key < window)
+    q_block, q_row = mx.arange(n) // block, mx.arange(n) % block
+    own = q_block[:, None] == q_block[None, :]
+    if causal:
+        own = own & (q_row[None, :] <= q_row[:, None])
+    own = mx.broadcast_to(own[None], (b, n, n))
+    return mx.concatenate([ctx, own], axis=-1)[:, None]
+
+
+def decay_weights(rows: int, decay: float) -> mx.array:
+    """exp(−k/decay) for block row k = 0, 1, …: early rows, which every accepted draft needs,
+    count most (DFlash and DSpark's `loss_decay_gamma`)."""
+    return mx.exp(-mx.arange(rows, dtype=mx.float32) / decay)
+
+
+def weighted_mean(per_row: mx.array, weights: mx.array) -> mx.array:
+    """Mean over [B, A, rows] with row weights."""
+    return (per_row * weights).sum() / (weights.sum() * per_row.shape[0] * per_row.shape[1])
+
+
+def arguments(kind: str, presets: Dict, doc: str) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--target", type=Path, default=ROOT / "models" / "kjv-gemma4",
+                    help="the Gemma 4 checkpoint directory the drafter is for")
+    ap.add_argument("--out", type=Path,
+                    help=f"drafter directory to write (default: <target>-{kind}, beside it)")
+    ap.add_argument("--preset", choices=sorted(presets), default="demo")
+    ap.add_argument("--run", type=Path,
+                    help=f"run directory (default training/runs/{kind}-<preset>)")
+    ap.add_argument("--steps", type=int, help="total steps (default: the preset's)")
+    ap.add_argument("--data", type=Path, help="drafter-data cache directory")
+    ap.add_argument("--examples", type=int, help="target continuations to learn from")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    args.run = args.run or HERE / "runs" / f"{kind}-{args.preset}"
+    args.out = args.out or args.target.parent / f"{args.target.name}-{kind}"
+    return args
+
+
+def default_taps(layers: int):
+    """Three target layers spread over the depth, the last included: (1, 3, 5) of six."""
+    return tuple(sorted({max(1, layers // 6), layers // 2, layers - 1}))
+
+
+# The smoke test's data: a few short continuations.
+TINY_DATA = dict(examples=32, prefix=16, greedy=24, batch=32)
+
+
+def data_for(args: argparse.Namespace, taps) -> drafter_data.DrafterData:
+    sizes = dict(TINY_DATA) if args.preset == "tiny" else {}
+    if args.examples:
+        sizes["examples"] = args.examples
+    spec = drafter_data.DataSpec(taps=tuple(taps), seed=args.seed, **sizes)
+    return drafter_data.build(args.target, spec, args.data)
+
+
+def train(kind: str, args: argparse.Namespace, p: Dict, model: nn.Module, loss_fn: Callable,
+          data: drafter_data.DrafterData, anchor_block: int, labels_per_block: int,
+          extra: Optional[Callable] = None) -> Dict:
+    """The shared loop (loop.py) over the data's batches (with `extra(indices)` appended to
+    each); returns the last logged figures."""
+    steps = args.steps or p["steps"]
+    n_params = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
+    print(f"{kind} {args.preset}: {n_params / 1e6:.2f}M trained parameters, "
+          f"{len(data.tokens)} examples, {steps} steps of {p['rows']}x{p['anchors']} blocks")
+    last = loop.train(args.run, model, loss_fn,
+                      data.batches(p["rows"], p["anchors"], anchor_block, args.seed, extra),
+                      steps=steps, lr=p["lr"], warmup=p["warmup"], desc=f"{kind} {args.preset}",
+                      tokens_per_step=p["rows"] * p["anchors"] * labels_per_block,
+                      log_every=min(10, max(1, steps // 4)), seed=args.seed)
+    print(json.dumps(last))
+    return last
