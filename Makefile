@@ -10,7 +10,8 @@ FIXTURES := cargo build --manifest-path tests/fixtures/Cargo.toml --target-dir t
 ORACLE_PY := tests/oracle/.venv/bin/python
 BENCH_MODEL := target/bench-model
 
-.PHONY: setup build fixtures run serve test doctor oracle bench demo-model training-smoke
+.PHONY: setup build fixtures run serve test doctor oracle bench demo-model training-smoke \
+	train-drafter demo-drafters drafter-bench
 
 setup:
 	@bash scripts/setup.sh
@@ -22,9 +23,10 @@ build: setup
 fixtures: setup
 	$(FIXTURES)
 
-# Generates text with the embedded default manifest (the trained demo target, models/kjv-gemma4).
+# Generates text with the embedded default manifest (the trained demo target, models/kjv-gemma4,
+# with its trained DFlash drafter), then decodes it again plainly to say how much faster it ran.
 run: build
-	./target/release/host run --manifest manifests/default.toml
+	./target/release/host run --manifest manifests/default.toml --compare-plain
 
 # An OpenAI-compatible server on the embedded default, at http://127.0.0.1:8080/v1.
 serve: build
@@ -46,6 +48,31 @@ demo-model:
 	bash training/setup.sh
 	training/.venv/bin/python training/train_target.py
 	training/.venv/bin/python training/evaluate_target.py
+
+# Trains a drafter of KIND (dflash, dspark, deepspec, assistant) for the Gemma 4 checkpoint in
+# TARGET and writes it to OUT (default: beside TARGET, <TARGET>-<KIND>); resumes if interrupted.
+KIND ?= dflash
+TARGET ?= models/kjv-gemma4
+OUT ?= $(TARGET)-$(KIND)
+train-drafter:
+	bash training/setup.sh
+	training/.venv/bin/python training/train_$(KIND).py --target $(TARGET) --out $(OUT)
+
+# Reproduces the four demo drafters (about 25 minutes each on 2 cores) and records each one's
+# drafts in its reference implementation for the tests (tests/fixtures/kjv-demo).
+demo-drafters:
+	for kind in dflash dspark deepspec assistant; do $(MAKE) train-drafter KIND=$$kind || exit 1; done
+	bash tests/oracle/setup-venv.sh
+	$(ORACLE_PY) tests/oracle/dflash_oracle.py --trained models/kjv-gemma4-dflash
+	$(ORACLE_PY) tests/oracle/dspark_oracle.py --trained models/kjv-gemma4-dspark
+	$(ORACLE_PY) tests/oracle/deepspec_oracle.py --trained models/kjv-gemma4-deepspec
+
+# Every demo drafter (and prompt lookup) at every draft length on 20 held-out prompts, greedy
+# and sampled, against plain decoding: the README's table and plot.
+drafter-bench: build
+	./target/release/host bench --sweep manifests/demo-dflash.toml,manifests/demo-dspark.toml,manifests/demo-deepspec.toml,manifests/demo-assistant.toml,manifests/demo-ngram.toml \
+	  --prompts-file models/kjv-gemma4/bench-prompts.jsonl --draft-tokens 1,2,3,4,6,8 --max-tokens 256 \
+	  --temperature 0.7 --top-p 0.95 --plot models/kjv-gemma4/drafters.png | tee models/kjv-gemma4/drafters.md
 
 doctor: build
 	./target/release/host doctor

@@ -9,6 +9,8 @@ drafter would have been given at that point of decoding) and apart from the othe
 
 import argparse
 import json
+import os
+import time
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
@@ -130,6 +132,10 @@ def arguments(kind: str, presets: Dict, doc: str) -> argparse.Namespace:
     ap.add_argument("--examples", type=int, help="target continuations to learn from")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        if not (args.target / name).is_file():
+            ap.error(f"--target {args.target}: no {name} (a Gemma 4 checkpoint directory as "
+                     f"Hugging Face lays it out, with its tokenizer)")
     args.run = args.run or HERE / "runs" / f"{kind}-{args.preset}"
     args.out = args.out or args.target.parent / f"{args.target.name}-{kind}"
     return args
@@ -158,6 +164,7 @@ def train(kind: str, args: argparse.Namespace, p: Dict, model: nn.Module, loss_f
     """The shared loop (loop.py) over the data's batches (with `extra(indices)` appended to
     each); returns the last logged figures."""
     steps = args.steps or p["steps"]
+    start = time.time()
     n_params = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
     print(f"{kind} {args.preset}: {n_params / 1e6:.2f}M trained parameters, "
           f"{len(data.tokens)} examples, {steps} steps of {p['rows']}x{p['anchors']} blocks")
@@ -166,5 +173,76 @@ def train(kind: str, args: argparse.Namespace, p: Dict, model: nn.Module, loss_f
                       steps=steps, lr=p["lr"], warmup=p["warmup"], desc=f"{kind} {args.preset}",
                       tokens_per_step=p["rows"] * p["anchors"] * labels_per_block,
                       log_every=min(10, max(1, steps // 4)), seed=args.seed)
+    last["trained_parameters"] = n_params
+    last["seconds"] = round(time.time() - start)
+    last["labels_per_step"] = p["rows"] * p["anchors"] * labels_per_block
     print(json.dumps(last))
     return last
+
+
+def shown(path: Path) -> str:
+    """A path as the repository root sees it."""
+    return os.path.relpath(path.resolve(), ROOT)
+
+
+def write_card(out: Path, kind: str, title: str, args: argparse.Namespace, p: Dict,
+               last: Dict, doc: str) -> None:
+    """The drafter's model card (README.md in its directory): what it is, the recipe and the
+    command that made it, how long that took here and what it weighs."""
+    size = sum(f.stat().st_size for f in out.iterdir() if f.suffix == ".safetensors")
+    recipe = ", ".join(f"{k} {v}" for k, v in p.items())
+    log = [json.loads(line) for line in (args.run / "log.jsonl").read_text().splitlines()]
+    first_log = log[0]
+    # The undisturbed rate: the 90th percentile of the logged rates (other work may have
+    # shared the machine for part of the run).
+    rates = sorted(line["tokens_per_s"] for line in log if "tokens_per_s" in line)
+    undisturbed = rates[int(0.9 * (len(rates) - 1))]
+    undisturbed_min = last["step"] * last["labels_per_step"] / undisturbed / 60
+    text = f"""# {out.name}: {title}
+
+A {kind} drafter for [{args.target.name}](../{args.target.name}), trained by
+`training/train_{kind}.py` (`make train-drafter KIND={kind}`) on the target's own greedy
+continuations of the training split (`training/drafter_data.py`); no held-out chapter is in it.
+
+{doc.split(chr(10) + chr(10), 2)[2].strip()}
+
+- Recipe (preset `{args.preset}`): {recipe}; seed {args.seed}.
+- {last['trained_parameters'] / 1e6:.2f}M trained parameters; {size / 1e6:.1f} MB of weights.
+- Training loss {first_log['loss']:.3f} at step {first_log['step']}, {last['loss']:.3f} at step {last['step']}.
+- Training time on the 2-core machine that made it: {last['seconds'] / 60:.1f} min for the steps
+  run last, {undisturbed_min:.1f} min at its undisturbed rate ({undisturbed:.0f} labels/s, the 90th
+  percentile of the logged rates); the shared continuations are made once before (about
+  5 min) and cached.
+- Command (from the repository root): `training/.venv/bin/python training/train_{kind}.py --target {shown(args.target)} --out {shown(out)}`
+
+The speed-up it buys is measured by `make drafter-bench` (the demo target's model card and the
+README).
+"""
+    (out / "README.md").write_text(text)
+    refresh_target_card(args.target)
+
+
+def refresh_target_card(target: Path) -> None:
+    """The target's model card ends with a section per drafter that sits beside it (named
+    <target>-<kind>), made of the figures in the drafters' own cards."""
+    card = target / "README.md"
+    if not card.exists():
+        return
+    head = card.read_text().split("\n## Drafters\n")[0].rstrip() + "\n"
+    parts = []
+    for d in sorted(target.parent.glob(f"{target.name}-*")):
+        if not (d / "README.md").exists():
+            continue
+        lines = (d / "README.md").read_text().splitlines()
+        figures, keep = [], False
+        for line in lines:
+            keep = line.startswith("- ") or (keep and line.startswith("  "))
+            if keep:
+                figures.append(line)
+        title = lines[0].split(": ", 1)[-1]
+        parts.append(f"### [{d.name}](../{d.name}): {title}\n\n" + "\n".join(figures))
+    if parts:
+        card.write_text(head + "\n## Drafters\n\nDrafters trained for this model, each beside it "
+                        "with its own card. What they buy, measured by `make drafter-bench` on "
+                        "20 held-out prompts: [drafters.md](drafters.md), "
+                        "[drafters.png](drafters.png).\n\n" + "\n\n".join(parts) + "\n")

@@ -208,6 +208,10 @@ bits per byte.
 
 {samples}
 """
+    # The drafters' section is written by their trainers (drafter_train.py): kept as it is.
+    old = model_dir / "README.md"
+    if old.exists() and "\n## Drafters\n" in old.read_text():
+        card += "\n## Drafters\n" + old.read_text().split("\n## Drafters\n", 1)[1]
     (model_dir / "README.md").write_text(card)
 
 

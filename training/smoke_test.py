@@ -62,9 +62,10 @@ def main() -> None:
                             "--data", str(Path(tmp) / "data")], check=True)
             log = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
             assert log[-1]["loss"] < log[0]["loss"], f"{kind}: loss did not fall: {log}"
-            assert (out / config).exists() and (out / "model.safetensors").exists(), kind
+            for name in (config, "model.safetensors", "README.md"):
+                assert (out / name).exists(), f"{kind}: no {name}"
             print(f"smoke: {kind} loss {log[0]['loss']:.3f} -> {log[-1]['loss']:.3f}, wrote "
-                  f"{config} and model.safetensors")
+                  f"{config}, model.safetensors and its card")
 
 
 if __name__ == "__main__":

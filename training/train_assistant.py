@@ -248,8 +248,9 @@ def main() -> None:
         tv = 0.5 * mx.abs(mx.softmax(logits, axis=-1) - p_target).sum(axis=-1)
         return dt.weighted_mean(CE_ALPHA * ce + L1_ALPHA * tv, weights)
 
-    dt.train("assistant", args, p, model, loss_fn, data, steps + 1, steps, extra=donors_of)
+    last = dt.train("assistant", args, p, model, loss_fn, data, steps + 1, steps, extra=donors_of)
     export(model, config, args.out)
+    dt.write_card(args.out, "assistant", "a Gemma 4 assistant drafter", args, p, last, __doc__)
     print(f"wrote {args.out}")
 
 

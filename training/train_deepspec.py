@@ -167,8 +167,9 @@ def main() -> None:
         per_row = CE_ALPHA * ce + L1_ALPHA * tv + CONFIDENCE_ALPHA * bce
         return dt.weighted_mean(per_row, weights)
 
-    dt.train("deepspec", args, p, model, loss_fn, data, block + 1, block)
+    last = dt.train("deepspec", args, p, model, loss_fn, data, block + 1, block)
     export(model, config, args.out)
+    dt.write_card(args.out, "deepspec", "a DeepSeek DSpark drafter (Gemma4DSparkModel)", args, p, last, __doc__)
     print(f"wrote {args.out}")
 
 

@@ -156,8 +156,9 @@ def main() -> None:
         ce = nn.losses.cross_entropy(logits.astype(mx.float32), labels, reduction="none")
         return dt.weighted_mean(ce, weights)
 
-    dt.train("dflash", args, p, model, loss_fn, data, block, block - 1)
+    last = dt.train("dflash", args, p, model, loss_fn, data, block, block - 1)
     export(model, config, args.out)
+    dt.write_card(args.out, "dflash", "a z-lab DFlash drafter", args, p, last, __doc__)
     print(f"wrote {args.out}")
 
 

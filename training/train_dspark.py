@@ -169,8 +169,9 @@ def main() -> None:
         per_row = CE_ALPHA * ce + L1_ALPHA * tv + CONFIDENCE_ALPHA * bce
         return dt.weighted_mean(per_row, weights)
 
-    dt.train("dspark", args, p, model, loss_fn, data, gamma + 1, gamma)
+    last = dt.train("dspark", args, p, model, loss_fn, data, gamma + 1, gamma)
     export(model, p, target, args.target, taps, args.out)
+    dt.write_card(args.out, "dspark", "a DSpark drafter (dspark.json)", args, p, last, __doc__)
     print(f"wrote {args.out}")
 
 

@@ -104,6 +104,10 @@ struct RunArgs {
     /// After the text, the statistics (speculation included) as a table on stderr.
     #[arg(long, conflicts_with = "json")]
     stats: bool,
+    /// With a drafter: decode the same request plainly afterwards and say how much faster the
+    /// speculative run was, and whether the outputs are identical.
+    #[arg(long)]
+    compare_plain: bool,
     #[command(flatten)]
     dir: PluginsDir,
 }
@@ -197,7 +201,8 @@ enum Command {
     /// Generate text for a manifest's prompt, streaming it as it comes.
     Run(RunArgs),
     /// Time plain decoding against mlx-lm on the manifest's target or, for a manifest with a
-    /// [drafter], plain against speculative decoding; paired and interleaved.
+    /// [drafter], plain against speculative decoding (--sweep: several drafters at several
+    /// draft lengths on a file of prompts); paired and interleaved.
     Bench(BenchArgs),
     /// Serve the manifest's model over an OpenAI-compatible HTTP API (/v1/completions,
     /// /v1/chat/completions, /v1/models, /health, /metrics), batching requests as they come.
@@ -398,6 +403,7 @@ fn serve(args: ServeArgs, quiet: bool) -> Result<()> {
             source,
             overrides: Overrides { draft_tokens: args.draft_tokens, ..Overrides::default() },
             plugins_dir: plugins_dir::resolve(args.dir.plugins_dir),
+            compare_plain: false,
         },
         host: args.host.or(server.host).unwrap_or_else(|| "127.0.0.1".into()),
         port: args.port.or(server.port).unwrap_or(8080),
@@ -434,6 +440,7 @@ fn run_manifest(args: RunArgs, quiet: bool) -> Result<()> {
             draft_tokens: args.draft_tokens,
         },
         plugins_dir: plugins_dir::resolve(args.dir.plugins_dir),
+        compare_plain: args.compare_plain,
     };
     if let Some(file) = &args.prompts_file {
         let jsonl = std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;

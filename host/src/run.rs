@@ -12,7 +12,7 @@ use crate::manifest::{Manifest, ManifestError};
 use crate::model::{Gemma4, ModelError};
 use crate::plugin::{DrafterError, LoadedDrafter};
 use crate::sampling::SamplingParams;
-use crate::speculative::{generate_speculative, probe_open, SpecConfig};
+use crate::speculative::{generate_speculative, probe_open, SpecConfig, Verify};
 use crate::tokenizer::{StreamDecoder, Tokenizer, TokenizerError};
 
 /// What `host run` is asked: a manifest, the command line's overrides, where plugins live.
@@ -21,6 +21,8 @@ pub struct RunOptions {
     pub source: crate::manifest::Source,
     pub overrides: Overrides,
     pub plugins_dir: PathBuf,
+    /// After a speculative run, decode the same request plainly and report both.
+    pub compare_plain: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -84,7 +86,36 @@ pub fn run(options: &RunOptions, mut on_event: impl FnMut(RunEvent) -> Flow) -> 
     if !rest.is_empty() {
         on_event(RunEvent::Text(&rest));
     }
-    Ok(RunOutput { text: stream.text(), tokens: generation.tokens, stop: generation.stop, stats: generation.stats })
+    let plain = match (&session.drafter, options.compare_plain) {
+        (Some((_, config)), true) => {
+            let plain = generate(&session.model, &request, |_| Flow::Continue)?;
+            Some(PlainComparison {
+                decode_ms: plain.stats.decode_ms,
+                speedup: plain.stats.decode_ms / generation.stats.decode_ms,
+                identical: plain.tokens == generation.tokens,
+                rejection: config.verify == Verify::Rejection && !request.sampling.is_greedy(),
+            })
+        }
+        _ => None,
+    };
+    Ok(RunOutput {
+        text: stream.text(),
+        tokens: generation.tokens,
+        stop: generation.stop,
+        stats: generation.stats,
+        plain,
+    })
+}
+
+/// The same request decoded plainly after a speculative run (`host run --compare-plain`).
+#[derive(Debug, Serialize)]
+pub struct PlainComparison {
+    pub decode_ms: f64,
+    /// Plain decode time over speculative decode time.
+    pub speedup: f64,
+    pub identical: bool,
+    /// Verified by rejection sampling, which keeps the target's distribution but not its draws.
+    pub rejection: bool,
 }
 
 /// What a run loads once: the target, its drafter, tokenizer and generation defaults.
@@ -270,12 +301,28 @@ pub struct RunOutput {
     pub text: String,
     pub stop: StopReason,
     pub stats: Stats,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub plain: Option<PlainComparison>,
 }
 
 impl RunOutput {
     /// The human summary printed after a streamed generation.
     pub fn summary(&self) -> String {
-        summary(&self.stats, self.stop)
+        let mut out = summary(&self.stats, self.stop);
+        if let Some(p) = &self.plain {
+            out.push_str(&format!(
+                "plain decoding of the same request: {:.0} ms, speculative {:.0} ms: the drafter ran it at {:.2}x plain speed; output {}\n",
+                p.decode_ms,
+                self.stats.decode_ms,
+                p.speedup,
+                match (p.identical, p.rejection) {
+                    (true, _) => "identical",
+                    (false, true) => "differs (rejection sampling keeps the distribution, not the draws)",
+                    (false, false) => "DIFFERENT",
+                }
+            ));
+        }
+        out
     }
 
     /// The statistics as a table (`host run --stats`).

@@ -209,6 +209,7 @@ fn a_long_prefill_reports_its_progress_chunk_by_chunk() {
         source: host::manifest::Source::manifest(&m),
         overrides: host::run::Overrides { prompt_ids: Some(prompt), ..Default::default() },
         plugins_dir: PathBuf::from("."),
+        compare_plain: false,
     };
     let mut seen = Vec::new();
     let output = host::run::run(&options, |event| {

@@ -419,7 +419,9 @@ fn a_failing_drafter_fails_no_request() {
     )
     .unwrap();
     let server = Server::start_with(&manifest, &["--plugins-dir", dir.path().to_str().unwrap()]);
-    let plain = Server::start_with(&root.join("manifests/default.toml"), &[]);
+    let plain_manifest = dir.path().join("plain.toml");
+    std::fs::write(&plain_manifest, format!("[target]\nmodel = {model:?}\n")).unwrap();
+    let plain = Server::start_with(&plain_manifest, &[]);
     let replies: Vec<(u16, Value)> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..3)
             .map(|i| {

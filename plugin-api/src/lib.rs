@@ -53,7 +53,8 @@
 //! (weights, options); a [`GroupedDraftProvider`](sdk::GroupedDraftProvider) is the B rows the
 //! host's verify loop drives; a [`DraftSource`](sdk::DraftSource) is one row, of which
 //! [`SourceRows`](sdk::SourceRows) makes the group. Beneath them the ABI's `ProviderAbi` and
-//! `RowGroupAbi` cross the boundary. See [`guide`].
+//! `RowGroupAbi` cross the boundary. See [`guide`], and [`train_guide`] to train one of the
+//! shipped kinds for your own target.
 
 #![allow(non_local_definitions)]
 
@@ -69,6 +70,7 @@ pub mod random;
 pub mod sdk;
 pub mod target;
 pub mod tensor;
+pub mod train_guide;
 pub mod version;
 
 pub use descriptor::{Capabilities, Descriptor, OptionDoc, Ports, PrefillMode, ProviderInfo};

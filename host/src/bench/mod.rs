@@ -10,9 +10,9 @@ use crate::generate::{generate, GenerateError, Request};
 use crate::model::Gemma4;
 
 pub mod kernels;
+pub mod plot;
 mod report;
 mod serving;
-pub mod plot;
 pub mod sweep;
 pub use report::{bench, BenchOptions, BenchReport, BenchRunError, MLX_LM_PYTHON_ENV};
 pub use serving::{ServingBench, ServingRow};

@@ -65,7 +65,8 @@ fn draw(report: &SweepReport, path: &Path) -> Result<(), Box<dyn std::error::Err
         chart.draw_series(LineSeries::new([(0.5, 1.0), (max_x + 0.5, 1.0)], BLACK.mix(0.4)))?;
         for (i, drafter) in drafters.iter().enumerate() {
             let color = Palette99::pick(i).to_rgba();
-            let rows: Vec<&SweepRow> = report.rows.iter().filter(|r| r.mode == *mode && r.drafter == *drafter).collect();
+            let rows: Vec<&SweepRow> =
+                report.rows.iter().filter(|r| r.mode == *mode && r.drafter == *drafter).collect();
             if rows.is_empty() {
                 continue;
             }

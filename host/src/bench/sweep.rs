@@ -2,8 +2,9 @@
 //! of the same target. For each prompt, plain decoding runs before and after every drafter and
 //! draft length (their order reversed on every other prompt, so that drift hits both ends
 //! alike); a configuration's speed-up on that prompt is the mean of the two plain times over its
-//! own time. Greedy always; with a temperature also sampled, once with `match` verification and
-//! once with `rejection` where the drafter returns probabilities.
+//! own time. Greedy, and with a temperature also sampled, each drafter verified as its manifest
+//! says (`match`, or `rejection` for a drafter that returns probabilities: a manifest with
+//! `verify = "rejection"` runs sampled only).
 
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
@@ -12,7 +13,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 use super::summary;
-use crate::generate::{generate, Generation, GenerateError, Request};
+use crate::generate::{generate, GenerateError, Generation, Request};
 use crate::manifest::Manifest;
 use crate::model::Gemma4;
 use crate::plugin::LoadedDrafter;
@@ -57,7 +58,7 @@ pub struct SweepRow {
     pub drafter: String,
     pub kind: String,
     pub draft_tokens: usize,
-    /// `greedy`, or the verification of a sampled run: `match` or `rejection`.
+    /// `greedy`, or the verification of a sampled run (the manifest's): `match` or `rejection`.
     pub mode: String,
     /// Generated tokens per target forward, over all prompts.
     pub tau: f64,
@@ -87,6 +88,7 @@ pub struct SweepReport {
 struct Drafter {
     name: String,
     loaded: LoadedDrafter,
+    verify: Verify,
 }
 
 /// Counts for one row, summed over prompts.
@@ -110,22 +112,22 @@ pub fn sweep(options: &SweepOptions) -> Result<SweepReport, SweepError> {
     }
     let (model, tokenizer, manifest, drafters) = setup(options)?;
     let prompts = read_prompts(&options.prompts_file)?;
-    let mut modes = vec![("greedy", Verify::Match, 0.0)];
+    // (name, temperature); a greedy run is verified by match whatever the manifest says.
+    let mut modes = vec![("greedy", 0.0)];
     if let Some(t) = options.temperature.filter(|&t| t > 0.0) {
-        modes.push(("match", Verify::Match, t));
-        modes.push(("rejection", Verify::Rejection, t));
+        modes.push(("sampled", t));
     }
     let configs: Vec<(usize, usize, usize)> = (0..modes.len())
         .flat_map(|m| {
             let drafters = &drafters;
             (0..drafters.len()).flat_map(move |d| options.draft_tokens.iter().map(move |&n| (m, d, n)))
         })
-        .filter(|&(m, d, _)| modes[m].1 != Verify::Rejection || drafters[d].loaded.info.capabilities.draft_probabilities)
+        .filter(|&(m, d, _)| m > 0 || drafters[d].verify == Verify::Match)
         .collect();
     let mut tallies: Vec<Tally> = configs.iter().map(|_| Tally::default()).collect();
     let mut plain_rates = Vec::new();
     for (i, prompt) in prompts.iter().enumerate() {
-        for (m, &(_, _, temperature)) in modes.iter().enumerate() {
+        for (m, &(_, temperature)) in modes.iter().enumerate() {
             let overrides = Overrides {
                 prompt: Some(prompt.clone()),
                 max_tokens: Some(options.max_tokens),
@@ -134,8 +136,9 @@ pub fn sweep(options: &SweepOptions) -> Result<SweepReport, SweepError> {
                 seed: Some(i as u64),
                 ..Overrides::default()
             };
-            let mut request = resolve_request(&manifest, &overrides, &model, &tokenizer, &CheckpointDefaults::default())
-                .map_err(RunError::from)?;
+            let mut request =
+                resolve_request(&manifest, &overrides, &model, &tokenizer, &CheckpointDefaults::default())
+                    .map_err(RunError::from)?;
             request.eos.clear();
             if i == 0 {
                 timed_plain(&model, &request)?;
@@ -148,7 +151,7 @@ pub fn sweep(options: &SweepOptions) -> Result<SweepReport, SweepError> {
             let mut spec_runs = Vec::new();
             for &c in &order {
                 let (_, d, n) = configs[c];
-                let config = SpecConfig { draft_tokens: n, verify: modes[m].1 };
+                let config = SpecConfig { draft_tokens: n, verify: drafters[d].verify };
                 let start = Instant::now();
                 let g = generate_speculative(&model, &drafters[d].loaded, &request, config, |_| {})?;
                 spec_runs.push((c, start.elapsed().as_secs_f64(), g));
@@ -166,7 +169,14 @@ pub fn sweep(options: &SweepOptions) -> Result<SweepReport, SweepError> {
     let rows = configs
         .iter()
         .zip(tallies)
-        .map(|(&(m, d, n), t)| t.row(&drafters[d], n, modes[m].0))
+        .map(|(&(m, d, n), t)| {
+            let mode = match (m, drafters[d].verify) {
+                (0, _) => "greedy",
+                (_, Verify::Match) => "match",
+                (_, Verify::Rejection) => "rejection",
+            };
+            t.row(&drafters[d], n, mode)
+        })
         .collect();
     Ok(SweepReport {
         prompts: prompts.len(),
@@ -210,7 +220,12 @@ impl Tally {
             draft_tokens,
             mode: mode.to_owned(),
             tau: self.generated as f64 / self.forwards.max(1) as f64,
-            acceptance_by_position: self.drafted.iter().zip(&self.accepted).map(|(&d, &a)| a as f64 / d.max(1) as f64).collect(),
+            acceptance_by_position: self
+                .drafted
+                .iter()
+                .zip(&self.accepted)
+                .map(|(&d, &a)| a as f64 / d.max(1) as f64)
+                .collect(),
             target_forwards: self.forwards,
             plain_forwards: self.plain_forwards,
             speedups: self.speedups,
@@ -241,12 +256,12 @@ fn setup(options: &SweepOptions) -> Result<Setup, SweepError> {
                 first.target_model.clone(),
             ));
         }
-        let Some((loaded, _)) = load_drafter(&manifest, &options.plugins_dir).map_err(RunError::from)? else {
+        let Some((loaded, config)) = load_drafter(&manifest, &options.plugins_dir).map_err(RunError::from)? else {
             return Err(SweepError::NoDrafter(path.clone()));
         };
         probe_open(&model, &loaded).map_err(RunError::from)?;
         let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
-        drafters.push(Drafter { name, loaded });
+        drafters.push(Drafter { name, loaded, verify: config.verify });
     }
     Ok((model, tokenizer, first, drafters))
 }
@@ -277,36 +292,34 @@ fn read_prompts(path: &Path) -> Result<Vec<String>, SweepError> {
 }
 
 impl SweepReport {
+    /// A Markdown table, one row per drafter, draft length and mode.
     pub fn text(&self) -> String {
         let mut out = format!(
-            "drafters on {} prompts x {} tokens; plain decoding {:.1} tok/s (greedy, median)\n\
-             {:<16} {:<10} {:>2} {:>5} {:>8} {:>18} {:>9} {:>9}  acceptance by position\n",
-            self.prompts,
-            self.max_tokens,
-            self.plain_tokens_per_s,
-            "drafter",
-            "mode",
-            "γ",
-            "τ",
-            "speed-up",
-            "range",
-            "forwards",
-            "identical",
+            "{} held-out prompts × {} tokens; plain decoding {:.1} tok/s (greedy, median). Speed-up is plain \
+             time over speculative time per prompt: median [min, max].\n\n\
+             | drafter | mode | γ | τ | speed-up | range | target forwards (plain) | identical | acceptance by position |\n\
+             |---|---|---|---|---|---|---|---|---|\n",
+            self.prompts, self.max_tokens, self.plain_tokens_per_s,
         );
         for r in &self.rows {
             let by_position: Vec<String> = r.acceptance_by_position.iter().map(|a| format!("{a:.2}")).collect();
+            let mode = match r.mode.as_str() {
+                "greedy" => "greedy".to_owned(),
+                m => format!("T={} {m}", self.temperature.unwrap_or(0.0)),
+            };
             out.push_str(&format!(
-                "{:<16} {:<10} {:>2} {:>5.2} {:>7.2}x {:>18} {:>9} {:>6}/{:<2}  [{}]\n",
+                "| {} | {mode} | {} | {:.2} | {:.2}× | [{:.2}, {:.2}] | {} ({}) | {}/{} | {} |\n",
                 r.drafter,
-                r.mode,
                 r.draft_tokens,
                 r.tau,
                 r.speedup_median,
-                format!("[{:.2}, {:.2}]", r.speedup_min, r.speedup_max),
+                r.speedup_min,
+                r.speedup_max,
                 r.target_forwards,
+                r.plain_forwards,
                 r.identical,
                 self.prompts,
-                by_position.join(", ")
+                by_position.join(" ")
             ));
         }
         out

@@ -46,6 +46,11 @@ impl Drafter for DeepspecDrafter {
                 "false",
                 "draw drafts from the Markov-corrected distribution and return it, for verify = \"rejection\"",
             )
+            .option(
+                "draft_temperature",
+                "1.0",
+                "with sample_drafts: the temperature drafts are drawn at (set it to the requests'; acceptance falls when they differ)",
+            )
     }
 
     fn load(artifact: Option<&Path>, options: &Options) -> Result<DeepspecProvider, PluginError> {
@@ -57,6 +62,7 @@ impl Drafter for DeepspecDrafter {
             id,
             threshold: options.value("confidence_threshold")?,
             sample: options.value("sample_drafts")?,
+            temperature: positive_temperature(options.value("draft_temperature")?)?,
         })
     }
 }
@@ -66,6 +72,16 @@ pub struct DeepspecProvider {
     id: String,
     threshold: f32,
     sample: bool,
+    temperature: f32,
+}
+
+/// A draft temperature must be positive (0 would be greedy drafting: leave sample_drafts off).
+fn positive_temperature(t: f32) -> Result<f32, PluginError> {
+    if t > 0.0 && t.is_finite() {
+        Ok(t)
+    } else {
+        Err(PluginError::invalid_options(format!("draft_temperature = {t}: must be positive")))
+    }
 }
 
 impl DraftProvider for DeepspecProvider {
@@ -110,7 +126,12 @@ impl DraftProvider for DeepspecProvider {
                 info.num_layers
             )));
         }
-        let shared = Shared { model: self.model.clone(), threshold: self.threshold, sample: self.sample };
+        let shared = Shared {
+            model: self.model.clone(),
+            threshold: self.threshold,
+            sample: self.sample,
+            temperature: self.temperature,
+        };
         Ok(SourceRows::new(shared, ContextRow::default(), rows, NAMESPACE))
     }
 }
@@ -120,13 +141,14 @@ pub struct Shared {
     model: Rc<Deepspec>,
     threshold: f32,
     sample: bool,
+    temperature: f32,
 }
 
 impl Shared {
     fn draft_block(&self, context: &Context, anchor: u32, depth: usize, step: u64) -> Result<Proposal, PluginError> {
         let draw = |k: usize, q: &[f32]| draw(q, uniform(step + k as u64));
         let sampler: Option<plugin_api::sdk::Draw<'_>> = if self.sample { Some(&draw) } else { None };
-        let block = self.model.block(context, anchor, sampler)?;
+        let block = self.model.block(context, anchor, sampler, self.temperature)?;
         let cut = if self.threshold > 0.0 {
             block.confidences.iter().position(|&c| c < self.threshold).unwrap_or(block.tokens.len())
         } else {
@@ -137,7 +159,8 @@ impl Shared {
             let logits = block
                 .logits
                 .take_axis(Array::from_iter(0..keep as i32, &[keep as i32]), 0)?
-                .as_dtype(Dtype::Float32)?;
+                .as_dtype(Dtype::Float32)?
+                .divide(Array::from_f32(self.temperature))?;
             Some(plugin_api::mlx_rs::ops::softmax_axis(&logits, -1, true)?)
         } else {
             None
@@ -207,7 +230,7 @@ mod conformance {
             model.extend(&mut context, &taps).unwrap();
             let ids = get("input_ids").as_dtype(Dtype::Int32).unwrap();
             let anchor = *ids.as_slice::<i32>().last().unwrap() as u32;
-            let block = model.block(&context, anchor, None).unwrap();
+            let block = model.block(&context, anchor, None, 1.0).unwrap();
             let expected_tokens: Vec<u32> = get("draft_tokens")
                 .as_dtype(Dtype::Int32)
                 .unwrap()
@@ -275,7 +298,7 @@ mod conformance {
             let draft = |model: &crate::Deepspec| {
                 let mut context = crate::Context::default();
                 model.extend(&mut context, &taps).unwrap();
-                model.block(&context, anchor, None).unwrap()
+                model.block(&context, anchor, None, 1.0).unwrap()
             };
             let (p, e) = (draft(&packed), draft(&exact));
             let row0 = |l: &Array| l.take_axis(Array::from_int(0), 0).unwrap();

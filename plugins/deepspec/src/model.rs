@@ -169,6 +169,7 @@ impl Deepspec {
         context: &Context,
         anchor: u32,
         draw: Option<plugin_api::sdk::Draw<'_>>,
+        temperature: f32,
     ) -> Result<Block, Exception> {
         let c = &self.config;
         let eps = c.rms_norm_eps;
@@ -220,7 +221,7 @@ impl Deepspec {
                     .item_exact::<u32>(),
                 Some(draw) => {
                     let q = plugin_api::mlx_rs::ops::softmax_axis(
-                        &logits.reshape(&[-1])?.as_dtype(Dtype::Float32)?,
+                        &logits.reshape(&[-1])?.as_dtype(Dtype::Float32)?.divide(Array::from_f32(temperature))?,
                         -1,
                         true,
                     )?;

@@ -171,7 +171,8 @@ impl Dspark {
 
     /// Drafts after `anchor`: the whole block of γ rows, then the Markov chain, stopping at
     /// the first position k ≥ 1 whose confidence is under `thresholds[k]`, and at `depth`.
-    /// `draw(k, q)` picks position k's token from its probabilities when sampling.
+    /// `draw(k, q)` picks position k's token from its probabilities at `temperature` when
+    /// sampling.
     pub fn draft(
         &self,
         context: &Context,
@@ -180,6 +181,7 @@ impl Dspark {
         depth: usize,
         thresholds: &[f32],
         draw: Option<Draw<'_>>,
+        temperature: f32,
     ) -> Result<DsparkDraft, PluginError> {
         let c = &self.config;
         let eps = c.eps;
@@ -229,7 +231,8 @@ impl Dspark {
                 None => plugin_api::mlx_rs::ops::indexing::argmax_axis(&logits.reshape(&[-1])?, 0, None)?
                     .item_exact::<u32>(),
                 Some(draw) => {
-                    let q = plugin_api::mlx_rs::ops::softmax_axis(&logits.reshape(&[-1])?, -1, true)?;
+                    let tempered = logits.reshape(&[-1])?.divide(Array::from_f32(temperature))?;
+                    let q = plugin_api::mlx_rs::ops::softmax_axis(&tempered, -1, true)?;
                     let token = draw(k, q.as_slice::<f32>());
                     probabilities.push(q);
                     token

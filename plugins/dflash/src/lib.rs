@@ -79,6 +79,11 @@ impl Drafter for DflashDrafter {
                 "false",
                 "draw each draft from the drafter's distribution and return it, for verify = \"rejection\"",
             )
+            .option(
+                "draft_temperature",
+                "1.0",
+                "with sample_drafts: the temperature drafts are drawn at (set it to the requests'; acceptance falls when they differ)",
+            )
             .option("sts", "true", "DSpark: stop a draft where the checkpoint's STS confidence thresholds say")
             .option("min_confidence", "0.0", "DSpark: stop a draft at the first position less confident than this")
     }
@@ -93,6 +98,7 @@ impl Drafter for DflashDrafter {
         let id = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
         let settings = Settings {
             sample_drafts: options.value("sample_drafts")?,
+            draft_temperature: positive_temperature(options.value("draft_temperature")?)?,
             sts: options.value("sts")?,
             min_confidence: options.value("min_confidence")?,
         };
@@ -100,10 +106,20 @@ impl Drafter for DflashDrafter {
     }
 }
 
+/// A draft temperature must be positive (0 would be greedy drafting: leave sample_drafts off).
+fn positive_temperature(t: f32) -> Result<f32, PluginError> {
+    if t > 0.0 && t.is_finite() {
+        Ok(t)
+    } else {
+        Err(PluginError::invalid_options(format!("draft_temperature = {t}: must be positive")))
+    }
+}
+
 /// The manifest's options for this plugin.
 #[derive(Clone, Copy)]
 struct Settings {
     sample_drafts: bool,
+    draft_temperature: f32,
     sts: bool,
     min_confidence: f32,
 }
@@ -216,7 +232,8 @@ impl Shared {
             .collect();
         let draw = |k: usize, q: &[f32]| draw(q, uniform(step + k as u64));
         let sampler: Option<plugin_api::sdk::Draw<'_>> = if self.settings.sample_drafts { Some(&draw) } else { None };
-        let d = m.draft(context, &self.target, pending, depth, &thresholds, sampler)?;
+        let d =
+            m.draft(context, &self.target, pending, depth, &thresholds, sampler, self.settings.draft_temperature)?;
         Ok(Proposal { tokens: d.tokens, probabilities: d.probabilities })
     }
 
@@ -242,7 +259,8 @@ impl Shared {
         }
         // Block positions are drafted independently, so position i's distribution is the
         // proposal distribution of its token whatever the drafts before it.
-        let probabilities = plugin_api::mlx_rs::ops::softmax_axis(&logits.as_dtype(Dtype::Float32)?, -1, true)?;
+        let tempered = logits.as_dtype(Dtype::Float32)?.divide(Array::from_f32(self.settings.draft_temperature))?;
+        let probabilities = plugin_api::mlx_rs::ops::softmax_axis(&tempered, -1, true)?;
         let vocab = probabilities.shape()[1] as usize;
         let tokens = probabilities
             .as_slice::<f32>()
@@ -364,6 +382,31 @@ mod conformance {
             let report = check::<super::DflashDrafter>(&config);
             let why = report.failures()[0].1.as_ref().unwrap_err().clone();
             assert!(why.contains(expected), "{why}");
+        }
+    }
+
+    /// The trained demo drafters, on a synthetic target of the demo target's shape
+    /// (models/kjv-gemma4: vocab 8192, hidden 256, six layers, head dims 64 and 128, window 128).
+    fn demo(name: &str) -> Config {
+        Config {
+            artifact: Some(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models").join(name)),
+            vocab_size: 8192,
+            hidden_size: 256,
+            num_layers: 6,
+            final_logit_softcap: 30.0,
+            head_dim: 64,
+            global_head_dim: 128,
+            sliding_window: 128,
+            ..Config::default()
+        }
+    }
+
+    #[test]
+    fn the_trained_demo_drafters_pass_the_conformance_kit() {
+        for name in ["kjv-gemma4-dflash"] {
+            let report = check::<super::DflashDrafter>(&demo(name));
+            report.assert_passed();
+            assert!(report.drafted > 0, "{name}: nothing drafted");
         }
     }
 }
