@@ -67,12 +67,15 @@ demo-drafters:
 	$(ORACLE_PY) tests/oracle/dspark_oracle.py --trained models/kjv-gemma4-dspark
 	$(ORACLE_PY) tests/oracle/deepspec_oracle.py --trained models/kjv-gemma4-deepspec
 
-# Every demo drafter (and prompt lookup) at every draft length on 20 held-out prompts, greedy
-# and sampled, against plain decoding: the README's table and plot.
+# Every demo drafter (and prompt lookup) at every draft length on 20 held-out prompts greedy,
+# and at two lengths sampled (match, and rejection where the drafter returns probabilities),
+# against plain decoding: the README's table and plot (about 45 minutes on 2 cores).
+DEMO_DRAFTERS := manifests/demo-dflash.toml,manifests/demo-dspark.toml,manifests/demo-deepspec.toml,manifests/demo-ngram.toml,manifests/demo-dflash-rejection.toml,manifests/demo-dspark-rejection.toml,manifests/demo-deepspec-rejection.toml
 drafter-bench: build
-	./target/release/host bench --sweep manifests/demo-dflash.toml,manifests/demo-dspark.toml,manifests/demo-deepspec.toml,manifests/demo-assistant.toml,manifests/demo-ngram.toml \
+	./target/release/host bench --sweep $(DEMO_DRAFTERS) \
 	  --prompts-file models/kjv-gemma4/bench-prompts.jsonl --draft-tokens 1,2,3,4,6,8 --max-tokens 256 \
-	  --temperature 0.7 --top-p 0.95 --plot models/kjv-gemma4/drafters.png | tee models/kjv-gemma4/drafters.md
+	  --temperature 0.7 --top-p 0.95 --sampled-draft-tokens 2,4 \
+	  --plot models/kjv-gemma4/drafters.png | tee models/kjv-gemma4/drafters.md
 
 doctor: build
 	./target/release/host doctor

@@ -107,6 +107,49 @@ def block_mask(anchors: mx.array, context: int, block: int, window: Optional[int
     return mx.concatenate([ctx, own], axis=-1)[:, None]
 
 
+class Run:
+    """A trainer's command line and what every kind reads: the target's config, the taps, the
+    shared continuations and the frozen head."""
+
+    def __init__(self, kind: str, presets: Dict, doc: str):
+        self.args = arguments(kind, presets, doc)
+        self.p = presets[self.args.preset]
+        self.target = drafter_data.target_facts(self.args.target)
+        layers = self.target["num_hidden_layers"]
+        self.taps = default_taps(layers)
+        self.data = data_for(self.args, self.taps)
+        self.head = TargetHead(self.args.target)
+        self._last = list(self.taps).index(layers - 1) * self.target["hidden_size"]
+
+    def last_layer(self, hidden: mx.array) -> mx.array:
+        """The target's last layer's output, from a batch's concatenated taps."""
+        return hidden[..., self._last:self._last + self.target["hidden_size"]]
+
+    def p_target(self, hidden: mx.array, anchors: mx.array, rows: int) -> mx.array:
+        """The target's next-token distributions after positions p .. p+rows−1 of every anchor
+        p: [B, A, rows, V]."""
+        return self.head.distribution(rows_after(self.last_layer(hidden), anchors, 0, rows))
+
+
+# DeepSpec's weights for the DSpark objective (config/dspark/dspark_gemma4_12b.py).
+CE_ALPHA, L1_ALPHA, CONFIDENCE_ALPHA = 0.1, 0.9, 1.0
+
+
+def dspark_objective(logits: mx.array, labels: mx.array, p_target: mx.array,
+                     confidence: Optional[mx.array], weights: mx.array) -> mx.array:
+    """The DSpark paper's loss per row, as DeepSpec weights it: 0.1 × cross-entropy with the
+    target's token plus 0.9 × ½‖p_draft − p_target‖₁, and, for a confidence head (logits), binary
+    cross-entropy with 1 − ½‖p_draft − p_target‖₁, the chance the row is accepted; rows weighted
+    by `weights`."""
+    logits = logits.astype(mx.float32)
+    tv = 0.5 * mx.abs(mx.softmax(logits, axis=-1) - p_target).sum(axis=-1)
+    per_row = CE_ALPHA * nn.losses.cross_entropy(logits, labels, reduction="none") + L1_ALPHA * tv
+    if confidence is not None:
+        per_row = per_row + CONFIDENCE_ALPHA * nn.losses.binary_cross_entropy(
+            confidence, mx.stop_gradient(1.0 - tv), with_logits=True, reduction="none")
+    return weighted_mean(per_row, weights)
+
+
 def decay_weights(rows: int, decay: float) -> mx.array:
     """exp(−k/decay) for block row k = 0, 1, …: early rows, which every accepted draft needs,
     count most (DFlash and DSpark's `loss_decay_gamma`)."""

@@ -37,7 +37,6 @@ PRESETS = {
     "tiny": dict(hidden=32, layers=2, heads=2, intermediate=64, steps_per_round=3, steps=8,
                  rows=4, anchors=4, lr=1e-3, warmup=2, decay=4.0),
 }
-CE_ALPHA, L1_ALPHA = 0.1, 0.9
 SW, FA = "sliding_attention", "full_attention"
 
 
@@ -212,22 +211,15 @@ def export(model: Assistant, config: dict, out: Path) -> None:
 
 
 def main() -> None:
-    args = dt.arguments("assistant", PRESETS, __doc__)
-    p = PRESETS[args.preset]
-    target = drafter_data.target_facts(args.target)
-    layers = target["num_hidden_layers"]
-    taps = dt.default_taps(layers)
-    last = list(taps).index(layers - 1)
-    width = target["hidden_size"]
-    data = dt.data_for(args, taps)
+    run = dt.Run("assistant", PRESETS, __doc__)
+    args, p, head = run.args, run.p, run.head
     cache_dir = args.data or drafter_data.HERE / "runs" / "drafter-data"
-    donors = build_donors(args.target, data,
-                          cache_dir / f"{drafter_data.cache_key(args.target, data.spec)}-donors.npz")
-    head = dt.TargetHead(args.target)
-    config = draft_config(target, p)
+    key = drafter_data.cache_key(args.target, run.data.spec)
+    donors = build_donors(args.target, run.data, cache_dir / f"{key}-donors.npz")
+    config = draft_config(run.target, p)
     mx.random.seed(args.seed)
     model = Assistant(config)
-    if p["hidden"] == width:
+    if p["hidden"] == run.target["hidden_size"]:
         # The same width: start the head from the target's embedding.
         model.model.embed_tokens.weight = head.embed + 0
     mx.eval(model.parameters())
@@ -237,18 +229,14 @@ def main() -> None:
         return [mx.array(donors[t][j][idx]).astype(mx.float32) for t in (SW, FA) for j in (0, 1)]
 
     def loss_fn(model, hidden, tokens, anchors, ks, vs, kf, vf):
-        final = mx.fast.rms_norm(hidden[..., last * width:(last + 1) * width], head.norm_weight,
-                                 head.eps)
+        final = mx.fast.rms_norm(run.last_layer(hidden), head.norm_weight, head.eps)
         logits = round_logits(model, config, head, final, tokens, anchors,
-                              {SW: (ks, vs), FA: (kf, vf)}, steps).astype(mx.float32)
-        labels = dt.tokens_after(tokens, anchors, 1, steps)
-        p_target = head.distribution(
-            dt.rows_after(hidden[..., last * width:(last + 1) * width], anchors, 0, steps))
-        ce = nn.losses.cross_entropy(logits, labels, reduction="none")
-        tv = 0.5 * mx.abs(mx.softmax(logits, axis=-1) - p_target).sum(axis=-1)
-        return dt.weighted_mean(CE_ALPHA * ce + L1_ALPHA * tv, weights)
+                              {SW: (ks, vs), FA: (kf, vf)}, steps)
+        return dt.dspark_objective(logits, dt.tokens_after(tokens, anchors, 1, steps),
+                                   run.p_target(hidden, anchors, steps), None, weights)
 
-    last = dt.train("assistant", args, p, model, loss_fn, data, steps + 1, steps, extra=donors_of)
+    last = dt.train("assistant", args, p, model, loss_fn, run.data, steps + 1, steps,
+                    extra=donors_of)
     export(model, config, args.out)
     dt.write_card(args.out, "assistant", "a Gemma 4 assistant drafter", args, p, last, __doc__)
     print(f"wrote {args.out}")

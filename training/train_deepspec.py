@@ -20,11 +20,9 @@ import shutil
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 from dspark_mlx.arch.gemma4 import Gemma4DSparkArgs, Gemma4DSparkDrafter
 from mlx.utils import tree_flatten
 
-import drafter_data
 import drafter_train as dt
 import tokenizer as tk
 
@@ -35,7 +33,6 @@ PRESETS = {
     "tiny": dict(layers=1, intermediate=64, block=4, markov_rank=8, steps=8, rows=4, anchors=4,
                  lr=1e-3, warmup=2, decay=4.0),
 }
-CE_ALPHA, L1_ALPHA, CONFIDENCE_ALPHA = 0.1, 0.9, 1.0
 
 
 def draft_config(target: dict, p: dict, taps) -> dict:
@@ -138,16 +135,10 @@ def export(model: Gemma4DSparkDrafter, config: dict, out: Path) -> None:
 
 
 def main() -> None:
-    args = dt.arguments("deepspec", PRESETS, __doc__)
-    p = PRESETS[args.preset]
-    target = drafter_data.target_facts(args.target)
-    taps = dt.default_taps(target["num_hidden_layers"])
-    last = list(taps).index(target["num_hidden_layers"] - 1)
-    width = target["hidden_size"]
-    data = dt.data_for(args, taps)
-    head = dt.TargetHead(args.target)
-    config = draft_config(target, p, taps)
-    model = build(config, head, args.seed)
+    run = dt.Run("deepspec", PRESETS, __doc__)
+    args, p = run.args, run.p
+    config = draft_config(run.target, p, run.taps)
+    model = build(config, run.head, args.seed)
     block, weights = p["block"], dt.decay_weights(p["block"], p["decay"])
 
     def loss_fn(model, hidden, tokens, anchors):
@@ -155,21 +146,13 @@ def main() -> None:
         prev = dt.tokens_after(tokens, anchors, 0, block)                 # x_{p+k}
         labels = dt.tokens_after(tokens, anchors, 1, block)               # x_{p+k+1}
         bias, markov_embed = model.markov_head(prev)
-        logits = logits + bias
-        p_target = head.distribution(
-            dt.rows_after(hidden[..., last * width:(last + 1) * width], anchors, 0, block))
-        p_draft = mx.softmax(logits, axis=-1)
-        ce = nn.losses.cross_entropy(logits, labels, reduction="none")
-        tv = 0.5 * mx.abs(p_draft - p_target).sum(axis=-1)
-        confidence = model.confidence_head(h, markov_embed)
-        bce = nn.losses.binary_cross_entropy(confidence, mx.stop_gradient(1.0 - tv),
-                                             with_logits=True, reduction="none")
-        per_row = CE_ALPHA * ce + L1_ALPHA * tv + CONFIDENCE_ALPHA * bce
-        return dt.weighted_mean(per_row, weights)
+        return dt.dspark_objective(logits + bias, labels, run.p_target(hidden, anchors, block),
+                                   model.confidence_head(h, markov_embed), weights)
 
-    last = dt.train("deepspec", args, p, model, loss_fn, data, block + 1, block)
+    last = dt.train("deepspec", args, p, model, loss_fn, run.data, block + 1, block)
     export(model, config, args.out)
-    dt.write_card(args.out, "deepspec", "a DeepSeek DSpark drafter (Gemma4DSparkModel)", args, p, last, __doc__)
+    dt.write_card(args.out, "deepspec", "a DeepSeek DSpark drafter (Gemma4DSparkModel)", args, p,
+                  last, __doc__)
     print(f"wrote {args.out}")
 
 

@@ -26,7 +26,6 @@ import mlx.nn as nn
 from dflash.model_mlx import DFlashConfig, DFlashDraftModel
 from mlx.utils import tree_flatten
 
-import drafter_data
 import drafter_train as dt
 import tokenizer as tk
 
@@ -140,23 +139,19 @@ def export(model: DFlashDraftModel, config: dict, out: Path) -> None:
 
 
 def main() -> None:
-    args = dt.arguments("dflash", PRESETS, __doc__)
-    p = PRESETS[args.preset]
-    target = drafter_data.target_facts(args.target)
-    taps = dt.default_taps(target["num_hidden_layers"])
-    data = dt.data_for(args, taps)
-    config = draft_config(target, p, taps)
+    run = dt.Run("dflash", PRESETS, __doc__)
+    args, p = run.args, run.p
+    config = draft_config(run.target, p, run.taps)
     model = build(config, args.seed)
-    head = dt.TargetHead(args.target)
     block, weights = p["block"], dt.decay_weights(p["block"] - 1, p["decay"])
 
     def loss_fn(model, hidden, tokens, anchors):
-        logits = draft_logits(model, head, hidden, tokens, anchors, block)
+        logits = draft_logits(model, run.head, hidden, tokens, anchors, block)
         labels = dt.tokens_after(tokens, anchors, 1, block - 1)
         ce = nn.losses.cross_entropy(logits.astype(mx.float32), labels, reduction="none")
         return dt.weighted_mean(ce, weights)
 
-    last = dt.train("dflash", args, p, model, loss_fn, data, block, block - 1)
+    last = dt.train("dflash", args, p, model, loss_fn, run.data, block, block - 1)
     export(model, config, args.out)
     dt.write_card(args.out, "dflash", "a z-lab DFlash drafter", args, p, last, __doc__)
     print(f"wrote {args.out}")

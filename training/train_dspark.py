@@ -24,7 +24,6 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-import drafter_data
 import drafter_train as dt
 
 PRESETS = {
@@ -33,7 +32,6 @@ PRESETS = {
     "tiny": dict(gamma=4, d_draft=32, layers=1, heads=2, ff_mult=2, markov_rank=8, steps=8,
                  rows=4, anchors=4, lr=1e-3, warmup=2, decay=4.0),
 }
-CE_ALPHA, L1_ALPHA, CONFIDENCE_ALPHA = 0.1, 0.9, 1.0
 
 
 def normal(shape, fan_in: int) -> mx.array:
@@ -139,38 +137,25 @@ def export(model: Dspark, p: dict, target: dict, target_dir: Path, taps, out: Pa
 
 
 def main() -> None:
-    args = dt.arguments("dspark", PRESETS, __doc__)
-    p = PRESETS[args.preset]
-    target = drafter_data.target_facts(args.target)
-    taps = dt.default_taps(target["num_hidden_layers"])
-    last = list(taps).index(target["num_hidden_layers"] - 1)
-    width = target["hidden_size"]
-    data = dt.data_for(args, taps)
-    head = dt.TargetHead(args.target)
+    run = dt.Run("dspark", PRESETS, __doc__)
+    args, p, target = run.args, run.p, run.target
     mx.random.seed(args.seed)
-    model = Dspark(p, width, target["vocab_size"], len(taps), target["rms_norm_eps"])
+    model = Dspark(p, target["hidden_size"], target["vocab_size"], len(run.taps),
+                   target["rms_norm_eps"])
     mx.eval(model.parameters())
     gamma, weights = p["gamma"], dt.decay_weights(p["gamma"], p["decay"])
 
     def loss_fn(model, hidden, tokens, anchors):
-        logits, h = model.forward(head, hidden, tokens, anchors)
+        logits, h = model.forward(run.head, hidden, tokens, anchors)
         prev = dt.tokens_after(tokens, anchors, 0, gamma)                 # x_{p+k}
         labels = dt.tokens_after(tokens, anchors, 1, gamma)               # x_{p+k+1}
         w1 = model.markov.w1[prev]
-        logits = logits.astype(mx.float32) + w1 @ model.markov.w2
-        p_target = head.distribution(
-            dt.rows_after(hidden[..., last * width:(last + 1) * width], anchors, 0, gamma))
-        p_draft = mx.softmax(logits, axis=-1)
-        ce = nn.losses.cross_entropy(logits, labels, reduction="none")
-        tv = 0.5 * mx.abs(p_draft - p_target).sum(axis=-1)
         confidence = (mx.concatenate([h, w1], axis=-1) @ model.conf.w)[..., 0] + model.conf.b
-        bce = nn.losses.binary_cross_entropy(confidence, mx.stop_gradient(1.0 - tv),
-                                             with_logits=True, reduction="none")
-        per_row = CE_ALPHA * ce + L1_ALPHA * tv + CONFIDENCE_ALPHA * bce
-        return dt.weighted_mean(per_row, weights)
+        return dt.dspark_objective(logits.astype(mx.float32) + w1 @ model.markov.w2, labels,
+                                   run.p_target(hidden, anchors, gamma), confidence, weights)
 
-    last = dt.train("dspark", args, p, model, loss_fn, data, gamma + 1, gamma)
-    export(model, p, target, args.target, taps, args.out)
+    last = dt.train("dspark", args, p, model, loss_fn, run.data, gamma + 1, gamma)
+    export(model, p, target, args.target, run.taps, args.out)
     dt.write_card(args.out, "dspark", "a DSpark drafter (dspark.json)", args, p, last, __doc__)
     print(f"wrote {args.out}")
 

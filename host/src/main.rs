@@ -159,6 +159,9 @@ struct BenchArgs {
     /// `match` and, for drafters that return probabilities, by `rejection`.
     #[arg(long, requires = "sweep")]
     temperature: Option<f32>,
+    /// The draft lengths of the sweep's sampled runs (default: those of --draft-tokens).
+    #[arg(long, value_delimiter = ',', value_name = "N,N,...", requires = "temperature")]
+    sampled_draft_tokens: Vec<usize>,
     /// Nucleus mass of the sweep's sampled runs.
     #[arg(long, default_value_t = 0.95, requires = "temperature")]
     top_p: f32,
@@ -545,6 +548,7 @@ fn bench(args: BenchArgs, quiet: bool) -> Result<()> {
             manifests,
             prompts_file: args.prompts_file.expect("clap requires it with --sweep"),
             draft_tokens: args.draft_tokens.iter().map(|&n| n as usize).collect(),
+            sampled_draft_tokens: args.sampled_draft_tokens,
             max_tokens: args.max_tokens,
             temperature: args.temperature,
             top_p: args.top_p,

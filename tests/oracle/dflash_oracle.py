@@ -428,9 +428,13 @@ def make(out_root: Path, name: str = "gemma4-dense", max_tries: int = 200) -> Di
     return meta
 
 
-# A trained drafter on the demo target: three held-out prompts, each followed by this many of
-# the target's greedy tokens (the last past the target's 128-token window).
+# A trained drafter on the demo target: three held-out prompts, each followed by at least this
+# many of the target's greedy tokens (the last past the target's 128-token window), moved on 8
+# tokens at a time until every draft row's top-1 leads its top-2 by TRAINED_MARGIN: a near tie
+# would be decided by the rounding that differs between two implementations, not by them.
 TRAINED_STATES = (0, 60, 200)
+TRAINED_MARGIN = 0.05
+TRAINED_TRIES = 12
 
 
 def trained(target_dir: Path, drafter_dir: Path, prompts: Path, out: Path) -> Dict[str, Any]:
@@ -444,12 +448,18 @@ def trained(target_dir: Path, drafter_dir: Path, prompts: Path, out: Path) -> Di
     lines = [json.loads(l) for l in prompts.read_text().splitlines() if l.strip()]
     o: Dict[str, np.ndarray] = {}
     meta: Dict[str, Any] = {"drafter": str(drafter_dir.relative_to(ROOT)), "states": []}
-    for i, (line, n) in enumerate(zip(lines, TRAINED_STATES)):
+    for i, (line, first) in enumerate(zip(lines, TRAINED_STATES)):
         prompt_ids = list(tokenizer.encode(line["prompt"]))
-        tokens = g4.greedy_oracle(target, prompt_ids, n + 1)["tokens"].tolist()
-        seq = prompt_ids + tokens
-        taps, _ = target_taps(target, seq[:len(prompt_ids) + n])
-        st = draft_state(draft, taps, seq[len(prompt_ids) + n], bs)
+        last = first + 8 * (TRAINED_TRIES - 1)
+        seq = prompt_ids + g4.greedy_oracle(target, prompt_ids, last + 1)["tokens"].tolist()
+        for n in range(first, last + 1, 8):
+            taps, _ = target_taps(target, seq[:len(prompt_ids) + n])
+            st = draft_state(draft, taps, seq[len(prompt_ids) + n], bs)
+            if margins(st["draft_logits"]).min() >= TRAINED_MARGIN:
+                break
+        else:
+            raise RuntimeError(f"{line['id']}: no state in {TRAINED_TRIES} tries has margins "
+                               f">= {TRAINED_MARGIN}")
         o[f"state{i}.input_ids"] = np.array(seq[:len(prompt_ids) + n + 1], dtype=np.int32)
         o[f"state{i}.draft_tokens"] = st["draft_tokens"]
         o[f"state{i}.draft_margins"] = margins(st["draft_logits"]).astype(np.float32)

@@ -28,6 +28,8 @@ pub struct SweepOptions {
     /// One JSON object per line with a `prompt` (and optionally an `id`).
     pub prompts_file: PathBuf,
     pub draft_tokens: Vec<usize>,
+    /// The draft lengths of the sampled runs (default: `draft_tokens`).
+    pub sampled_draft_tokens: Vec<usize>,
     pub max_tokens: u32,
     /// Adds sampled runs at this temperature (with `top_p`) to the greedy ones.
     pub temperature: Option<f32>,
@@ -104,9 +106,10 @@ struct Tally {
 }
 
 pub fn sweep(options: &SweepOptions) -> Result<SweepReport, SweepError> {
+    let valid = |n: &usize| (1..=crate::manifest::MAX_DRAFT_TOKENS as usize).contains(n);
     if options.manifests.is_empty()
         || options.draft_tokens.is_empty()
-        || options.draft_tokens.iter().any(|&n| n == 0 || n > crate::manifest::MAX_DRAFT_TOKENS as usize)
+        || !options.draft_tokens.iter().chain(&options.sampled_draft_tokens).all(valid)
     {
         return Err(SweepError::Empty);
     }
@@ -117,10 +120,15 @@ pub fn sweep(options: &SweepOptions) -> Result<SweepReport, SweepError> {
     if let Some(t) = options.temperature.filter(|&t| t > 0.0) {
         modes.push(("sampled", t));
     }
+    let lengths = |m: usize| match m {
+        0 => &options.draft_tokens,
+        _ if options.sampled_draft_tokens.is_empty() => &options.draft_tokens,
+        _ => &options.sampled_draft_tokens,
+    };
     let configs: Vec<(usize, usize, usize)> = (0..modes.len())
         .flat_map(|m| {
             let drafters = &drafters;
-            (0..drafters.len()).flat_map(move |d| options.draft_tokens.iter().map(move |&n| (m, d, n)))
+            (0..drafters.len()).flat_map(move |d| lengths(m).iter().map(move |&n| (m, d, n)))
         })
         .filter(|&(m, d, _)| m > 0 || drafters[d].verify == Verify::Match)
         .collect();
