@@ -29,14 +29,16 @@ struct Trained {
     kind: &'static str,
     /// The draft length the pinned τ was measured at.
     gamma: usize,
-    /// Generated tokens per target forward over the three prompts below, greedy, as `host
-    /// bench --sweep` measured it for this drafter at `gamma` (README, "Trained drafters").
+    /// Generated tokens per target forward, greedy, as `make drafter-bench` measured it for this
+    /// drafter at `gamma` on the 20 bench prompts (models/kjv-gemma4/drafters.md); the test's
+    /// three prompts must reach 80% of it.
     bench_tau: f64,
 }
 
 const TRAINED: &[Trained] = &[
-    Trained { name: "dflash", kind: "dflash", gamma: 4, bench_tau: 3.2 },
-    Trained { name: "deepspec", kind: "deepspec", gamma: 4, bench_tau: 3.1 },
+    Trained { name: "dflash", kind: "dflash", gamma: 4, bench_tau: 2.91 },
+    Trained { name: "dspark", kind: "dflash", gamma: 4, bench_tau: 2.52 },
+    Trained { name: "deepspec", kind: "deepspec", gamma: 4, bench_tau: 2.88 },
 ];
 
 /// The first three bench prompts (held-out chapters).

@@ -149,7 +149,12 @@ pub fn sweep(options: &SweepOptions) -> Result<SweepReport, SweepError> {
                     .map_err(RunError::from)?;
             request.eos.clear();
             if i == 0 {
+                // Warm-up, untimed: plain decoding and every drafter once.
                 timed_plain(&model, &request)?;
+                for d in drafters.iter().filter(|d| m > 0 || d.verify == Verify::Match) {
+                    let config = SpecConfig { draft_tokens: lengths(m)[0], verify: d.verify };
+                    generate_speculative(&model, &d.loaded, &request, config, |_| {})?;
+                }
             }
             let (before, plain) = timed_plain(&model, &request)?;
             let mut order: Vec<usize> = (0..configs.len()).filter(|&c| configs[c].0 == m).collect();

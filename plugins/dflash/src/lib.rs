@@ -403,7 +403,7 @@ mod conformance {
 
     #[test]
     fn the_trained_demo_drafters_pass_the_conformance_kit() {
-        for name in ["kjv-gemma4-dflash"] {
+        for name in ["kjv-gemma4-dflash", "kjv-gemma4-dspark"] {
             let report = check::<super::DflashDrafter>(&demo(name));
             report.assert_passed();
             assert!(report.drafted > 0, "{name}: nothing drafted");
