@@ -36,7 +36,7 @@ pub struct BatchResult {
 #[derive(Debug, Serialize)]
 #[serde(untagged)]
 pub enum Outcome {
-    Done { tokens: Vec<u32>, text: String, stop: StopReason, stats: Stats },
+    Done { tokens: Vec<u32>, text: String, stop: StopReason, stats: Box<Stats> },
     Failed { error: String },
 }
 
@@ -73,7 +73,7 @@ pub fn run_batch(options: &RunOptions, jsonl: &str, warn: impl FnMut(String)) ->
                 text: session.tokenizer.decode(&g.tokens),
                 tokens: g.tokens,
                 stop: g.stop,
-                stats: g.stats,
+                stats: Box::new(g.stats),
             },
             Err(error) => Outcome::Failed { error },
         };

@@ -362,7 +362,7 @@ mod conformance {
         }
     }
 
-    /// The trained demo drafters, on a synthetic target of the demo target's shape
+    /// The trained demo drafter, on a synthetic target of the demo target's shape
     /// (models/kjv-gemma4: vocab 8192, hidden 256, six layers, head dims 64 and 128, window 128).
     fn demo(name: &str) -> Config {
         Config {
@@ -379,11 +379,9 @@ mod conformance {
     }
 
     #[test]
-    fn the_trained_demo_drafters_pass_the_conformance_kit() {
-        for name in ["kjv-gemma4-deepspec"] {
-            let report = check::<super::DeepspecDrafter>(&demo(name));
-            report.assert_passed();
-            assert!(report.drafted > 0, "{name}: nothing drafted");
-        }
+    fn the_trained_demo_drafter_passes_the_conformance_kit() {
+        let report = check::<super::DeepspecDrafter>(&demo("kjv-gemma4-deepspec"));
+        report.assert_passed();
+        assert!(report.drafted > 0, "nothing drafted");
     }
 }

@@ -171,8 +171,8 @@ impl Dspark {
 
     /// Drafts after `anchor`: the whole block of γ rows, then the Markov chain, stopping at
     /// the first position k ≥ 1 whose confidence is under `thresholds[k]`, and at `depth`.
-    /// `draw(k, q)` picks position k's token from its probabilities at `temperature` when
-    /// sampling.
+    /// When sampling, `(draw, temperature)`: `draw(k, q)` picks position k's token from its
+    /// probabilities at that temperature.
     pub fn draft(
         &self,
         context: &Context,
@@ -180,8 +180,7 @@ impl Dspark {
         anchor: u32,
         depth: usize,
         thresholds: &[f32],
-        draw: Option<Draw<'_>>,
-        temperature: f32,
+        sampling: Option<(Draw<'_>, f32)>,
     ) -> Result<DsparkDraft, PluginError> {
         let c = &self.config;
         let eps = c.eps;
@@ -227,10 +226,10 @@ impl Dspark {
             if k >= 1 && confidence < thresholds.get(k).copied().unwrap_or(0.0) {
                 break;
             }
-            let token = match draw {
+            let token = match sampling {
                 None => plugin_api::mlx_rs::ops::indexing::argmax_axis(&logits.reshape(&[-1])?, 0, None)?
                     .item_exact::<u32>(),
-                Some(draw) => {
+                Some((draw, temperature)) => {
                     let tempered = logits.reshape(&[-1])?.divide(Array::from_f32(temperature))?;
                     let q = plugin_api::mlx_rs::ops::softmax_axis(&tempered, -1, true)?;
                     let token = draw(k, q.as_slice::<f32>());
@@ -242,7 +241,7 @@ impl Dspark {
             draft.confidences.push(confidence);
             previous = token;
         }
-        if draw.is_some() && !probabilities.is_empty() {
+        if sampling.is_some() && !probabilities.is_empty() {
             draft.probabilities = Some(plugin_api::mlx_rs::ops::stack(&probabilities, 0)?);
         }
         Ok(draft)

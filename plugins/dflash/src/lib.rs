@@ -231,9 +231,9 @@ impl Shared {
             })
             .collect();
         let draw = |k: usize, q: &[f32]| draw(q, uniform(step + k as u64));
-        let sampler: Option<plugin_api::sdk::Draw<'_>> = if self.settings.sample_drafts { Some(&draw) } else { None };
-        let d =
-            m.draft(context, &self.target, pending, depth, &thresholds, sampler, self.settings.draft_temperature)?;
+        let sampling: Option<(plugin_api::sdk::Draw<'_>, f32)> =
+            self.settings.sample_drafts.then_some((&draw, self.settings.draft_temperature));
+        let d = m.draft(context, &self.target, pending, depth, &thresholds, sampling)?;
         Ok(Proposal { tokens: d.tokens, probabilities: d.probabilities })
     }
 
