@@ -115,10 +115,10 @@ pub fn sweep(options: &SweepOptions) -> Result<SweepReport, SweepError> {
     }
     let (model, tokenizer, manifest, drafters) = setup(options)?;
     let prompts = read_prompts(&options.prompts_file)?;
-    // (name, temperature); a greedy run is verified by match whatever the manifest says.
-    let mut modes = vec![("greedy", 0.0)];
+    // Greedy first, then sampled; a greedy run is verified by match whatever the manifest says.
+    let mut modes = vec![0.0];
     if let Some(t) = options.temperature.filter(|&t| t > 0.0) {
-        modes.push(("sampled", t));
+        modes.push(t);
     }
     let lengths = |m: usize| match m {
         0 => &options.draft_tokens,
@@ -135,7 +135,7 @@ pub fn sweep(options: &SweepOptions) -> Result<SweepReport, SweepError> {
     let mut tallies: Vec<Tally> = configs.iter().map(|_| Tally::default()).collect();
     let mut plain_rates = Vec::new();
     for (i, prompt) in prompts.iter().enumerate() {
-        for (m, &(_, temperature)) in modes.iter().enumerate() {
+        for (m, &temperature) in modes.iter().enumerate() {
             let overrides = Overrides {
                 prompt: Some(prompt.clone()),
                 max_tokens: Some(options.max_tokens),

@@ -109,6 +109,16 @@ impl Options {
         self.get(key)?.ok_or_else(|| PluginError::invalid_options(format!("option `{key}` is required")))
     }
 
+    /// The value of `key` as a positive finite number (a temperature, a scale).
+    pub fn positive(&self, key: &str) -> Result<f32, PluginError> {
+        let v: f32 = self.value(key)?;
+        if v > 0.0 && v.is_finite() {
+            Ok(v)
+        } else {
+            Err(PluginError::invalid_options(format!("option `{key}` = {v}: must be positive")))
+        }
+    }
+
     /// Fills every option the manifest left out with the descriptor's default (a TOML value;
     /// an empty default means none).
     fn fill_defaults(&mut self, descriptor: &Descriptor) -> Result<(), PluginError> {

@@ -62,7 +62,7 @@ impl Drafter for DeepspecDrafter {
             id,
             threshold: options.value("confidence_threshold")?,
             sample: options.value("sample_drafts")?,
-            temperature: positive_temperature(options.value("draft_temperature")?)?,
+            temperature: options.positive("draft_temperature")?,
         })
     }
 }
@@ -73,15 +73,6 @@ pub struct DeepspecProvider {
     threshold: f32,
     sample: bool,
     temperature: f32,
-}
-
-/// A draft temperature must be positive (0 would be greedy drafting: leave sample_drafts off).
-fn positive_temperature(t: f32) -> Result<f32, PluginError> {
-    if t > 0.0 && t.is_finite() {
-        Ok(t)
-    } else {
-        Err(PluginError::invalid_options(format!("draft_temperature = {t}: must be positive")))
-    }
 }
 
 impl DraftProvider for DeepspecProvider {

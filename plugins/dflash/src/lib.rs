@@ -98,20 +98,11 @@ impl Drafter for DflashDrafter {
         let id = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
         let settings = Settings {
             sample_drafts: options.value("sample_drafts")?,
-            draft_temperature: positive_temperature(options.value("draft_temperature")?)?,
+            draft_temperature: options.positive("draft_temperature")?,
             sts: options.value("sts")?,
             min_confidence: options.value("min_confidence")?,
         };
         Ok(DflashProvider { network: Rc::new(network), id, settings })
-    }
-}
-
-/// A draft temperature must be positive (0 would be greedy drafting: leave sample_drafts off).
-fn positive_temperature(t: f32) -> Result<f32, PluginError> {
-    if t > 0.0 && t.is_finite() {
-        Ok(t)
-    } else {
-        Err(PluginError::invalid_options(format!("draft_temperature = {t}: must be positive")))
     }
 }
 
