@@ -606,24 +606,32 @@ fn first_token_logits(m: &Gemma4) -> Vec<f32> {
 }
 
 /// On a half-precision target a row's logits must not depend on how many rows share the
-/// forward: rounding to bfloat16 tips close argmaxes, and a verify window of γ + 1 rows must
-/// give the tokens that one-row decode steps and a many-row prefill give.
+/// forward, nor on how many masked cache slots surround its keys: rounding to bfloat16 tips
+/// close argmaxes, and a verify window of γ + 1 rows must give the tokens that one-row decode
+/// steps and a many-row prefill give, also once the sliding window (128) has wrapped.
 #[test]
 fn greedy_speculation_on_the_bfloat16_demo_target_equals_plain_greedy() {
     let (m, tokenizer) = demo_target();
-    // A held-out chapter's opening, longer than a wide product (32 rows).
-    let text = "And Abraham journeyed from thence toward the south country, and dwelled between Kadesh \
-                and Shur, and sojourned in Gerar.\nAnd Abraham said of Sarah his wife, She is my sister:";
-    let mut prompt = vec![2];
-    prompt.extend(tokenizer.encode(text).unwrap());
-    assert!(prompt.len() > 32, "{}", prompt.len());
-    let r = Request { prompt, max_tokens: 80, sampling: greedy(), eos: vec![] };
-    let expected = plain(&m, &r);
-    for gamma in [1, 2, 4] {
-        let g = spec(&m, &ngram(), &r, gamma);
-        assert_eq!(g.tokens, expected, "ngram, γ = {gamma}");
-        for seed in 0..2 {
-            assert_eq!(spec(&m, &adversary(seed, &expected), &r, gamma).tokens, expected, "adversary, γ = {gamma}");
+    // Held-out chapters' openings. The first is longer than a wide product (32 rows); on the
+    // second, plain decoding meets an exact tie of the two best logits at its seventh token; the
+    // third met a near tie that a ring of another capacity summed differently (position 187).
+    let openings = [
+        "And Abraham journeyed from thence toward the south country, and dwelled between Kadesh \
+         and Shur, and sojourned in Gerar.\nAnd Abraham said of Sarah his wife, She is my sister:",
+        "Why do the heathen rage, and the people imagine a vain thing?\nThe kings of the earth set \
+         themselves, and the rulers take counsel together, against the LORD, and against his anointed, saying,\n",
+        "And he entered again into the synagogue; and there was a man there which had a withered hand.\n\
+         And they watched him, whether he would heal him on the sabbath day; that they might accuse him.\n",
+    ];
+    for text in openings {
+        let prompt = tokenizer.encode(text).unwrap();
+        assert!(prompt.len() > 32 && prompt[0] == 2, "{prompt:?}");
+        let r = Request { prompt, max_tokens: 160, sampling: greedy(), eos: vec![] };
+        let expected = plain(&m, &r);
+        for gamma in [1, 3] {
+            let g = spec(&m, &ngram(), &r, gamma);
+            assert_eq!(g.tokens, expected, "ngram, γ = {gamma}, {text:?}");
+            assert_eq!(spec(&m, &adversary(gamma as u64, &expected), &r, gamma).tokens, expected, "adversary, γ = {gamma}");
         }
     }
 }

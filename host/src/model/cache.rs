@@ -206,52 +206,50 @@ impl LayerCache {
     fn write_ring(&mut self, keys: &Array, values: &Array, new: usize, window: usize) -> Result<Fetched, Exception> {
         let capacity = window + self.slack;
         self.ensure_capacity(keys, values, capacity)?;
-        // Queries of this write read the window before their own position. When the write is
-        // longer than the ring can hold alongside that window, attend over the ring as it was
-        // followed by all new rows, then keep the newest rows in the ring.
-        let empty = self.slot_positions.iter().all(|row| row.iter().all(|&p| p < 0));
-        if empty && self.rows() == 1 && new <= window {
-            // A first write that fits the window: plain causal attention over the new keys.
-            let mask = if new == 1 { Mask::All } else { Mask::Causal };
-            self.store_ring(keys, values, new, capacity)?;
-            return Ok(Fetched { keys: keys.clone(), values: values.clone(), mask });
-        }
-        if new > self.slack + 1 || empty {
-            if empty {
-                let starts = self.offsets.clone();
-                let positions: Vec<Vec<i32>> =
-                    starts.iter().map(|&o| (o..o + new).map(|p| p as i32).collect()).collect();
-                let mask = position_mask(&positions, &starts, new, Some(window))?;
-                self.store_ring(keys, values, new, capacity)?;
-                return Ok(Fetched { keys: keys.clone(), values: values.clone(), mask: Mask::Array(mask) });
-            }
-            let mut positions = self.slot_positions.clone();
-            for (r, row) in positions.iter_mut().enumerate() {
-                row.extend((self.offsets[r]..self.offsets[r] + new).map(|p| p as i32));
-            }
-            let starts = self.offsets.clone();
-            let all_k = mlx_rs::ops::concatenate(&[self.keys.as_ref().unwrap(), keys], 2)?;
-            let all_v = mlx_rs::ops::concatenate(&[self.values.as_ref().unwrap(), values], 2)?;
-            let mask = position_mask(&positions, &starts, new, Some(window))?;
-            self.store_ring(keys, values, new, capacity)?;
-            return Ok(Fetched { keys: all_k, values: all_v, mask: Mask::Array(mask) });
-        }
         let starts = self.offsets.clone();
-        self.store_ring(keys, values, new, capacity)?;
-        // A full ring of exactly the window, read by one query, needs no mask (the common
-        // decode step), and MLX's attention is faster without one.
-        let all_visible = new == 1
-            && self
-                .slot_positions
-                .iter()
-                .zip(&starts)
-                .all(|(row, &q)| row.iter().all(|&p| p >= 0 && (p as usize) <= q && q - (p as usize) < window));
-        let mask = if all_visible {
+        let new_positions: Vec<Vec<i32>> =
+            starts.iter().map(|&o| (o..o + new).map(|p| p as i32).collect()).collect();
+        let empty = self.slot_positions.iter().all(|row| row.iter().all(|&p| p < 0));
+        let (all_k, all_v, positions) = if !empty && new <= self.slack + 1 {
+            // The common case (decode steps, verify windows): the ring holds the new rows beside
+            // the window before them.
+            self.store_ring(keys, values, new, capacity)?;
+            (self.keys.clone().unwrap(), self.values.clone().unwrap(), self.slot_positions.clone())
+        } else {
+            // Queries of this write read the window before their own position. When the write
+            // is longer than the ring can hold alongside that window, attend over the ring as
+            // it was followed by all new rows, then keep the newest rows in the ring.
+            let read = if empty {
+                (keys.clone(), values.clone(), new_positions.clone())
+            } else {
+                let mut positions = self.slot_positions.clone();
+                for (row, new_row) in positions.iter_mut().zip(&new_positions) {
+                    row.extend(new_row);
+                }
+                let all_k = mlx_rs::ops::concatenate(&[self.keys.as_ref().unwrap(), keys], 2)?;
+                let all_v = mlx_rs::ops::concatenate(&[self.values.as_ref().unwrap(), values], 2)?;
+                (all_k, all_v, positions)
+            };
+            self.store_ring(keys, values, new, capacity)?;
+            read
+        };
+        let (keys, values, positions) = in_position_order(all_k, all_v, &positions)?;
+        let single_row_causal = positions.len() == 1 && positions[0] == new_positions[0] && new <= window;
+        let mask = if single_row_causal {
+            // Exactly the new keys of one row, within the window: the usual causal mask.
+            if new == 1 { Mask::All } else { Mask::Causal }
+        } else if new == 1
+            && positions.iter().zip(&starts).all(|(row, &q)| {
+                row.iter().all(|&p| p >= 0 && (p as usize) <= q && q - (p as usize) < window)
+            })
+        {
+            // Every key visible to the one query of each row (a decode step over a full
+            // window): no mask, which MLX's attention computes faster.
             Mask::All
         } else {
-            Mask::Array(position_mask(&self.slot_positions, &starts, new, Some(window))?)
+            Mask::Array(position_mask(&positions, &starts, new, Some(window))?)
         };
-        Ok(Fetched { keys: self.keys.clone().unwrap(), values: self.values.clone().unwrap(), mask })
+        Ok(Fetched { keys, values, mask })
     }
 
     /// Writes the newest min(new, capacity) rows of each row into their ring slots.
@@ -312,6 +310,52 @@ impl LayerCache {
     }
 }
 
+/// Keys and values [B, H, S, D] whose slot s of row r holds position `positions[r][s]` (-1:
+/// empty), rearranged so that slot j of row r holds position base_r + j, base_r a multiple
+/// of 8 (empty positions are zeros), with the positions each slot now holds.
+///
+/// Attention sums over the slots, eight lanes at a time (slot j in lane j mod 8, see
+/// `plugin_api::nn::kernels::dot`). In this order a key's lane and its place among the keys
+/// it is summed with depend on positions alone, not on where a ring of some capacity happened
+/// to store it, nor on how many masked slots surround it. So a query gets the same result
+/// bit for bit in a decode step, in a verify window of any length, and in a prefill: the
+/// guarantee behind speculative output equal to plain decoding's in half precision.
+fn in_position_order(keys: Array, values: Array, positions: &[Vec<i32>]) -> Result<(Array, Array, Vec<Vec<i32>>), Exception> {
+    let slots = positions.first().map_or(0, Vec::len);
+    let bases: Vec<i32> = positions
+        .iter()
+        .map(|row| row.iter().copied().filter(|&p| p >= 0).min().map_or(0, |p| p - p % 8))
+        .collect();
+    let len = positions
+        .iter()
+        .zip(&bases)
+        .map(|(row, &base)| row.iter().copied().max().map_or(0, |p| (p - base + 1).max(0)))
+        .max()
+        .unwrap_or(0) as usize;
+    // The slot each ordered place reads (`slots`: an appended zero slot).
+    let mut index = vec![slots as i32; positions.len() * len];
+    let mut ordered = vec![vec![-1; len]; positions.len()];
+    for (r, (row, &base)) in positions.iter().zip(&bases).enumerate() {
+        for (s, &p) in row.iter().enumerate().filter(|(_, &p)| p >= 0) {
+            let j = (p - base) as usize;
+            index[r * len + j] = s as i32;
+            ordered[r][j] = p;
+        }
+    }
+    let identity = len == slots && (0..positions.len()).all(|r| (0..len).all(|j| index[r * len + j] == j as i32));
+    if identity {
+        return Ok((keys, values, ordered));
+    }
+    let index = Array::from_slice(&index, &[positions.len() as i32, 1, len as i32, 1]);
+    let gather = |a: Array| -> Result<Array, Exception> {
+        let padded = pad_slots(&a, 1)?;
+        let s = padded.shape().to_vec();
+        let index = mlx_rs::ops::broadcast_to(&index, &[s[0], s[1], len as i32, s[3]])?;
+        padded.take_along_axis(&index, 2)
+    };
+    Ok((gather(keys)?, gather(values)?, ordered))
+}
+
 /// `a` [B, H, S, D] with `extra` empty slots appended.
 fn pad_slots(a: &Array, extra: usize) -> Result<Array, Exception> {
     if extra == 0 {
@@ -354,15 +398,17 @@ mod tests {
     use super::*;
     use mlx_rs::ops::indexing::IndexOp;
 
-    /// Keys whose every element is its position, so attention inputs can be read back.
+    /// Keys whose every element is its position + 1, so attention inputs can be read back
+    /// (and empty slots, zeros, told apart).
     fn rows(start: usize, n: usize) -> Array {
-        let data: Vec<f32> = (start..start + n).flat_map(|p| [p as f32, p as f32]).collect();
+        let data: Vec<f32> = (start..start + n).flat_map(|p| [p as f32 + 1.0, p as f32 + 1.0]).collect();
         Array::from_slice(&data, &[1, 1, n as i32, 2])
     }
 
     /// Keys for B rows, row r holding positions starts[r].. (each element its position).
     fn batch(starts: &[usize], n: usize) -> Array {
-        let data: Vec<f32> = starts.iter().flat_map(|&s| (s..s + n).flat_map(|p| [p as f32, p as f32])).collect();
+        let data: Vec<f32> =
+            starts.iter().flat_map(|&s| (s..s + n).flat_map(|p| [p as f32 + 1.0, p as f32 + 1.0])).collect();
         Array::from_slice(&data, &[starts.len() as i32, 1, n as i32, 2])
     }
 
@@ -381,10 +427,24 @@ mod tests {
             Mask::Causal => Some((0..slots).map(|s| s + new <= slots + query).collect()),
             Mask::Array(m) => Some(m.index((row, 0, query as i32)).as_slice::<bool>().to_vec()),
         };
+        in_position_order(&keys);
         let mut seen: Vec<i32> =
-            (0..slots).filter(|&s| mask.as_ref().is_none_or(|m| m[s])).map(|s| keys[2 * s] as i32).collect();
+            (0..slots).filter(|&s| mask.as_ref().is_none_or(|m| m[s])).map(|s| keys[2 * s] as i32 - 1).collect();
         seen.sort();
         seen
+    }
+
+    /// Attention reads keys in position order, each in the lane of its position (slot j holds
+    /// a position ≡ j mod 8), whatever the ring's capacity: see [`super::in_position_order`].
+    fn in_position_order(keys: &[f32]) {
+        let held: Vec<(usize, i32)> =
+            keys.chunks(2).map(|k| k[0] as i32 - 1).enumerate().filter(|&(_, p)| p >= 0).collect();
+        for pair in held.windows(2) {
+            assert!(pair[0].1 < pair[1].1, "positions out of order: {held:?}");
+        }
+        for &(slot, p) in &held {
+            assert_eq!(slot % 8, p as usize % 8, "position {p} in slot {slot}: {held:?}");
+        }
     }
 
     fn expected(q: usize, window: Option<usize>) -> Vec<i32> {

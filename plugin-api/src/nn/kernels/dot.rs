@@ -140,22 +140,24 @@ mod avx2 {
             Weight::Quantized { bits, group, .. } => group.is_multiple_of(8) && (bits == 4 || bits == 8),
             _ => true,
         };
-        if !k.is_multiple_of(8) || !supported {
+        if !supported {
             return portable::product(x, rows, k, w, outputs, n, y);
         }
-        // Rows of W in another format are converted to floats once, into a buffer that stays
-        // in L1, and read from there by every block of x rows.
-        let mut converted = vec![0f32; W_BLOCK * k];
+        // Rows of W in another format (or of a length that is not a whole number of vectors)
+        // are converted to floats once, into a buffer that stays in L1 and is padded with zeros
+        // to whole vectors, and read from there by every block of x rows.
+        let stride = k.next_multiple_of(8);
+        let mut converted = vec![0f32; W_BLOCK * stride];
         let mut o = outputs.start;
         while o < outputs.end {
             let width = W_BLOCK.min(outputs.end - o);
             let rows_of_w = match w {
-                Weight::F32(w) => &w[o * k..(o + width) * k],
+                Weight::F32(w) if stride == k => &w[o * k..(o + width) * k],
                 _ => {
                     for j in 0..width {
-                        convert_row(w, o + j, k, &mut converted[j * k..(j + 1) * k]);
+                        convert_row(w, o + j, k, &mut converted[j * stride..j * stride + k]);
                     }
-                    &converted[..width * k]
+                    &converted[..width * stride]
                 }
             };
             tile(x, rows, k, rows_of_w, o, width, n, y);
@@ -170,14 +172,22 @@ mod avx2 {
         match w {
             Weight::F32(w) => out.copy_from_slice(&w[r * k..(r + 1) * k]),
             Weight::Bf16(w) => {
-                for i in (0..k).step_by(8) {
+                let whole = k / 8 * 8;
+                for i in (0..whole).step_by(8) {
                     _mm256_storeu_ps(dst.add(i), bf16x8(w.as_ptr().add(r * k + i)));
+                }
+                for i in whole..k {
+                    out[i] = f32::from_bits((w[r * k + i] as u32) << 16);
                 }
             }
             Weight::F16(w) => {
-                for i in (0..k).step_by(8) {
+                let whole = k / 8 * 8;
+                for i in (0..whole).step_by(8) {
                     let halves = _mm_loadu_si128(w.as_ptr().add(r * k + i) as *const __m128i);
                     _mm256_storeu_ps(dst.add(i), _mm256_cvtph_ps(halves));
+                }
+                for i in whole..k {
+                    out[i] = half::f16::from_bits(w[r * k + i]).to_f32();
                 }
             }
             Weight::Quantized { packed, scales, biases, bits, group } => {
@@ -199,28 +209,35 @@ mod avx2 {
         }
     }
 
-    /// y[m, o + j] = Σ_i w[j, i] · x[m, i] for the `width` rows of `w` (float32, [width, k]) and
-    /// every row m of x.
+    /// y[m, o + j] = Σ_i w[j, i] · x[m, i] for the `width` rows of `w` (float32, [width, k]
+    /// padded with zeros to whole vectors) and every row m of x.
+    ///
+    /// Element i of a row always goes to lane i mod 8 and the lanes are summed last, so a sum
+    /// does not change when zeros are appended to both operands: an attention over keys padded
+    /// with masked (zero-probability) slots gives what it gives over the keys alone.
     #[allow(clippy::too_many_arguments, clippy::needless_range_loop, reason = "register tiles read best by index")]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn tile(x: &[f32], rows: usize, k: usize, w: &[f32], o: usize, width: usize, n: usize, y: &mut [f32]) {
+        let stride = k.next_multiple_of(8);
+        let (whole, tail) = (k / 8 * 8, k % 8);
         let mut m0 = 0;
         while m0 < rows {
             let block = X_BLOCK.min(rows - m0);
             let mut acc = [[_mm256_setzero_ps(); X_BLOCK]; W_BLOCK];
             let mut i = 0;
-            while i < k {
-                let mut wv = [_mm256_setzero_ps(); W_BLOCK];
-                for (j, v) in wv.iter_mut().enumerate().take(width) {
-                    *v = _mm256_loadu_ps(w.as_ptr().add(j * k + i));
-                }
-                for b in 0..block {
-                    let xv = _mm256_loadu_ps(x.as_ptr().add((m0 + b) * k + i));
-                    for j in 0..width {
-                        acc[j][b] = _mm256_fmadd_ps(wv[j], xv, acc[j][b]);
-                    }
-                }
+            while i < whole {
+                let xs = std::array::from_fn(|b| x.as_ptr().wrapping_add((m0 + b.min(block - 1)) * k + i));
+                accumulate(&mut acc, w.as_ptr().add(i), stride, width, block, xs);
                 i += 8;
+            }
+            if tail > 0 {
+                // The last partial vector of each x row, padded with zeros.
+                let mut padded = [[0f32; 8]; X_BLOCK];
+                for b in 0..block {
+                    padded[b][..tail].copy_from_slice(&x[(m0 + b) * k + whole..(m0 + b + 1) * k]);
+                }
+                let xs = std::array::from_fn(|b| padded[b].as_ptr());
+                accumulate(&mut acc, w.as_ptr().add(whole), stride, width, block, xs);
             }
             for j in 0..width {
                 for b in 0..block {
@@ -228,6 +245,29 @@ mod avx2 {
                 }
             }
             m0 += block;
+        }
+    }
+
+    /// One vector of every (x row, W row) pair: `w` points at the first W row's vector, the
+    /// others `stride` floats apart; `xs[b]` at x row b's.
+    #[inline(always)]
+    unsafe fn accumulate(
+        acc: &mut [[__m256; X_BLOCK]; W_BLOCK],
+        w: *const f32,
+        stride: usize,
+        width: usize,
+        block: usize,
+        xs: [*const f32; X_BLOCK],
+    ) {
+        let mut wv = [_mm256_setzero_ps(); W_BLOCK];
+        for (j, v) in wv.iter_mut().enumerate().take(width) {
+            *v = _mm256_loadu_ps(w.add(j * stride));
+        }
+        for b in 0..block {
+            let xv = _mm256_loadu_ps(xs[b]);
+            for j in 0..width {
+                acc[j][b] = _mm256_fmadd_ps(wv[j], xv, acc[j][b]);
+            }
         }
     }
 

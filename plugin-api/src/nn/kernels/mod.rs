@@ -272,6 +272,37 @@ mod tests {
         assert_eq!(relative_difference(&ours, &mlx), 0.0, "4-bit, bfloat16 activations");
     }
 
+    /// Appending zeros to both operands leaves every sum bit for bit as it was, whatever the
+    /// lengths (an attention over keys and masked slots; see `dot`), and a row's result does not
+    /// depend on which block of rows it falls in.
+    #[test]
+    fn sums_ignore_appended_zeros_and_the_rows_beside_them() {
+        let (rows, n) = (7, 10);
+        let value = |i: usize, salt: usize| (((i * 2654435761 + salt) % 1009) as f32 - 504.0) / 97.0;
+        for k in [13, 21, 29, 37] {
+            let x: Vec<f32> = (0..rows * k).map(|i| value(i, 1)).collect();
+            let wf: Vec<f32> = (0..n * k).map(|i| value(i, 2)).collect();
+            let wb: Vec<u16> = wf.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+            for extra in [1, 3, 11] {
+                let pad = |a: &[f32], r: usize| -> Vec<f32> {
+                    a.chunks(k).take(r).flat_map(|row| row.iter().copied().chain(std::iter::repeat_n(0.0, extra))).collect()
+                };
+                let (xp, wfp) = (pad(&x, rows), pad(&wf, n));
+                let wbp: Vec<u16> = wfp.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+                for (w, wp) in [(Weight::F32(&wf), Weight::F32(&wfp)), (Weight::Bf16(&wb), Weight::Bf16(&wbp))] {
+                    let (mut y, mut yp) = (vec![0f32; rows * n], vec![0f32; rows * n]);
+                    dot::product(&x, rows, k, w, 0..n, n, &mut y);
+                    dot::product(&xp, rows, k + extra, wp, 0..n, n, &mut yp);
+                    assert_eq!(y, yp, "k {k} + {extra} zeros");
+                    // The last row alone gives what it gave as the fourth of a block of four.
+                    let mut alone = vec![0f32; n];
+                    dot::product(&x[(rows - 1) * k..], 1, k, w, 0..n, n, &mut alone);
+                    assert_eq!(alone, y[(rows - 1) * n..], "k {k}, last row alone");
+                }
+            }
+        }
+    }
+
     #[test]
     fn the_portable_loops_equal_the_simd_ones() {
         let (rows, k, n) = (5, 128, 24);
