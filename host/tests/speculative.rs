@@ -486,9 +486,6 @@ fn four_rows_in_one_batch_equal_four_single_runs() {
 /// drafter and with none.
 #[test]
 fn rows_joining_and_leaving_mid_flight_equal_single_runs() {
-    use host::generate::{Event, Flow};
-    use host::speculative::LiveBatch;
-    let m = model("ple-kvshare");
     let requests: Vec<Request> = (0..5)
         .map(|i| Request {
             prompt: PROMPT[..4 + 2 * i].to_vec(),
@@ -497,10 +494,36 @@ fn rows_joining_and_leaving_mid_flight_equal_single_runs() {
             eos: vec![],
         })
         .collect();
+    join_and_leave_mid_flight(&model("ple-kvshare"), &requests);
+}
+
+/// The same on the bfloat16 demo target, where every row's logits must also not depend on the
+/// other rows: their lengths decide how many masked slots a row's attention runs over.
+#[test]
+fn rows_joining_and_leaving_mid_flight_on_the_bfloat16_demo_target_equal_single_runs() {
+    let (m, tokenizer) = demo_target();
+    let text = "And he entered again into the synagogue; and there was a man there which had a withered \
+                hand.\nAnd they watched him, whether he would heal him on the sabbath day; that they might \
+                accuse him.\nAnd he saith unto the man which had the withered hand, Stand forth.\n";
+    let tokens = tokenizer.encode(text).unwrap();
+    let requests: Vec<Request> = (0..5)
+        .map(|i| Request {
+            prompt: tokens[..12 + 9 * i].to_vec(),
+            max_tokens: 40 + 11 * i,
+            sampling: if i % 2 == 0 { greedy() } else { sampled(40 + i as u64) },
+            eos: vec![],
+        })
+        .collect();
+    join_and_leave_mid_flight(&m, &requests);
+}
+
+fn join_and_leave_mid_flight(m: &Rc<Gemma4>, requests: &[Request]) {
+    use host::generate::{Event, Flow};
+    use host::speculative::LiveBatch;
     let drafter = ngram();
     for with_drafter in [true, false] {
         let config = SpecConfig { draft_tokens: 3, verify: Verify::Match };
-        let mut batch = LiveBatch::new(&m, with_drafter.then_some(&drafter), config).unwrap();
+        let mut batch = LiveBatch::new(m, with_drafter.then_some(&drafter), config).unwrap();
         let mut done: Vec<Option<Generation>> = vec![None; requests.len()];
         let mut streamed: Vec<Vec<u32>> = vec![Vec::new(); requests.len()];
         const CANCELLED: usize = 3;
@@ -531,7 +554,7 @@ fn rows_joining_and_leaving_mid_flight_equal_single_runs() {
         }
         for (i, (request, g)) in requests.iter().zip(&done).enumerate() {
             let g = g.as_ref().unwrap();
-            let alone = plain(&m, request);
+            let alone = plain(m, request);
             assert_eq!(g.tokens, streamed[i], "row {i}: the stream is the output");
             if i == CANCELLED {
                 assert_eq!(g.stop, host::generate::StopReason::Interrupted);
