@@ -67,11 +67,13 @@ demo-drafters:
 	$(ORACLE_PY) tests/oracle/dflash_oracle.py --trained models/kjv-gemma4-dflash
 	$(ORACLE_PY) tests/oracle/dspark_oracle.py --trained models/kjv-gemma4-dspark
 	$(ORACLE_PY) tests/oracle/deepspec_oracle.py --trained models/kjv-gemma4-deepspec
+	bash tests/oracle/setup-venv-hf.sh
+	tests/oracle/.venv-hf/bin/python tests/oracle/assistant_oracle.py --trained models/kjv-gemma4-assistant
 
 # Every demo drafter (and prompt lookup) at every draft length on 20 held-out prompts greedy,
 # and at two lengths sampled (match, and rejection where the drafter returns probabilities),
-# against plain decoding: the README's table and plot (about 45 minutes on 2 cores).
-DEMO_DRAFTERS := manifests/demo-dflash.toml,manifests/demo-dspark.toml,manifests/demo-deepspec.toml,manifests/demo-ngram.toml,manifests/demo-dflash-rejection.toml,manifests/demo-dspark-rejection.toml,manifests/demo-deepspec-rejection.toml
+# against plain decoding: the README's table and plot (about 55 minutes on 2 cores).
+DEMO_DRAFTERS := manifests/demo-dflash.toml,manifests/demo-dspark.toml,manifests/demo-deepspec.toml,manifests/demo-assistant.toml,manifests/demo-ngram.toml,manifests/demo-dflash-rejection.toml,manifests/demo-dspark-rejection.toml,manifests/demo-deepspec-rejection.toml
 drafter-bench: build
 	./target/release/host bench --sweep $(DEMO_DRAFTERS) \
 	  --prompts-file models/kjv-gemma4/bench-prompts.jsonl --draft-tokens 1,2,3,4,6,8 --max-tokens 256 \

@@ -243,7 +243,7 @@ def write_card(out: Path, kind: str, title: str, args: argparse.Namespace, p: Di
     undisturbed_min = last["step"] * last["labels_per_step"] / undisturbed / 60
     text = f"""# {out.name}: {title}
 
-A {kind} drafter for [{args.target.name}](../{args.target.name}), trained by
+{"An" if kind[0] in "aeiou" else "A"} {kind} drafter for [{args.target.name}](../{args.target.name}), trained by
 `training/train_{kind}.py` (`make train-drafter KIND={kind}`) on the target's own greedy
 continuations of the training split (`training/drafter_data.py`); no held-out chapter is in it.
 

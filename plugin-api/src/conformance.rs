@@ -183,6 +183,25 @@ pub struct Config {
     pub seed: u64,
 }
 
+impl Config {
+    /// A synthetic target of the repository's demo target's shape (models/kjv-gemma4: vocab
+    /// 8192, hidden 256, six layers, head dims 64 and 128, window 128, softcap 30), for a
+    /// drafter trained for it (`artifact`).
+    pub fn demo_target(artifact: PathBuf) -> Config {
+        Config {
+            artifact: Some(artifact),
+            vocab_size: 8192,
+            hidden_size: 256,
+            num_layers: 6,
+            final_logit_softcap: 30.0,
+            head_dim: 64,
+            global_head_dim: 128,
+            sliding_window: 128,
+            ..Config::default()
+        }
+    }
+}
+
 impl Default for Config {
     fn default() -> Self {
         Config {

@@ -5,6 +5,7 @@ Run from the repository root (after `bash tests/oracle/setup-venv-hf.sh`):
 
     tests/oracle/.venv-hf/bin/python tests/oracle/assistant_oracle.py            # both fixtures
     tests/oracle/.venv-hf/bin/python tests/oracle/assistant_oracle.py --only tied
+    tests/oracle/.venv-hf/bin/python tests/oracle/assistant_oracle.py --trained models/kjv-gemma4-assistant
 
 Writes tests/fixtures/assistant/<name>/{target,assistant}/ (checkpoints in the real Hugging Face
 layout) and oracle.safetensors + oracle.json: what transformers 5.23.0 (CPU torch, float32)
@@ -248,8 +249,8 @@ def reference_draft(acfg, aw, emb_target, shared_kv, hidden, token, position, de
 # transformers
 # --------------------------------------------------------------------------------------------
 
-def load_target(d: Path):
-    m, info = Gemma4ForCausalLM.from_pretrained(str(d), dtype=torch.float32,
+def load_target(d: Path, dtype=torch.float32):
+    m, info = Gemma4ForCausalLM.from_pretrained(str(d), dtype=dtype,
                                                 output_loading_info=True)
     bad = {k: info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")
            if info.get(k)}
@@ -257,8 +258,8 @@ def load_target(d: Path):
     return m.eval()
 
 
-def load_assistant(d: Path):
-    m, info = Gemma4AssistantForCausalLM.from_pretrained(str(d), dtype=torch.float32,
+def load_assistant(d: Path, dtype=torch.float32):
+    m, info = Gemma4AssistantForCausalLM.from_pretrained(str(d), dtype=dtype,
                                                          output_loading_info=True)
     missing = [k for k in info.get("missing_keys", []) if k != "lm_head.weight"]
     assert not missing and not info.get("unexpected_keys") and not info.get("mismatched_keys"), info
@@ -324,16 +325,17 @@ def drafter_state(target, assistant, seq: List[int]):
             h.remove()
     drafts = cand[0, len(seq):].numpy().astype(np.int32)
     assert len(seen) == DEPTH and len(drafts) == DEPTH
+    f32 = lambda t: t.float().numpy()  # noqa: E731  (bfloat16 tensors have no numpy form)
     return {
-        "hidden": outputs.hidden_states[-1][0, -1].numpy(),
-        "shared_kv": {k: (v[0].numpy(), v[1].numpy()) for k, v in seen[0]["shared_kv_states"].items()},
-        "inputs_embeds": torch.stack([s["inputs_embeds"] for s in seen]).numpy(),
+        "hidden": f32(outputs.hidden_states[-1][0, -1]),
+        "shared_kv": {k: (f32(v[0]), f32(v[1])) for k, v in seen[0]["shared_kv_states"].items()},
+        "inputs_embeds": f32(torch.stack([s["inputs_embeds"] for s in seen])),
         "positions": np.array([int(s["position_ids"][0, 0]) for s in seen], dtype=np.int32),
         "drafts": drafts,
-        "logits": torch.stack([s["logits"] for s in seen]).numpy(),
-        "post_projection": torch.stack([s["post_projection"] for s in seen]).numpy(),
-        "assistant_hidden": torch.stack(inner).numpy(),
-        "centroid_logits": torch.stack(cen).numpy() if cen else None,
+        "logits": f32(torch.stack([s["logits"] for s in seen])),
+        "post_projection": f32(torch.stack([s["post_projection"] for s in seen])),
+        "assistant_hidden": f32(torch.stack(inner)),
+        "centroid_logits": f32(torch.stack(cen)) if cen else None,
     }
 
 
@@ -491,12 +493,65 @@ def make_fixture(name: str, centroids: bool, tok, out_root: Path, max_tries: int
         shutil.rmtree(work, ignore_errors=True)
 
 
+# A trained assistant on the demo target: three held-out prompts, each followed by at least this
+# many of the target's greedy tokens (the last past the target's 128-token window), moved on 8
+# tokens at a time until every draft row's top-1 leads its top-2 by TRAINED_MARGIN. Both models
+# run in bfloat16, as they ship and as the host runs them; a near tie would be decided by the
+# rounding that differs between torch and MLX, not by the drafter.
+TRAINED_STATES = (0, 60, 200)
+TRAINED_MARGIN = 0.1
+TRAINED_TRIES = 12
+
+
+def trained(target_dir: Path, assistant_dir: Path, prompts: Path, out: Path) -> Dict[str, Any]:
+    """transformers' drafts for a trained assistant on three held-out target states, in the
+    format of the other trained-drafter fixtures: `state{i}.input_ids` (the last id is the
+    pending token), `state{i}.draft_tokens` and `.draft_margins`."""
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
+    target = load_target(target_dir, torch.bfloat16)
+    assistant = load_assistant(assistant_dir, torch.bfloat16)
+    lines = [json.loads(l) for l in prompts.read_text().splitlines() if l.strip()]
+    o: Dict[str, np.ndarray] = {}
+    meta: Dict[str, Any] = {"drafter": str(assistant_dir.relative_to(ROOT)), "depth": DEPTH,
+                            "versions": {"transformers": transformers.__version__,
+                                         "torch": torch.__version__}, "states": []}
+    for i, (line, first) in enumerate(zip(lines, TRAINED_STATES)):
+        prompt_ids = tok.encode(line["prompt"]).ids
+        last = first + 8 * (TRAINED_TRIES - 1)
+        tokens, _ = target_greedy(target, prompt_ids, last + 1)
+        seq = prompt_ids + tokens.tolist()
+        for n in range(first, last + 1, 8):
+            st = drafter_state(target, assistant, seq[:len(prompt_ids) + n + 1])
+            if top2(st["logits"]).min() >= TRAINED_MARGIN:
+                break
+        else:
+            raise RuntimeError(f"{line['id']}: no state in {TRAINED_TRIES} tries has margins "
+                               f">= {TRAINED_MARGIN}")
+        o[f"state{i}.input_ids"] = np.array(seq[:len(prompt_ids) + n + 1], dtype=np.int32)
+        o[f"state{i}.draft_tokens"] = st["drafts"]
+        o[f"state{i}.draft_margins"] = top2(st["logits"]).astype(np.float32)
+        meta["states"].append({"prompt": line["id"], "greedy_tokens": n,
+                               "min_margin": round(float(o[f"state{i}.draft_margins"].min()), 4)})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_file(o, str(out), metadata={"generator": "tests/oracle/assistant_oracle.py --trained"})
+    out.with_suffix(".json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", nargs="*", default=None)
     ap.add_argument("--out", type=Path, default=FIXTURES)
+    ap.add_argument("--trained", type=Path, metavar="ASSISTANT_DIR",
+                    help="record a trained assistant's drafts on the demo target instead")
     a = ap.parse_args()
     assert transformers.__version__ == "5.23.0", transformers.__version__
+    if a.trained:
+        demo = ROOT / "models" / "kjv-gemma4"
+        out = ROOT / "tests" / "fixtures" / "kjv-demo" / "assistant-drafts.safetensors"
+        print(json.dumps(trained(demo, a.trained.resolve(), demo / "bench-prompts.jsonl", out)))
+        return 0
     tok = g4.build_tokenizer(VOCAB)
     for name, centroids in (("centroids", True), ("tied", False)):
         if a.only and name not in a.only:

@@ -80,7 +80,8 @@ pub fn assert_rejection_keeps_the_first_token_distribution(
 }
 
 /// The drafts of `drafter` for a target that has processed all of `ids` but the last (the
-/// pending token), with the drafter's tapped hidden states as its context.
+/// pending token), with the drafter's tapped hidden states as its context (the final hidden
+/// states for a drafter that taps no layer).
 pub fn drafts_after_taps(
     model: &std::rc::Rc<host::model::Gemma4>,
     drafter: &host::plugin::LoadedDrafter,
@@ -93,13 +94,13 @@ pub fn drafts_after_taps(
     let tokens = Array::from_slice(&prefix.iter().map(|&t| t as i32).collect::<Vec<_>>(), &[1, prefix.len() as i32]);
     let layers: Vec<usize> = drafter.info.capabilities.tap_layers.iter().map(|&l| l as usize).collect();
     let mut taps = host::model::Taps { layers: layers.clone(), captured: Vec::new() };
-    model.forward_hidden(&tokens, &mut caches.borrow_mut(), Some(&mut taps)).unwrap();
+    let last_hidden = model.forward_hidden(&tokens, &mut caches.borrow_mut(), Some(&mut taps)).unwrap();
     // Captured in layer order; the drafter wants them in its tap order.
     let mut sorted = layers.clone();
     sorted.sort_unstable();
     sorted.dedup();
     let ordered: Vec<Array> = layers.iter().map(|l| taps.captured[sorted.binary_search(l).unwrap()].clone()).collect();
-    let context = mlx_rs::ops::concatenate(&ordered, -1).unwrap();
+    let context = if ordered.is_empty() { last_hidden } else { mlx_rs::ops::concatenate(&ordered, -1).unwrap() };
     let view = host::target_view::TargetView::new(model.clone(), caches.clone(), drafter.info.capabilities.ports);
     let mut rows = drafter.open(view.boxed(), 1, model.config.vocab_size as u32).unwrap();
     rows.prefill(prefix, Some(&context)).unwrap();

@@ -250,6 +250,14 @@ mod conformance {
     }
 
     #[test]
+    fn the_trained_demo_drafter_passes_the_conformance_kit() {
+        let trained = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/kjv-gemma4-assistant");
+        let report = check::<super::AssistantDrafter>(&Config::demo_target(trained));
+        report.assert_passed();
+        assert!(report.drafted > 0, "nothing drafted");
+    }
+
+    #[test]
     fn passes_the_conformance_kit_with_either_head() {
         for name in ["centroids", "tied"] {
             let report = check::<super::AssistantDrafter>(&config(name));

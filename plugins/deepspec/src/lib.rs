@@ -353,20 +353,9 @@ mod conformance {
         }
     }
 
-    /// The trained demo drafter, on a synthetic target of the demo target's shape
-    /// (models/kjv-gemma4: vocab 8192, hidden 256, six layers, head dims 64 and 128, window 128).
+    /// A drafter trained for the demo target (models/<name>).
     fn demo(name: &str) -> Config {
-        Config {
-            artifact: Some(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models").join(name)),
-            vocab_size: 8192,
-            hidden_size: 256,
-            num_layers: 6,
-            final_logit_softcap: 30.0,
-            head_dim: 64,
-            global_head_dim: 128,
-            sliding_window: 128,
-            ..Config::default()
-        }
+        Config::demo_target(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models").join(name))
     }
 
     #[test]
