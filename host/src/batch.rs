@@ -58,9 +58,9 @@ pub fn run_batch(options: &RunOptions, jsonl: &str, warn: impl FnMut(String)) ->
         }
     }
     let requests: Vec<Request> = pending.iter().map(|(_, r)| r.clone()).collect();
-    let generations: Vec<Result<_, String>> = match &session.drafter {
+    let generations: Vec<Result<_, String>> = match session.drafter_for(requests.len()) {
         Some((drafter, config)) => {
-            match generate_speculative_rows(&session.model, drafter, &requests, *config, |_, _| {}) {
+            match generate_speculative_rows(&session.model, drafter, &requests, config, |_, _| {}) {
                 Ok(all) => all.into_iter().map(Ok).collect(),
                 Err(e) => requests.iter().map(|_| Err(e.to_string())).collect(),
             }

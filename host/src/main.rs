@@ -378,8 +378,12 @@ fn run(cli: Cli) -> Result<()> {
             match load_drafter(&manifest, &plugins_dir::resolve(dir.plugins_dir))? {
                 None => println!("drafter   none (plain decoding)"),
                 Some((drafter, config)) => {
-                    let kind = manifest.drafter.as_ref().map_or("", |d| d.kind.as_str());
-                    println!("drafter   {kind}, {} draft tokens, verify {:?}", config.draft_tokens, config.verify);
+                    let spec = manifest.drafter.as_ref().expect("a drafter was loaded");
+                    let tokens = match spec.draft_tokens {
+                        host::manifest::DraftTokens::Auto => format!("auto (up to {})", config.draft_tokens),
+                        host::manifest::DraftTokens::Fixed(n) => n.to_string(),
+                    };
+                    println!("drafter   {}, {tokens} draft tokens, verify {:?}", spec.kind, config.verify);
                     for warning in host::run::depth_warnings(&drafter.info, config.draft_tokens) {
                         println!("warning   {warning}");
                     }

@@ -10,7 +10,7 @@
 //! kind = "ngram"                      # a plugin kind found in the plugins directory
 //! artifact = "../models/some-drafter" # the drafter's checkpoint, for kinds that need one
 //! sha256 = "…"                        # optional pin of the plugin library
-//! draft_tokens = 4
+//! draft_tokens = 4                   # or "auto": fewer as more requests share a round
 //! verify = "match"                    # or "rejection" (drafters that return probabilities)
 //!
 //! [drafter.options]                   # the plugin's own options (`host plugins inspect KIND`)
@@ -79,8 +79,8 @@ struct DrafterSection {
     kind: String,
     artifact: Option<Spanned<PathBuf>>,
     sha256: Option<Spanned<String>>,
-    #[serde(default = "default_draft_tokens")]
-    draft_tokens: u32,
+    /// A count or "auto", checked in [`Manifest::parse`] so that a wrong value names its line.
+    draft_tokens: Option<Spanned<toml::Value>>,
     #[serde(default = "default_verify")]
     verify: Verify,
     options: Option<Spanned<toml::Table>>,
@@ -90,8 +90,14 @@ fn default_verify() -> Verify {
     Verify::Match
 }
 
-fn default_draft_tokens() -> u32 {
-    4
+const DEFAULT_DRAFT_TOKENS: u32 = 4;
+
+/// Tokens the drafter proposes per round.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DraftTokens {
+    Fixed(u32),
+    /// As many as pay for the rows sharing the round ([`crate::speculative::auto_draft_tokens`]).
+    Auto,
 }
 
 /// How to generate; every field can be overridden on the command line. Sampling fields left
@@ -153,7 +159,7 @@ pub struct DrafterSpec {
     pub kind: String,
     pub artifact: Option<PathBuf>,
     pub sha256: Option<String>,
-    pub draft_tokens: u32,
+    pub draft_tokens: DraftTokens,
     /// `match` (coupled draws, any drafter) or `rejection` (needs draft probabilities).
     pub verify: Verify,
     /// The plugin's options, as TOML text for the plugin.
@@ -202,7 +208,7 @@ impl Source {
                 kind: kind.clone(),
                 artifact: None,
                 sha256: None,
-                draft_tokens: default_draft_tokens(),
+                draft_tokens: DraftTokens::Fixed(DEFAULT_DRAFT_TOKENS),
                 verify: default_verify(),
                 options: toml::Table::new(),
                 option_lines: Vec::new(),
@@ -267,12 +273,24 @@ impl Manifest {
                         }
                     })
                     .transpose()?;
-                if d.draft_tokens == 0 || d.draft_tokens > MAX_DRAFT_TOKENS {
-                    return Err(at(
-                        None,
-                        format!("drafter.draft_tokens: must be 1 to {MAX_DRAFT_TOKENS}, got {}", d.draft_tokens),
-                    ));
-                }
+                let draft_tokens = match d.draft_tokens {
+                    None => DraftTokens::Fixed(DEFAULT_DRAFT_TOKENS),
+                    Some(value) => {
+                        let span = value.span();
+                        match value.into_inner() {
+                            toml::Value::Integer(n) if (1..=MAX_DRAFT_TOKENS as i64).contains(&n) => {
+                                DraftTokens::Fixed(n as u32)
+                            }
+                            toml::Value::String(w) if w == "auto" => DraftTokens::Auto,
+                            other => {
+                                return Err(at(
+                                    Some(span),
+                                    format!("drafter.draft_tokens: must be 1 to {MAX_DRAFT_TOKENS} or \"auto\", got {other}"),
+                                ))
+                            }
+                        }
+                    }
+                };
                 let (options, option_lines) = match d.options {
                     None => (toml::Table::new(), Vec::new()),
                     Some(spanned) => {
@@ -286,7 +304,7 @@ impl Manifest {
                     kind: d.kind,
                     artifact,
                     sha256,
-                    draft_tokens: d.draft_tokens,
+                    draft_tokens,
                     verify: d.verify,
                     options,
                     option_lines,
@@ -401,7 +419,7 @@ mod tests {
         .unwrap();
         assert_eq!(m.target_model, dir.join("model"));
         let d = m.drafter.unwrap();
-        assert_eq!((d.kind.as_str(), d.draft_tokens), ("ngram", 4));
+        assert_eq!((d.kind.as_str(), d.draft_tokens), ("ngram", DraftTokens::Fixed(4)));
         assert_eq!(d.options["max_ngram"].as_integer(), Some(4));
         assert_eq!(m.generation, Generation::default());
     }
@@ -449,6 +467,21 @@ mod tests {
         let e = m.check_drafter(&descriptor).unwrap_err();
         assert_eq!(e.line, Some(7));
         assert!(e.message.contains("drafter.options.max_gram: unknown option"), "{e}");
+    }
+
+    #[test]
+    fn draft_tokens_is_a_count_or_auto() {
+        let dir = temp("draft-tokens");
+        let with = |value: &str| {
+            manifest_in(&dir, &format!("[target]\nmodel = \"model\"\n[drafter]\nkind = \"x\"\ndraft_tokens = {value}\n"))
+        };
+        assert_eq!(with("\"auto\"").unwrap().drafter.unwrap().draft_tokens, DraftTokens::Auto);
+        assert_eq!(with("7").unwrap().drafter.unwrap().draft_tokens, DraftTokens::Fixed(7));
+        for bad in ["0", "65", "\"fast\"", "2.5"] {
+            let e = with(bad).unwrap_err();
+            assert_eq!(e.line, Some(5), "{bad}");
+            assert!(e.message.contains("drafter.draft_tokens: must be 1 to 64 or \"auto\", got"), "{e}");
+        }
     }
 
     #[test]

@@ -8,11 +8,11 @@ use serde::Serialize;
 
 use crate::chat::{ChatTemplate, Message};
 use crate::generate::{generate, Event, Flow, GenerateError, Request, Stats, StopReason};
-use crate::manifest::{Manifest, ManifestError};
+use crate::manifest::{DraftTokens, Manifest, ManifestError};
 use crate::model::{Gemma4, ModelError};
 use crate::plugin::{DrafterError, LoadedDrafter};
 use crate::sampling::SamplingParams;
-use crate::speculative::{generate_speculative, probe_open, SpecConfig, Verify};
+use crate::speculative::{auto_draft_tokens, generate_speculative, probe_open, SpecConfig, Verify, AUTO_MOST};
 use crate::tokenizer::{StreamDecoder, Tokenizer, TokenizerError};
 
 /// What `host run` is asked: a manifest, the command line's overrides, where plugins live.
@@ -78,9 +78,9 @@ pub fn run(options: &RunOptions, mut on_event: impl FnMut(RunEvent) -> Flow) -> 
             }
         }
     };
-    let generation = match &session.drafter {
+    let generation = match session.drafter_for(1) {
         None => generate(&session.model, &request, on_generate)?,
-        Some((drafter, config)) => generate_speculative(&session.model, drafter, &request, *config, on_generate)?,
+        Some((drafter, config)) => generate_speculative(&session.model, drafter, &request, config, on_generate)?,
     };
     let rest = stream.finish();
     if !rest.is_empty() {
@@ -123,6 +123,9 @@ pub struct Session {
     pub manifest: Manifest,
     pub model: Rc<Gemma4>,
     pub drafter: Option<(LoadedDrafter, SpecConfig)>,
+    /// `draft_tokens = "auto"` (and no `--draft-tokens`): the draft length follows the number
+    /// of rows sharing a round, up to the config's.
+    pub auto_draft_tokens: bool,
     pub tokenizer: Tokenizer,
     pub defaults: CheckpointDefaults,
 }
@@ -144,7 +147,19 @@ impl Session {
         }
         let tokenizer = Tokenizer::load(&manifest.target_model)?;
         let defaults = CheckpointDefaults::load(&manifest.target_model).map_err(RunError::CheckpointDefaults)?;
-        Ok(Session { manifest, model, drafter, tokenizer, defaults })
+        let auto_draft_tokens = options.overrides.draft_tokens.is_none()
+            && manifest.drafter.as_ref().is_some_and(|d| d.draft_tokens == DraftTokens::Auto);
+        Ok(Session { manifest, model, drafter, auto_draft_tokens, tokenizer, defaults })
+    }
+
+    /// The drafter and its config for a batch of `rows` rows that stays together (a single
+    /// request, or a file of them).
+    pub fn drafter_for(&self, rows: usize) -> Option<(&LoadedDrafter, SpecConfig)> {
+        let (drafter, mut config) = self.drafter.as_ref().map(|(d, c)| (d, *c))?;
+        if self.auto_draft_tokens {
+            config.draft_tokens = config.draft_tokens.min(auto_draft_tokens(rows));
+        }
+        Some((drafter, config))
     }
 
     /// The request the manifest, the checkpoint's defaults and `overrides` describe.
@@ -291,7 +306,11 @@ pub fn load_drafter(
     let plugin = crate::plugin::select(plugins_dir, &spec.kind, spec.sha256.as_deref())?;
     manifest.check_drafter(&plugin.descriptor)?;
     let drafter = LoadedDrafter::load(&plugin, spec.artifact.as_deref(), &spec.options_toml())?;
-    Ok(Some((drafter, SpecConfig { draft_tokens: spec.draft_tokens as usize, verify: spec.verify })))
+    let draft_tokens = match spec.draft_tokens {
+        DraftTokens::Fixed(n) => n as usize,
+        DraftTokens::Auto => AUTO_MOST,
+    };
+    Ok(Some((drafter, SpecConfig { draft_tokens, verify: spec.verify })))
 }
 
 /// The object `host run --json` prints.

@@ -311,5 +311,5 @@ fn ambiguous_or_out_of_range_requests_are_refused_naming_the_option() {
     )
     .unwrap();
     let out = host(&["run", "--manifest", deep.to_str().unwrap()]);
-    assert!(stderr(&out).contains("drafter.draft_tokens: must be 1 to 64, got 100000"), "{}", stderr(&out));
+    assert!(stderr(&out).contains("drafter.draft_tokens: must be 1 to 64 or \"auto\", got 100000"), "{}", stderr(&out));
 }

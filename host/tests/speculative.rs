@@ -570,6 +570,38 @@ fn join_and_leave_mid_flight(m: &Rc<Gemma4>, requests: &[Request]) {
     }
 }
 
+/// `draft_tokens = "auto"`: a round of many rows drafts fewer tokens per row than a lone row,
+/// never more than the policy gives for the rows sharing it, and the output stays plain decoding's.
+#[test]
+fn auto_draft_tokens_shrink_as_rows_share_a_round() {
+    use host::generate::Flow;
+    use host::speculative::{auto_draft_tokens, LiveBatch};
+    let m = model("dense");
+    let drafter = ngram();
+    let r = request(40, greedy());
+    let expected = plain(&m, &r);
+    let config = SpecConfig { draft_tokens: 8, verify: Verify::Match };
+    for rows in [1, 6] {
+        let mut batch = LiveBatch::new(&m, Some(&drafter), config).unwrap().with_auto_draft_tokens(true);
+        for i in 0..rows {
+            batch.join(i, r.clone(), |_| Flow::Continue).unwrap();
+        }
+        let mut done = Vec::new();
+        while !batch.is_empty() {
+            done.extend(batch.round(|_, _| Flow::Continue).unwrap());
+        }
+        assert_eq!(done.len(), rows);
+        // Identical rows stay together to the end: every round had `rows` rows.
+        let most = auto_draft_tokens(rows);
+        for (_, g) in done {
+            assert_eq!(g.tokens, expected, "{rows} rows");
+            let deepest = g.stats.drafted_by_position.iter().rposition(|&n| n > 0).map_or(0, |k| k + 1);
+            assert_eq!(deepest, most, "{rows} rows: drafted by position {:?}", g.stats.drafted_by_position);
+        }
+    }
+    assert!(auto_draft_tokens(6) < auto_draft_tokens(1));
+}
+
 /// The prefix cache: a prompt that extends an earlier one (past the sliding window) prefills
 /// only its new tokens, restoring the earlier prompt's caches and drafter row, and its output
 /// equals plain decoding, greedy and sampled, with the ngram drafter and with none.

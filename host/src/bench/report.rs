@@ -91,7 +91,9 @@ pub fn bench(options: &BenchOptions) -> Result<BenchReport, BenchRunError> {
             return Err(BenchRunError::NoServing);
         }
         let requests = distinct_requests(&request, options.requests);
-        let result = super::serving::serving(&model, &drafter, config, &requests, concurrencies, options.pairs)
+        let auto = options.draft_tokens.is_none()
+            && manifest.drafter.as_ref().is_some_and(|d| d.draft_tokens == crate::manifest::DraftTokens::Auto);
+        let result = super::serving::serving(&model, &drafter, config, auto, &requests, concurrencies, options.pairs)
             .map_err(BenchError::Generate)?;
         return Ok(BenchReport::Serving(result));
     }

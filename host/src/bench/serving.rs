@@ -32,6 +32,8 @@ pub struct ServingRow {
 pub struct ServingBench {
     pub kind: String,
     pub draft_tokens: usize,
+    /// `draft_tokens = "auto"`: up to `draft_tokens`, fewer as the batch grows.
+    pub auto_draft_tokens: bool,
     pub requests: usize,
     pub max_tokens: usize,
     pub rows: Vec<ServingRow>,
@@ -42,13 +44,14 @@ pub fn serving(
     model: &Rc<Gemma4>,
     drafter: &LoadedDrafter,
     config: SpecConfig,
+    auto_draft_tokens: bool,
     requests: &[Request],
     concurrencies: &[usize],
     pairs: usize,
 ) -> Result<ServingBench, GenerateError> {
     let mut rows = Vec::new();
     for &concurrency in concurrencies {
-        let run = |with: Option<&LoadedDrafter>| closed_loop(model, with, config, requests, concurrency);
+        let run = |with: Option<&LoadedDrafter>| closed_loop(model, with, config, auto_draft_tokens, requests, concurrency);
         run(None)?;
         run(Some(drafter))?;
         let (mut plain, mut spec, mut identical, mut tau) = (Vec::new(), Vec::new(), true, 0.0);
@@ -77,6 +80,7 @@ pub fn serving(
     Ok(ServingBench {
         kind: drafter.kind().to_owned(),
         draft_tokens: config.draft_tokens,
+        auto_draft_tokens,
         requests: requests.len(),
         max_tokens: requests.iter().map(|r| r.max_tokens).max().unwrap_or(0),
         rows,
@@ -93,10 +97,11 @@ fn closed_loop(
     model: &Rc<Gemma4>,
     drafter: Option<&LoadedDrafter>,
     config: SpecConfig,
+    auto_draft_tokens: bool,
     requests: &[Request],
     concurrency: usize,
 ) -> Result<Run, GenerateError> {
-    let mut batch = LiveBatch::new(model, drafter, config)?;
+    let mut batch = LiveBatch::new(model, drafter, config)?.with_auto_draft_tokens(auto_draft_tokens);
     let mut outputs = vec![Vec::new(); requests.len()];
     let (mut next, mut tokens, mut rounds) = (0, 0, 0);
     let start = Instant::now();
@@ -120,10 +125,14 @@ fn closed_loop(
 
 impl ServingBench {
     pub fn text(&self) -> String {
+        let drafting = match self.auto_draft_tokens {
+            true => format!("auto (up to {})", self.draft_tokens),
+            false => self.draft_tokens.to_string(),
+        };
         let mut out = format!(
-            "serving: {} requests of {} tokens per run, {} drafting {} (median; speed-up range)\n\
+            "serving: {} requests of {} tokens per run, {} drafting {drafting} (median; speed-up range)\n\
              \x20 concurrency   plain tok/s   speculative tok/s   speed-up             tokens/round  identical\n",
-            self.requests, self.max_tokens, self.kind, self.draft_tokens
+            self.requests, self.max_tokens, self.kind
         );
         for r in &self.rows {
             let (p, _, _) = summary(&r.plain_tokens_per_s);

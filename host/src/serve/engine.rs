@@ -69,7 +69,7 @@ pub fn run(
         session.drafter.as_ref().map_or(SpecConfig { draft_tokens: 0, verify: Verify::Match }, |(_, config)| *config);
     let new_batch = || {
         let batch = LiveBatch::new(&session.model, drafter, config).expect("pairing checked when the session opened");
-        batch.with_prefix_cache(prefix_cache_bytes)
+        batch.with_prefix_cache(prefix_cache_bytes).with_auto_draft_tokens(session.auto_draft_tokens)
     };
     let mut batch = new_batch();
     let mut waiting: HashMap<u64, Job> = HashMap::new();

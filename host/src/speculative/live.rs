@@ -38,6 +38,9 @@ pub struct LiveBatch<'a, Id> {
     requests: Vec<Request>,
     rows: Vec<Row>,
     prefixes: Option<PrefixCache>,
+    /// `draft_tokens = "auto"`: each round drafts [`super::auto_draft_tokens`] of the rows
+    /// sharing it (at most the config's).
+    auto_draft_tokens: bool,
 }
 
 impl<'a, Id: Copy> LiveBatch<'a, Id> {
@@ -65,6 +68,7 @@ impl<'a, Id: Copy> LiveBatch<'a, Id> {
             requests: Vec::new(),
             rows: Vec::new(),
             prefixes: None,
+            auto_draft_tokens: false,
         })
     }
 
@@ -72,6 +76,12 @@ impl<'a, Id: Copy> LiveBatch<'a, Id> {
     /// earlier one prefills only its new tokens. The output is the same with or without.
     pub fn with_prefix_cache(mut self, bytes: usize) -> Self {
         self.prefixes = (bytes > 0).then(|| PrefixCache::new(bytes));
+        self
+    }
+
+    /// Drafts fewer tokens per row as more rows share a round (`draft_tokens = "auto"`).
+    pub fn with_auto_draft_tokens(mut self, auto: bool) -> Self {
+        self.auto_draft_tokens = auto;
         self
     }
 
@@ -162,11 +172,15 @@ impl<'a, Id: Copy> LiveBatch<'a, Id> {
     ) -> Result<Vec<(Id, Generation)>, GenerateError> {
         let mut finished = self.leave_finished()?;
         if !self.members.is_empty() {
+            let mut config = self.config;
+            if self.auto_draft_tokens {
+                config.draft_tokens = config.draft_tokens.min(super::auto_draft_tokens(self.members.len()));
+            }
             let batch = Batch {
                 model: self.model,
                 caches: &self.caches,
                 requests: &self.requests,
-                config: self.config,
+                config,
                 taps: &self.taps,
                 active: (0..self.requests.len()).collect(),
             };

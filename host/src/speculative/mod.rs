@@ -16,12 +16,14 @@ use crate::plugin::{DrafterError, LoadedDrafter};
 use crate::target_view::TargetView;
 
 mod accept;
+mod depth;
 mod live;
 mod prefill;
 mod prefix_cache;
 mod round;
 mod slot;
 
+pub use depth::{auto_draft_tokens, AUTO_MOST};
 pub use live::LiveBatch;
 
 /// How drafted tokens are accepted.

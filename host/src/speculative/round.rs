@@ -72,13 +72,16 @@ pub(super) fn round(
     Ok(())
 }
 
-/// Each active row's proposal, no deeper than its remaining budget allows (a row one token
-/// from `max_tokens` gets none); empty proposals when the drafter is gone.
+/// Each active row's proposal, no deeper than the round's draft length and its remaining budget
+/// allow (a row one token from `max_tokens` gets none); empty proposals when the drafter is gone.
 fn draft(batch: &Batch, rows: &[Row], slot: &mut DrafterSlot) -> Result<Vec<Proposal>, GenerateError> {
     let depths: Vec<usize> = batch
         .active
         .iter()
-        .map(|&r| rows[r].draft_tokens().min(batch.requests[r].max_tokens - rows[r].tokens.len() - 1))
+        .map(|&r| {
+            let budget = batch.requests[r].max_tokens - rows[r].tokens.len() - 1;
+            rows[r].draft_tokens().min(batch.config.draft_tokens).min(budget)
+        })
         .collect();
     let depth = depths.iter().copied().max().unwrap_or(0);
     let empty = || batch.active.iter().map(|_| Proposal::default()).collect::<Vec<_>>();

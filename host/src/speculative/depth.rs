@@ -1,0 +1,22 @@
+//! `draft_tokens = "auto"`: how many tokens each row drafts in a round, by how many rows share
+//! it. A verify window costs the target a row of work per drafted position whether or not the
+//! draft is kept. Alone, a row leaves the target's memory-bound step half idle and drafting
+//! fills it; in a batch of three or more the target's step is busy already, and the same drafts cost
+//! more than they save.
+//!
+//! Measured with `host bench --serving` on the demo target and its trained DFlash drafter
+//! (README, "Draft length under load"): the best γ was 3 for one request (1.43× plain), 2 for
+//! two (1.29×); γ = 2 lost at three (0.94×), and no γ from 1 to 4 beat plain decoding at four,
+//! eight or sixteen.
+
+/// The most tokens a row drafts under "auto" (the caches' rollback room is sized for it).
+pub const AUTO_MOST: usize = 3;
+
+/// The draft length for a round of `rows` rows (0: the round verifies only the pending token).
+pub fn auto_draft_tokens(rows: usize) -> usize {
+    match rows {
+        0..=1 => 3,
+        2 => 2,
+        _ => 0,
+    }
+}
