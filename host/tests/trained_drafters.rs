@@ -36,9 +36,9 @@ struct Trained {
 }
 
 const TRAINED: &[Trained] = &[
-    Trained { name: "dflash", kind: "dflash", gamma: 4, bench_tau: 2.91 },
-    Trained { name: "dspark", kind: "dflash", gamma: 4, bench_tau: 2.52 },
-    Trained { name: "deepspec", kind: "deepspec", gamma: 4, bench_tau: 2.88 },
+    Trained { name: "dflash", kind: "dflash", gamma: 4, bench_tau: 2.83 },
+    Trained { name: "dspark", kind: "dflash", gamma: 4, bench_tau: 2.49 },
+    Trained { name: "deepspec", kind: "deepspec", gamma: 4, bench_tau: 2.86 },
     Trained { name: "assistant", kind: "assistant", gamma: 4, bench_tau: 3.69 },
 ];
 

@@ -127,7 +127,7 @@ pub trait RowGroupAbi {
     ) -> RResult<RVec<DraftRow>, PluginError>;
 
     /// The verify window [B, W] = [pending, drafts…] (right-padded) was checked: row r keeps
-    /// window positions 0..=accepted[r]. `context` is that window's context, as in `prefill`.
+    /// window positions `0..=accepted[r]`. `context` is that window's context, as in `prefill`.
     fn commit(
         &mut self,
         window: TokenRows<'_>,

@@ -14,13 +14,14 @@
 //!    layers. The labels are what *your* target would say, so the drafter learns to agree with
 //!    it. Bring your own text by pointing `training/corpus.py` at it. A run is seeded, shows a
 //!    progress bar and resumes from its last saved step when started again; the demo drafters
-//!    took 25 to 30 minutes each on two cores. Scale the preset in `training/train_<kind>.py`
+//!    took 12 to 30 minutes each on two cores. Scale the preset in `training/train_<kind>.py`
 //!    (layers, width, steps) to your target: a drafter is worth it only while it costs a small
 //!    share of a target step.
-//! 3. **Check it against its reference.** `tests/oracle/{dflash,deepspec,dspark}_oracle.py
+//! 3. **Check it against its reference.** `tests/oracle/{dflash,deepspec,dspark,assistant}_oracle.py
 //!    --trained DIR-<kind>` records what the kind's reference implementation (dflash 0.1.0,
-//!    dspark-mlx 0.1.0, the NumPy equations) drafts on three target states; the host's plugin
-//!    must draft the same (`host/tests/trained_drafters.rs` shows the test).
+//!    dspark-mlx 0.1.0, the NumPy equations, transformers 5.23.0 in `tests/oracle/.venv-hf`)
+//!    drafts on three target states; the host's plugin must draft the same
+//!    (`host/tests/trained_drafters.rs` shows the test).
 //! 4. **Run it.** A manifest names the target and the drafter:
 //!
 //!    ```toml
