@@ -28,6 +28,15 @@ pub fn mlx_version() -> String {
     }
 }
 
+/// Bytes of the arrays MLX holds alive in this process (weights, caches, anything not yet
+/// freed), not counting its buffer cache.
+pub fn active_memory() -> usize {
+    let mut bytes = 0usize;
+    // SAFETY: mlx_get_active_memory writes one size_t.
+    unsafe { mlx_sys::mlx_get_active_memory(&mut bytes) };
+    bytes
+}
+
 /// Every file mapped into this process, from /proc/self/maps.
 pub fn mapped_files() -> std::io::Result<BTreeSet<PathBuf>> {
     let maps = std::fs::read_to_string("/proc/self/maps")?;

@@ -305,10 +305,10 @@ fn a_full_queue_answers_429_with_retry_after() {
     assert!(refused.iter().all(|c| c.1.as_deref() == Some("1")), "{codes:?}");
 }
 
-#[test]
-fn a_client_that_leaves_cancels_its_row() {
-    let server = Server::start(&[]);
-    let body = completion(PROMPTS[3], 4000, json!({"stream": true}));
+/// Starts a long streamed completion, reads its first event and hangs up; returns once the
+/// server has counted `cancelled` cancelled requests.
+fn leave_mid_stream(server: &Server, prompt: &str, cancelled: f64) {
+    let body = completion(prompt, 4000, json!({"stream": true}));
     let response = ureq::post(&server.url("/v1/completions")).send_json(body).unwrap();
     let mut reader = BufReader::new(response.into_reader());
     let mut line = String::new();
@@ -318,14 +318,46 @@ fn a_client_that_leaves_cancels_its_row() {
     }
     drop(reader);
     let deadline = Instant::now() + Duration::from_secs(60);
-    while server.metric("host_requests_total{outcome=\"cancelled\"}") < 1.0 {
+    while server.metric("host_requests_total{outcome=\"cancelled\"}") < cancelled {
         assert!(Instant::now() < deadline, "the row was not cancelled:\n{}", server.get("/metrics"));
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+#[test]
+fn a_client_that_leaves_cancels_its_row() {
+    let server = Server::start(&[]);
+    leave_mid_stream(&server, PROMPTS[3], 1.0);
     assert_eq!(server.metric("host_batch_size"), 0.0);
     assert!(server.metric("host_generated_tokens_total") < 4000.0);
     // The server goes on serving.
     assert_eq!(server.post("/v1/completions", &completion(PROMPTS[0], 4, json!({}))).0, 200);
+}
+
+/// Rows that end by a disconnect free their target caches and drafter rows: MLX holds what it
+/// held after a request that finished (the prefix cache, which keeps prompts on purpose, off).
+#[test]
+fn clients_that_leave_leave_no_memory_behind() {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests/demo-dflash.toml");
+    let server = Server::start_with(&manifest, &["--prefix-cache-mb", "0"]);
+    let idle_memory = || {
+        // Set by the engine after each round, so read it once the batch is empty.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while server.metric("host_batch_size") != 0.0 {
+            assert!(Instant::now() < deadline, "the batch did not empty");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        server.metric("host_mlx_active_memory_bytes")
+    };
+    assert_eq!(server.post("/v1/completions", &completion(PROMPTS[0], 40, json!({}))).0, 200);
+    let idle = idle_memory();
+    assert!(idle > 1e6, "the weights alone are megabytes: {idle}");
+    for (i, prompt) in PROMPTS[1..4].iter().enumerate() {
+        leave_mid_stream(&server, prompt, i as f64 + 1.0);
+        assert_eq!(idle_memory(), idle, "after {} disconnects", i + 1);
+    }
+    assert_eq!(server.post("/v1/completions", &completion(PROMPTS[0], 40, json!({}))).0, 200);
+    assert_eq!(idle_memory(), idle, "after a request that finished");
 }
 
 #[test]

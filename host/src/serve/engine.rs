@@ -146,6 +146,8 @@ pub fn run(
                 batch = new_batch();
             }
         }
+        // Memory first: a reader that sees the batch empty sees the memory of an empty batch.
+        metrics.active_memory_bytes.set(crate::runtime::active_memory() as i64);
         metrics.batch_size.set(batch.len() as i64);
     }
 }

@@ -30,6 +30,9 @@ pub struct Metrics {
     /// Prompt tokens whose prefill a cached prefix saved.
     pub prefix_cache_tokens: Counter,
     pub prefix_cache_bytes: Gauge,
+    /// What MLX holds alive: weights, the batch's caches and the prefix cache. It returns to
+    /// its idle level once the batch is empty, however its rows ended.
+    pub active_memory_bytes: Gauge,
     pub time_to_first_token: Histogram,
     pub inter_token_latency: Histogram,
 }
@@ -51,6 +54,7 @@ impl Metrics {
             prefix_cache_hits: Counter::default(),
             prefix_cache_tokens: Counter::default(),
             prefix_cache_bytes: Gauge::default(),
+            active_memory_bytes: Gauge::default(),
             time_to_first_token: latency(),
             inter_token_latency: latency(),
         };
@@ -82,6 +86,12 @@ impl Metrics {
             "Target caches the prefix cache holds",
             prometheus_client::registry::Unit::Bytes,
             m.prefix_cache_bytes.clone(),
+        );
+        registry.register_with_unit(
+            "mlx_active_memory",
+            "Arrays MLX holds alive: weights, caches, the prefix cache",
+            prometheus_client::registry::Unit::Bytes,
+            m.active_memory_bytes.clone(),
         );
         registry.register_with_unit(
             "time_to_first_token",
