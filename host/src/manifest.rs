@@ -285,7 +285,9 @@ impl Manifest {
                             other => {
                                 return Err(at(
                                     Some(span),
-                                    format!("drafter.draft_tokens: must be 1 to {MAX_DRAFT_TOKENS} or \"auto\", got {other}"),
+                                    format!(
+                                    "drafter.draft_tokens: must be 1 to {MAX_DRAFT_TOKENS} or \"auto\", got {other}"
+                                ),
                                 ))
                             }
                         }
@@ -473,7 +475,10 @@ mod tests {
     fn draft_tokens_is_a_count_or_auto() {
         let dir = temp("draft-tokens");
         let with = |value: &str| {
-            manifest_in(&dir, &format!("[target]\nmodel = \"model\"\n[drafter]\nkind = \"x\"\ndraft_tokens = {value}\n"))
+            manifest_in(
+                &dir,
+                &format!("[target]\nmodel = \"model\"\n[drafter]\nkind = \"x\"\ndraft_tokens = {value}\n"),
+            )
         };
         assert_eq!(with("\"auto\"").unwrap().drafter.unwrap().draft_tokens, DraftTokens::Auto);
         assert_eq!(with("7").unwrap().drafter.unwrap().draft_tokens, DraftTokens::Fixed(7));

@@ -686,7 +686,11 @@ fn greedy_speculation_on_the_bfloat16_demo_target_equals_plain_greedy() {
         for gamma in [1, 3] {
             let g = spec(&m, &ngram(), &r, gamma);
             assert_eq!(g.tokens, expected, "ngram, γ = {gamma}, {text:?}");
-            assert_eq!(spec(&m, &adversary(gamma as u64, &expected), &r, gamma).tokens, expected, "adversary, γ = {gamma}");
+            assert_eq!(
+                spec(&m, &adversary(gamma as u64, &expected), &r, gamma).tokens,
+                expected,
+                "adversary, γ = {gamma}"
+            );
         }
     }
 }

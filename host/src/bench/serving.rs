@@ -51,7 +51,8 @@ pub fn serving(
 ) -> Result<ServingBench, GenerateError> {
     let mut rows = Vec::new();
     for &concurrency in concurrencies {
-        let run = |with: Option<&LoadedDrafter>| closed_loop(model, with, config, auto_draft_tokens, requests, concurrency);
+        let run =
+            |with: Option<&LoadedDrafter>| closed_loop(model, with, config, auto_draft_tokens, requests, concurrency);
         run(None)?;
         run(Some(drafter))?;
         let (mut plain, mut spec, mut identical, mut tau) = (Vec::new(), Vec::new(), true, 0.0);

@@ -207,8 +207,7 @@ impl LayerCache {
         let capacity = window + self.slack;
         self.ensure_capacity(keys, values, capacity)?;
         let starts = self.offsets.clone();
-        let new_positions: Vec<Vec<i32>> =
-            starts.iter().map(|&o| (o..o + new).map(|p| p as i32).collect()).collect();
+        let new_positions: Vec<Vec<i32>> = starts.iter().map(|&o| (o..o + new).map(|p| p as i32).collect()).collect();
         let empty = self.slot_positions.iter().all(|row| row.iter().all(|&p| p < 0));
         let (all_k, all_v, positions) = if !empty && new <= self.slack + 1 {
             // The common case (decode steps, verify windows): the ring holds the new rows beside
@@ -237,11 +236,16 @@ impl LayerCache {
         let single_row_causal = positions.len() == 1 && positions[0] == new_positions[0] && new <= window;
         let mask = if single_row_causal {
             // Exactly the new keys of one row, within the window: the usual causal mask.
-            if new == 1 { Mask::All } else { Mask::Causal }
+            if new == 1 {
+                Mask::All
+            } else {
+                Mask::Causal
+            }
         } else if new == 1
-            && positions.iter().zip(&starts).all(|(row, &q)| {
-                row.iter().all(|&p| p >= 0 && (p as usize) <= q && q - (p as usize) < window)
-            })
+            && positions
+                .iter()
+                .zip(&starts)
+                .all(|(row, &q)| row.iter().all(|&p| p >= 0 && (p as usize) <= q && q - (p as usize) < window))
         {
             // Every key visible to the one query of each row (a decode step over a full
             // window): no mask, which MLX's attention computes faster.
@@ -320,12 +324,14 @@ impl LayerCache {
 /// to store it, nor on how many masked slots surround it. So a query gets the same result
 /// bit for bit in a decode step, in a verify window of any length, and in a prefill: the
 /// guarantee behind speculative output equal to plain decoding's in half precision.
-fn in_position_order(keys: Array, values: Array, positions: &[Vec<i32>]) -> Result<(Array, Array, Vec<Vec<i32>>), Exception> {
+fn in_position_order(
+    keys: Array,
+    values: Array,
+    positions: &[Vec<i32>],
+) -> Result<(Array, Array, Vec<Vec<i32>>), Exception> {
     let slots = positions.first().map_or(0, Vec::len);
-    let bases: Vec<i32> = positions
-        .iter()
-        .map(|row| row.iter().copied().filter(|&p| p >= 0).min().map_or(0, |p| p - p % 8))
-        .collect();
+    let bases: Vec<i32> =
+        positions.iter().map(|row| row.iter().copied().filter(|&p| p >= 0).min().map_or(0, |p| p - p % 8)).collect();
     let len = positions
         .iter()
         .zip(&bases)

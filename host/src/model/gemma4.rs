@@ -3,7 +3,7 @@
 
 use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype};
-use plugin_api::nn::ops::{attention, geglu, gelu_approx, rms_norm, scalar, softcap, Mask};
+use plugin_api::nn::ops::{attention, geglu, rms_norm, scalar, softcap, Mask};
 use plugin_api::nn::{Embedding, Linear, Rope};
 
 use super::cache::LayerCache;
@@ -239,7 +239,7 @@ impl DecoderLayer {
 
         if let (Some(p), Some((inputs, i))) = (&self.per_layer, per_layer) {
             let layer_input = inputs.take_axis(Array::from_int(i as i32), 2)?;
-            let gate = gelu_approx(&p.per_layer_input_gate.forward(&h)?)?.multiply(&layer_input)?;
+            let gate = geglu(&p.per_layer_input_gate.forward(&h)?, &layer_input)?;
             let gate = rms_norm(&p.per_layer_projection.forward(&gate)?, Some(&p.post_per_layer_input_norm), eps)?;
             h = h.add(gate)?;
         }
@@ -262,7 +262,7 @@ impl Attention {
         let [b, l] = [x.shape()[0], x.shape()[1]];
         let q = self.q_proj.forward(x)?.reshape(&[b, l, self.n_heads, self.head_dim])?;
         let q = rms_norm(&q, Some(&self.q_norm), eps)?.transpose_axes(&[0, 2, 1, 3])?;
-        let q = rope_rows(&self.rope, &q, offsets)?;
+        let q = self.rope.apply_rows(&q, offsets)?;
 
         let kv = match (shared, &self.k_proj, &self.k_norm) {
             (Some(kv), _, _) => kv,
@@ -273,7 +273,7 @@ impl Attention {
                     None => k.clone(),
                 };
                 let k =
-                    rope_rows(&self.rope, &rms_norm(&k, Some(k_norm), eps)?.transpose_axes(&[0, 2, 1, 3])?, offsets)?;
+                    self.rope.apply_rows(&rms_norm(&k, Some(k_norm), eps)?.transpose_axes(&[0, 2, 1, 3])?, offsets)?;
                 let v = rms_norm(&v, None, eps)?.transpose_axes(&[0, 2, 1, 3])?;
                 match cache {
                     Some(cache) => {
@@ -289,19 +289,6 @@ impl Attention {
         let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, l, self.n_heads * self.head_dim])?;
         Ok((self.o_proj.forward(&out)?, kv))
     }
-}
-
-/// RoPE of x [B, H, L, D] whose row r starts at position offsets[r].
-fn rope_rows(rope: &Rope, x: &Array, offsets: &[i32]) -> Result<Array, Exception> {
-    if offsets.iter().all(|&o| o == offsets[0]) {
-        return rope.apply(x, offsets[0]);
-    }
-    let rows: Vec<Array> = offsets
-        .iter()
-        .enumerate()
-        .map(|(r, &o)| rope.apply(&x.take_axis(Array::from_slice(&[r as i32], &[1]), 0)?, o))
-        .collect::<Result<_, _>>()?;
-    mlx_rs::ops::concatenate(&rows, 0)
 }
 
 impl Moe {

@@ -6,7 +6,51 @@ use mlx_rs::{Array, Dtype};
 
 /// RMSNorm with a weight (multiplied as is, not 1 + w) or without one.
 pub fn rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Array, Exception> {
+    if super::wide::on_cpu() {
+        if let Some(y) = cpu_rms_norm(x, weight, eps)? {
+            return Ok(y);
+        }
+    }
     mlx_rs::fast::rms_norm(x, weight, eps)
+}
+
+/// RMSNorm on the CPU as MLX computes it there (its fallback in mlx/fast.cpp, seven ops): in
+/// float32, the squares summed in order, times 1/n, plus eps, 1/√, times x; rounded to x's
+/// dtype; times the weight, rounded again. Done here in one pass because each MLX op costs
+/// microseconds of dispatch on the CPU and a small model meets eight norms per layer; the
+/// result is MLX's bit for bit (tested). `None` for what it does not cover.
+fn cpu_rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Option<Array>, Exception> {
+    use super::kernels::{rounded, row_major, with_floats};
+    let dtype = x.dtype();
+    let n = x.shape().last().copied().unwrap_or(0) as usize;
+    let weight_fits = weight.is_none_or(|w| w.dtype() == dtype && w.shape() == [n as i32]);
+    if !matches!(dtype, Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16) || n == 0 || !weight_fits {
+        return Ok(None);
+    }
+    let weight = weight.map(|w| row_major(w).and_then(|w| with_floats(&w, <[f32]>::to_vec))).transpose()?;
+    let x = row_major(x)?;
+    let round = |v: f32| match dtype {
+        Dtype::Bfloat16 => half::bf16::from_f32(v).to_f32(),
+        Dtype::Float16 => half::f16::from_f32(v).to_f32(),
+        _ => v,
+    };
+    let inverse_n = (1.0 / n as f64) as f32;
+    let y = with_floats(&x, |xs| {
+        let mut y = Vec::with_capacity(xs.len());
+        for row in xs.chunks(n) {
+            let mut sum = 0f32;
+            for &v in row {
+                sum += v * v;
+            }
+            let scale = 1.0 / (sum * inverse_n + eps).sqrt();
+            match &weight {
+                Some(w) => y.extend(row.iter().zip(w).map(|(&v, &w)| round(round(v * scale) * w))),
+                None => y.extend(row.iter().map(|&v| round(v * scale))),
+            }
+        }
+        rounded(&y, x.shape(), dtype)
+    })?;
+    Ok(Some(y))
 }
 
 /// `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`, mlx's `gelu_approx`.
@@ -23,7 +67,47 @@ pub fn gelu_approx(x: &Array) -> Result<Array, Exception> {
 
 /// GeGLU: `gelu_approx(gate) ⊙ up`.
 pub fn geglu(gate: &Array, up: &Array) -> Result<Array, Exception> {
+    if super::wide::on_cpu() {
+        if let Some(y) = cpu_geglu(gate, up)? {
+            return Ok(y);
+        }
+    }
     gelu_approx(gate)?.multiply(up)
+}
+
+/// [`geglu`]'s nine MLX ops in one pass, each step rounded to the dtype as MLX rounds it, with
+/// the C library's `powf` and `tanhf` that MLX's CPU ops call: MLX's result bit for bit
+/// (tested), without nine dispatches of microseconds each. `None` for what it does not cover.
+fn cpu_geglu(gate: &Array, up: &Array) -> Result<Option<Array>, Exception> {
+    use super::kernels::{rounded, row_major, with_floats};
+    let dtype = gate.dtype();
+    if !matches!(dtype, Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16)
+        || up.dtype() != dtype
+        || up.shape() != gate.shape()
+    {
+        return Ok(None);
+    }
+    let round = |v: f32| match dtype {
+        Dtype::Bfloat16 => half::bf16::from_f32(v).to_f32(),
+        Dtype::Float16 => half::f16::from_f32(v).to_f32(),
+        _ => v,
+    };
+    let (c, k) = (round(0.044715), round((2.0 / std::f32::consts::PI).sqrt()));
+    let (gate, up) = (row_major(gate)?, row_major(up)?);
+    let ups = with_floats(&up, <[f32]>::to_vec)?;
+    let y = with_floats(&gate, |xs| {
+        let y: Vec<f32> = xs
+            .iter()
+            .zip(&ups)
+            .map(|(&x, &u)| {
+                let inner = round(round(x + round(round(x.powf(3.0)) * c)) * k);
+                let g = round(round(inner.tanh()) + 1.0);
+                round(round(round(x * 0.5) * g) * u)
+            })
+            .collect();
+        rounded(&y, gate.shape(), dtype)
+    })?;
+    Ok(Some(y))
 }
 
 /// `tanh(x / cap) · cap`.
@@ -34,12 +118,17 @@ pub fn softcap(x: &Array, cap: f32) -> Result<Array, Exception> {
 
 /// A scalar in `dtype`, so that it does not promote the array it meets (Python floats are
 /// weakly typed in MLX; a Rust f32 array is not).
+///
+/// Made as data, rounded to nearest even as MLX's conversion rounds, rather than by converting
+/// a float32 array: every MLX op costs microseconds of dispatch on the CPU, and small models
+/// meet scalars several times per layer.
 pub fn scalar(value: f32, dtype: Dtype) -> Result<Array, Exception> {
-    let x = Array::from_f32(value);
-    if dtype == Dtype::Float32 {
-        return Ok(x);
+    match dtype {
+        Dtype::Float32 => Ok(Array::from_f32(value)),
+        Dtype::Bfloat16 => Ok(Array::from_slice(&[half::bf16::from_f32(value)], &[])),
+        Dtype::Float16 => Ok(Array::from_slice(&[half::f16::from_f32(value)], &[])),
+        _ => Array::from_f32(value).as_dtype(dtype),
     }
-    x.as_dtype(dtype)
 }
 
 /// Which keys each query of an attention may read.
@@ -73,49 +162,121 @@ pub fn attention(q: &Array, k: &Array, v: &Array, scale: f32, mask: &Mask) -> Re
 /// products through the host's loops instead of MLX's generic kernel: the same roundings, the
 /// sums in another order, several times faster, and a query's result independent of how many
 /// queries share the call. `None` where the loops do not apply.
+///
+/// The products read the arrays' data per head directly rather than slicing them with MLX ops:
+/// a decode step of a small model is bound by the count of MLX ops, each costing microseconds
+/// of dispatch on the CPU.
 fn half_attention(q: &Array, k: &Array, v: &Array, scale: f32, mask: &Mask) -> Result<Option<Array>, Exception> {
-    use mlx_rs::ops::indexing::TryIndexOp;
+    use super::kernels::dot::{self, Weight};
+    use super::kernels::{bits16, rounded, row_major, with_floats};
     let dtype = q.dtype();
     let (qs, ks) = (q.shape().to_vec(), k.shape().to_vec());
     let (b, hq, l, d, hkv, s) = (qs[0], qs[1], qs[2], qs[3], ks[1], ks[2]);
-    if hkv == 0 || hq % hkv != 0 {
+    if hkv == 0 || hq % hkv != 0 || k.dtype() != dtype || v.dtype() != dtype || v.shape() != ks {
         return Ok(None);
     }
-    let rep = hq / hkv;
-    let q = q.multiply(scalar(scale, dtype)?)?.reshape(&[b, hkv, rep * l, d])?;
-    let mut scores = Vec::new();
-    for bi in 0..b {
-        for h in 0..hkv {
-            let x = q.try_index((bi, h))?;
-            let keys = k.try_index((bi, h))?.contiguous()?;
-            let Some(part) = super::kernels::small_product(&x, &keys, None, None, None)? else { return Ok(None) };
-            scores.push(part);
+    fn weight(dtype: Dtype, bits: &[u16]) -> Weight<'_> {
+        if dtype == Dtype::Bfloat16 {
+            Weight::Bf16(bits)
+        } else {
+            Weight::F16(bits)
         }
     }
-    let scores = mlx_rs::ops::stack(&scores, 0)?.reshape(&[b, hq, l, s])?;
+    // Each (row, KV head) block: the queries of the heads sharing that KV head, [rep·l, d].
+    let (rows, blocks) = (((hq / hkv) * l) as usize, (b * hkv) as usize);
+    let (d, s) = (d as usize, s as usize);
+
+    let q = row_major(&q.multiply(scalar(scale, dtype)?)?)?;
+    let (k, v) = (row_major(k)?, row_major(v)?);
+    let (Some(keys), Some(values)) = (bits16(&k), bits16(&v)) else { return Ok(None) };
+    let scores = with_floats(&q, |qs| {
+        let mut scores = vec![0f32; blocks * rows * s];
+        for (i, y) in scores.chunks_mut(rows * s).enumerate() {
+            let x = &qs[i * rows * d..(i + 1) * rows * d];
+            dot::product(x, rows, d, weight(dtype, &keys[i * s * d..(i + 1) * s * d]), 0..s, s, y);
+        }
+        rounded(&scores, &[b, hq, l, s as i32], dtype)
+    })?;
+
     let lowest = scalar(f32::from_bits(if dtype == Dtype::Bfloat16 { 0xFF7F_0000 } else { 0xC77F_E000 }), dtype)?;
     let scores = match mask {
         Mask::All => scores,
         Mask::Causal => {
-            let offset = (s - l).max(0);
+            let offset = (s as i32 - l).max(0);
             let rows = Array::from_iter(offset..offset + l, &[l, 1]);
-            let cols = Array::from_iter(0..s, &[1, s]);
+            let cols = Array::from_iter(0..s as i32, &[1, s as i32]);
             mlx_rs::ops::select(&rows.ge(&cols)?, &scores, &lowest)?
         }
         Mask::Array(m) if m.dtype() == Dtype::Bool => mlx_rs::ops::select(m, &scores, &lowest)?,
         Mask::Array(m) => scores.add(m)?,
     };
-    let probs = mlx_rs::ops::softmax_axis(&scores, -1, true)?.reshape(&[b, hkv, rep * l, s])?;
-    let mut out = Vec::new();
-    for bi in 0..b {
-        for h in 0..hkv {
-            let x = probs.try_index((bi, h))?;
-            let values_t = v.try_index((bi, h))?.t().contiguous()?;
-            let Some(part) = super::kernels::small_product(&x, &values_t, None, None, None)? else { return Ok(None) };
-            out.push(part);
+    let probs = row_major(&mlx_rs::ops::softmax_axis(&scores, -1, true)?)?;
+    let out = with_floats(&probs, |ps| {
+        let mut out = vec![0f32; blocks * rows * d];
+        let mut values_t = vec![0u16; d * s];
+        for (i, y) in out.chunks_mut(rows * d).enumerate() {
+            // This head's values as the weight's rows: [d, s].
+            for (t, value) in values[i * s * d..(i + 1) * s * d].chunks(d).enumerate() {
+                for (j, &bits) in value.iter().enumerate() {
+                    values_t[j * s + t] = bits;
+                }
+            }
+            dot::product(&ps[i * rows * s..(i + 1) * rows * s], rows, s, weight(dtype, &values_t), 0..d, d, y);
+        }
+        rounded(&out, &[b, hq, l, d as i32], dtype)
+    })?;
+    Ok(Some(out))
+}
+
+#[cfg(test)]
+mod rms_norm_tests {
+    use mlx_rs::random;
+
+    use super::*;
+
+    #[test]
+    fn equals_mlxs_bit_for_bit() {
+        for dtype in [Dtype::Float32, Dtype::Bfloat16, Dtype::Float16] {
+            for (seed, (rows, n)) in [(1, 256), (5, 100), (3, 2560), (2, 17), (7, 64)].into_iter().enumerate() {
+                let key = |k: u64| random::key(seed as u64 * 10 + k).unwrap();
+                let spread = Array::from_f32([0.05, 1.0, 40.0][seed % 3]);
+                let x = random::normal::<f32>(&[rows, n], None, None, &key(1)).unwrap().multiply(&spread).unwrap();
+                let x = x.as_dtype(dtype).unwrap();
+                let w = random::normal::<f32>(&[n], None, None, &key(2)).unwrap().as_dtype(dtype).unwrap();
+                for weight in [Some(&w), None] {
+                    let ours = cpu_rms_norm(&x, weight, 1e-6).unwrap().expect("covered");
+                    let mlx = mlx_rs::fast::rms_norm(&x, weight, 1e-6).unwrap();
+                    assert_eq!(ours.dtype(), mlx.dtype());
+                    let differing = ours.ne(&mlx).unwrap().sum(None).unwrap().item_cast::<u32>();
+                    assert_eq!(differing, 0, "{dtype:?}, [{rows}, {n}], weight {}", weight.is_some());
+                }
+            }
         }
     }
-    Ok(Some(mlx_rs::ops::stack(&out, 0)?.reshape(&[b, hq, l, d])?))
+}
+
+#[cfg(test)]
+mod geglu_tests {
+    use mlx_rs::random;
+
+    use super::*;
+
+    #[test]
+    fn equals_mlxs_bit_for_bit() {
+        for dtype in [Dtype::Float32, Dtype::Bfloat16, Dtype::Float16] {
+            for (seed, spread) in [0.3f32, 2.0, 9.0].into_iter().enumerate() {
+                let key = |k: u64| random::key(seed as u64 * 10 + k).unwrap();
+                let normal = |k| random::normal::<f32>(&[7, 300], None, None, &key(k)).unwrap();
+                let gate = normal(1).multiply(Array::from_f32(spread)).unwrap().as_dtype(dtype).unwrap();
+                let up = normal(2).as_dtype(dtype).unwrap();
+                let ours = cpu_geglu(&gate, &up).unwrap().expect("covered");
+                let mlx = gelu_approx(&gate).unwrap().multiply(&up).unwrap();
+                assert_eq!(ours.dtype(), mlx.dtype());
+                let differing = ours.ne(&mlx).unwrap().sum(None).unwrap().item_cast::<u32>();
+                assert_eq!(differing, 0, "{dtype:?}, spread {spread}");
+            }
+        }
+    }
 }
 
 #[cfg(test)]

@@ -121,10 +121,12 @@ mod avx2 {
 
     use super::*;
 
-    /// Rows of x and of W handled together: 4 × 2 accumulators stay in registers, and each
-    /// loaded weight vector serves four rows of x, each loaded x vector two rows of W.
+    /// The most rows of x and of W one register tile handles: up to 4 × 2 accumulators (or
+    /// 1 × 4 for a single row of x, where more rows of W give the FMA units independent chains)
+    /// stay in registers; each loaded weight vector serves every row of x in the tile, each
+    /// loaded x vector every row of W.
     const X_BLOCK: usize = 4;
-    const W_BLOCK: usize = 2;
+    const W_BLOCK: usize = 4;
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn product(
@@ -143,6 +145,7 @@ mod avx2 {
         if !supported {
             return portable::product(x, rows, k, w, outputs, n, y);
         }
+        let w_block = if rows == 1 { 4 } else { 2 };
         // Rows of W in another format (or of a length that is not a whole number of vectors)
         // are converted to floats once, into a buffer that stays in L1 and is padded with zeros
         // to whole vectors, and read from there by every block of x rows.
@@ -150,7 +153,7 @@ mod avx2 {
         let mut converted = vec![0f32; W_BLOCK * stride];
         let mut o = outputs.start;
         while o < outputs.end {
-            let width = W_BLOCK.min(outputs.end - o);
+            let width = w_block.min(outputs.end - o);
             let rows_of_w = match w {
                 Weight::F32(w) if stride == k => &w[o * k..(o + width) * k],
                 _ => {
@@ -160,7 +163,25 @@ mod avx2 {
                     &converted[..width * stride]
                 }
             };
-            tile(x, rows, k, rows_of_w, o, width, n, y);
+            let mut m0 = 0;
+            while m0 < rows {
+                let block = X_BLOCK.min(rows - m0);
+                let at = Tile { x, k, w: rows_of_w, m0, o, n };
+                match (block, width) {
+                    (4, 2) => at.run::<4, 2>(y),
+                    (3, 2) => at.run::<3, 2>(y),
+                    (2, 2) => at.run::<2, 2>(y),
+                    (1, 4) => at.run::<1, 4>(y),
+                    (1, 3) => at.run::<1, 3>(y),
+                    (1, 2) => at.run::<1, 2>(y),
+                    (4, 1) => at.run::<4, 1>(y),
+                    (3, 1) => at.run::<3, 1>(y),
+                    (2, 1) => at.run::<2, 1>(y),
+                    (1, 1) => at.run::<1, 1>(y),
+                    _ => unreachable!("blocks of at most {X_BLOCK} x rows and {W_BLOCK} W rows"),
+                }
+                m0 += block;
+            }
             o += width;
         }
     }
@@ -209,63 +230,68 @@ mod avx2 {
         }
     }
 
-    /// y[m, o + j] = Σ_i w[j, i] · x[m, i] for the `width` rows of `w` (float32, [width, k]
-    /// padded with zeros to whole vectors) and every row m of x.
-    ///
-    /// Element i of a row always goes to lane i mod 8 and the lanes are summed last, so a sum
-    /// does not change when zeros are appended to both operands: an attention over keys padded
-    /// with masked (zero-probability) slots gives what it gives over the keys alone.
-    #[allow(clippy::too_many_arguments, clippy::needless_range_loop, reason = "register tiles read best by index")]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn tile(x: &[f32], rows: usize, k: usize, w: &[f32], o: usize, width: usize, n: usize, y: &mut [f32]) {
-        let stride = k.next_multiple_of(8);
-        let (whole, tail) = (k / 8 * 8, k % 8);
-        let mut m0 = 0;
-        while m0 < rows {
-            let block = X_BLOCK.min(rows - m0);
-            let mut acc = [[_mm256_setzero_ps(); X_BLOCK]; W_BLOCK];
+    /// Where a register tile works: x [rows, k], the W rows `w` (float32, each padded with zeros
+    /// to whole vectors) that are outputs `o..`, from x row `m0`; y is [rows, n].
+    struct Tile<'a> {
+        x: &'a [f32],
+        k: usize,
+        w: &'a [f32],
+        m0: usize,
+        o: usize,
+        n: usize,
+    }
+
+    impl Tile<'_> {
+        /// y[m0 + b, o + j] = Σ_i w[j, i] · x[m0 + b, i] for b < XB, j < WB. The block sizes are
+        /// constants so that the accumulators stay in registers.
+        ///
+        /// Element i of a row always goes to lane i mod 8 and the lanes are summed last, so a sum
+        /// does not change when zeros are appended to both operands: an attention over keys
+        /// padded with masked (zero-probability) slots gives what it gives over the keys alone.
+        /// Nor does it depend on the block sizes: each output has its own accumulator.
+        #[allow(clippy::needless_range_loop, reason = "register tiles read best by index")]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn run<const XB: usize, const WB: usize>(&self, y: &mut [f32]) {
+            let Tile { x, k, w, m0, o, n } = *self;
+            let stride = k.next_multiple_of(8);
+            let (whole, tail) = (k / 8 * 8, k % 8);
+            let mut acc = [[_mm256_setzero_ps(); XB]; WB];
             let mut i = 0;
             while i < whole {
-                let xs = std::array::from_fn(|b| x.as_ptr().wrapping_add((m0 + b.min(block - 1)) * k + i));
-                accumulate(&mut acc, w.as_ptr().add(i), stride, width, block, xs);
+                let xs: [*const f32; XB] = std::array::from_fn(|b| x.as_ptr().add((m0 + b) * k + i));
+                accumulate::<XB, WB>(&mut acc, w.as_ptr().add(i), stride, xs);
                 i += 8;
             }
             if tail > 0 {
                 // The last partial vector of each x row, padded with zeros.
-                let mut padded = [[0f32; 8]; X_BLOCK];
-                for b in 0..block {
+                let mut padded = [[0f32; 8]; XB];
+                for b in 0..XB {
                     padded[b][..tail].copy_from_slice(&x[(m0 + b) * k + whole..(m0 + b + 1) * k]);
                 }
-                let xs = std::array::from_fn(|b| padded[b].as_ptr());
-                accumulate(&mut acc, w.as_ptr().add(whole), stride, width, block, xs);
+                let xs: [*const f32; XB] = std::array::from_fn(|b| padded[b].as_ptr());
+                accumulate::<XB, WB>(&mut acc, w.as_ptr().add(whole), stride, xs);
             }
-            for j in 0..width {
-                for b in 0..block {
+            for j in 0..WB {
+                for b in 0..XB {
                     y[(m0 + b) * n + o + j] = horizontal_sum(acc[j][b]);
                 }
             }
-            m0 += block;
         }
     }
 
     /// One vector of every (x row, W row) pair: `w` points at the first W row's vector, the
     /// others `stride` floats apart; `xs[b]` at x row b's.
     #[inline(always)]
-    unsafe fn accumulate(
-        acc: &mut [[__m256; X_BLOCK]; W_BLOCK],
+    unsafe fn accumulate<const XB: usize, const WB: usize>(
+        acc: &mut [[__m256; XB]; WB],
         w: *const f32,
         stride: usize,
-        width: usize,
-        block: usize,
-        xs: [*const f32; X_BLOCK],
+        xs: [*const f32; XB],
     ) {
-        let mut wv = [_mm256_setzero_ps(); W_BLOCK];
-        for (j, v) in wv.iter_mut().enumerate().take(width) {
-            *v = _mm256_loadu_ps(w.add(j * stride));
-        }
-        for b in 0..block {
+        let wv: [__m256; WB] = std::array::from_fn(|j| _mm256_loadu_ps(w.add(j * stride)));
+        for b in 0..XB {
             let xv = _mm256_loadu_ps(xs[b]);
-            for j in 0..width {
+            for j in 0..WB {
                 acc[j][b] = _mm256_fmadd_ps(wv[j], xv, acc[j][b]);
             }
         }

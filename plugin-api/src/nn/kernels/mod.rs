@@ -100,36 +100,76 @@ pub fn small_product(
 
 /// The `n` outputs of every row of `x` as an array of x's dtype: `run(x, outputs, y)` fills
 /// columns `outputs` of y [rows, n], on one thread or, given a split point, on two.
+///
+/// Half-precision x is widened and y rounded here rather than by MLX ops: each MLX op costs
+/// microseconds of dispatch on the CPU, several times what converting a few rows costs. The
+/// rounding is MLX's (to nearest, ties to even).
 fn outputs(
     x: &Array,
     n: usize,
     split: Option<usize>,
     run: impl Fn(&[f32], std::ops::Range<usize>, &mut [f32]) + Sync,
 ) -> Result<Array, Exception> {
-    let x32 = super::wide::float32(x)?.contiguous()?;
-    let xs = x32.try_as_slice::<f32>().map_err(|e| Exception::custom(e.to_string()))?;
-    let rows = xs.len() / x.shape().last().map_or(1, |&k| k.max(1) as usize);
-    let mut y = vec![0f32; rows * n];
-    match split {
-        None => run(xs, 0..n, &mut y),
-        Some(at) => {
-            let mut upper = vec![0f32; rows * n];
-            std::thread::scope(|scope| {
-                scope.spawn(|| run(xs, at..n, &mut upper));
-                run(xs, 0..at, &mut y);
-            });
-            for m in 0..rows {
-                y[m * n + at..(m + 1) * n].copy_from_slice(&upper[m * n + at..(m + 1) * n]);
+    let x = row_major(x)?;
+    with_floats(&x, |xs| {
+        let rows = xs.len() / x.shape().last().map_or(1, |&k| k.max(1) as usize);
+        let mut y = vec![0f32; rows * n];
+        match split {
+            None => run(xs, 0..n, &mut y),
+            Some(at) => {
+                let mut upper = vec![0f32; rows * n];
+                std::thread::scope(|scope| {
+                    scope.spawn(|| run(xs, at..n, &mut upper));
+                    run(xs, 0..at, &mut y);
+                });
+                for m in 0..rows {
+                    y[m * n + at..(m + 1) * n].copy_from_slice(&upper[m * n + at..(m + 1) * n]);
+                }
             }
         }
+        let mut shape = x.shape().to_vec();
+        *shape.last_mut().expect("x has a last axis") = n as i32;
+        rounded(&y, &shape, x.dtype())
+    })
+}
+
+/// Calls `f` with the data of `a` (row-major, evaluated) as float32, widening half precision.
+pub(crate) fn with_floats<R>(a: &Array, f: impl FnOnce(&[f32]) -> R) -> Result<R, Exception> {
+    match a.dtype() {
+        Dtype::Float32 => Ok(f(slice::<f32>(a).ok_or_else(|| Exception::custom("float32 data"))?)),
+        Dtype::Bfloat16 | Dtype::Float16 => {
+            let bits = bits16(a).ok_or_else(|| Exception::custom("half-precision data"))?;
+            let widened: Vec<f32> = match a.dtype() {
+                Dtype::Bfloat16 => bits.iter().map(|&b| f32::from_bits((b as u32) << 16)).collect(),
+                _ => bits.iter().map(|&b| half::f16::from_bits(b).to_f32()).collect(),
+            };
+            Ok(f(&widened))
+        }
+        other => Err(Exception::custom(format!("data of {other:?}"))),
     }
-    let mut shape = x.shape().to_vec();
-    *shape.last_mut().expect("x has a last axis") = n as i32;
-    let y = Array::from_slice(&y, &shape);
-    if x.dtype() == Dtype::Float32 {
-        Ok(y)
+}
+
+/// An array of `shape` holding `values` rounded to `dtype` (float32, bfloat16 or float16).
+pub(crate) fn rounded(values: &[f32], shape: &[i32], dtype: Dtype) -> Array {
+    match dtype {
+        Dtype::Bfloat16 => {
+            Array::from_slice(&values.iter().map(|&v| half::bf16::from_f32(v)).collect::<Vec<_>>(), shape)
+        }
+        Dtype::Float16 => Array::from_slice(&values.iter().map(|&v| half::f16::from_f32(v)).collect::<Vec<_>>(), shape),
+        _ => Array::from_slice(values, shape),
+    }
+}
+
+/// `a` itself when its data is laid out row-major (evaluating it), else a row-major copy.
+pub(crate) fn row_major(a: &Array) -> Result<Array, Exception> {
+    a.eval()?;
+    let mut contiguous = false;
+    // SAFETY: `a` is a valid, evaluated array; the call writes one bool.
+    unsafe { mlx_sys::_mlx_array_is_row_contiguous(&mut contiguous, a.as_ptr()) };
+    if contiguous {
+        Ok(a.clone())
     } else {
-        y.as_dtype(x.dtype())
+        a.contiguous()
     }
 }
 
@@ -148,7 +188,7 @@ fn params(a: &Array) -> Option<Params<'_>> {
 }
 
 /// The 16-bit patterns of a bfloat16 or float16 array.
-fn bits16(a: &Array) -> Option<&[u16]> {
+pub(crate) fn bits16(a: &Array) -> Option<&[u16]> {
     let (ptr, len) = match a.dtype() {
         Dtype::Bfloat16 => slice::<half::bf16>(a).map(|v| (v.as_ptr().cast::<u16>(), v.len()))?,
         Dtype::Float16 => slice::<half::f16>(a).map(|v| (v.as_ptr().cast::<u16>(), v.len()))?,
@@ -285,7 +325,10 @@ mod tests {
             let wb: Vec<u16> = wf.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
             for extra in [1, 3, 11] {
                 let pad = |a: &[f32], r: usize| -> Vec<f32> {
-                    a.chunks(k).take(r).flat_map(|row| row.iter().copied().chain(std::iter::repeat_n(0.0, extra))).collect()
+                    a.chunks(k)
+                        .take(r)
+                        .flat_map(|row| row.iter().copied().chain(std::iter::repeat_n(0.0, extra)))
+                        .collect()
                 };
                 let (xp, wfp) = (pad(&x, rows), pad(&wf, n));
                 let wbp: Vec<u16> = wfp.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
