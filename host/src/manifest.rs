@@ -227,6 +227,12 @@ impl Source {
 }
 
 impl Manifest {
+    /// Whether rounds draft by how many rows share them: the drafter says `"auto"` and no
+    /// draft length is given on the command line.
+    pub fn auto_draft_tokens(&self, draft_tokens_given: bool) -> bool {
+        !draft_tokens_given && self.drafter.as_ref().is_some_and(|d| d.draft_tokens == DraftTokens::Auto)
+    }
+
     pub fn load(file: &Path) -> Result<Manifest, ManifestError> {
         let text = std::fs::read_to_string(file).map_err(|e| ManifestError {
             file: file.to_owned(),

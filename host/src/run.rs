@@ -147,8 +147,7 @@ impl Session {
         }
         let tokenizer = Tokenizer::load(&manifest.target_model)?;
         let defaults = CheckpointDefaults::load(&manifest.target_model).map_err(RunError::CheckpointDefaults)?;
-        let auto_draft_tokens = options.overrides.draft_tokens.is_none()
-            && manifest.drafter.as_ref().is_some_and(|d| d.draft_tokens == DraftTokens::Auto);
+        let auto_draft_tokens = manifest.auto_draft_tokens(options.overrides.draft_tokens.is_some());
         Ok(Session { manifest, model, drafter, auto_draft_tokens, tokenizer, defaults })
     }
 

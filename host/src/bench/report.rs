@@ -91,8 +91,7 @@ pub fn bench(options: &BenchOptions) -> Result<BenchReport, BenchRunError> {
             return Err(BenchRunError::NoServing);
         }
         let requests = distinct_requests(&request, options.requests);
-        let auto = options.draft_tokens.is_none()
-            && manifest.drafter.as_ref().is_some_and(|d| d.draft_tokens == crate::manifest::DraftTokens::Auto);
+        let auto = manifest.auto_draft_tokens(options.draft_tokens.is_some());
         let result = super::serving::serving(&model, &drafter, config, auto, &requests, concurrencies, options.pairs)
             .map_err(BenchError::Generate)?;
         return Ok(BenchReport::Serving(result));
