@@ -116,3 +116,55 @@ fn greedy_output_equals_plain_decoding_and_tau_holds() {
         );
     }
 }
+
+/// Under `draft_tokens = "auto"`, rounds of three rows draft nothing and the drafter is shown
+/// their tokens later, in one prefill: after 64 such rounds, and when the third row leaves and
+/// the two left draft again. Every row still equals plain decoding, and each drafter drafts
+/// after catching up at no less than 80% of the acceptance measured here when this was written
+/// (prompt lookup, which proposes only what it was shown, falls to 0.35 if it is not caught up).
+#[test]
+fn a_drafter_that_sat_out_rounds_catches_up() {
+    use host::generate::Flow;
+    use host::speculative::LiveBatch;
+    let (model, tokenizer) = target();
+    let prompts = prompts(&tokenizer);
+    let request = |i: usize, max_tokens| Request {
+        prompt: prompts[i].clone(),
+        max_tokens,
+        sampling: SamplingParams::default(),
+        eos: vec![],
+    };
+    // Rows 0 and 1 outlast row 2, which keeps three rows sharing the rounds for 70 tokens.
+    let requests = [request(0, 150), request(1, 150), request(2, 70)];
+    let ngram =
+        LoadedDrafter::load(&load_library(&common::workspace_plugin("ngram"), None).unwrap(), None, "").unwrap();
+    let trained = TRAINED.iter().map(|t| (t.name, drafter(t, &model)));
+    let measured = [("ngram", 0.62), ("dflash", 0.79), ("dspark", 0.59), ("deepspec", 0.75), ("assistant", 0.93)];
+    for ((name, drafter), (measured_name, measured)) in [("ngram", ngram)].into_iter().chain(trained).zip(measured) {
+        assert_eq!(name, measured_name);
+        let config = SpecConfig { draft_tokens: 3, verify: Verify::Match };
+        let mut batch = LiveBatch::new(&model, Some(&drafter), config).unwrap().with_auto_draft_tokens(true);
+        for (i, r) in requests.iter().enumerate() {
+            batch.join(i, r.clone(), |_| Flow::Continue).unwrap();
+        }
+        let mut done = Vec::new();
+        while !batch.is_empty() {
+            done.extend(batch.round(|_, _| Flow::Continue).unwrap());
+        }
+        let (mut drafted, mut accepted) = (0, 0);
+        for (i, g) in done {
+            assert_eq!(g.tokens, generate(&model, &requests[i], |_| {}).unwrap().tokens, "{name} row {i}");
+            assert!(g.stats.drafter_error.is_none(), "{name}: {:?}", g.stats.drafter_error);
+            if i == 2 {
+                assert_eq!(g.stats.drafted, 0, "{name}: three rows draft nothing");
+            } else {
+                (drafted, accepted) = (drafted + g.stats.drafted, accepted + g.stats.accepted);
+            }
+        }
+        let acceptance = accepted as f64 / drafted.max(1) as f64;
+        assert!(
+            acceptance >= 0.8 * measured,
+            "{name}: acceptance {acceptance:.2} after catching up, {measured} measured"
+        );
+    }
+}

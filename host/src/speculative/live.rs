@@ -7,6 +7,7 @@ use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Instant;
 
+use super::catch_up::CatchUp;
 use super::prefill::prefill_row;
 use super::prefix_cache::PrefixCache;
 use super::round::{round, Batch};
@@ -33,6 +34,8 @@ pub struct LiveBatch<'a, Id> {
     caches: Rc<RefCell<Vec<LayerCache>>>,
     view: TargetView,
     slot: DrafterSlot,
+    /// What the drafter has not been shown yet (rounds that drafted nothing).
+    catch_up: CatchUp,
     /// Per row, in the order of the caches and of the drafter's rows.
     members: Vec<Member<Id>>,
     requests: Vec<Request>,
@@ -64,6 +67,7 @@ impl<'a, Id: Copy> LiveBatch<'a, Id> {
             view: TargetView::new(model.clone(), caches.clone(), ports),
             caches,
             slot: DrafterSlot::Absent,
+            catch_up: CatchUp::default(),
             members: Vec::new(),
             requests: Vec::new(),
             rows: Vec::new(),
@@ -148,6 +152,7 @@ impl<'a, Id: Copy> LiveBatch<'a, Id> {
             *self.caches.borrow_mut() = caches;
             self.slot = slot;
         } else {
+            self.catch_up.flush(&mut self.slot)?;
             let mut live = self.caches.borrow_mut();
             let joined = std::mem::take(&mut *live)
                 .into_iter()
@@ -185,7 +190,8 @@ impl<'a, Id: Copy> LiveBatch<'a, Id> {
                 active: (0..self.requests.len()).collect(),
             };
             let members = &self.members;
-            round(&batch, &mut self.rows, &mut self.slot, &mut |r, event| on_event(members[r].id, event))?;
+            let (slot, catch_up) = (&mut self.slot, &mut self.catch_up);
+            round(&batch, &mut self.rows, slot, catch_up, &mut |r, event| on_event(members[r].id, event))?;
             finished.extend(self.leave_finished()?);
         }
         Ok(finished)
@@ -201,7 +207,9 @@ impl<'a, Id: Copy> LiveBatch<'a, Id> {
             // The next row to join starts the batch afresh, with a fresh drafter even after a
             // failure.
             self.caches.borrow_mut().clear();
+            self.catch_up.clear();
         } else {
+            self.catch_up.flush(&mut self.slot)?;
             for cache in self.caches.borrow_mut().iter_mut() {
                 cache.filter_rows(&keep)?;
             }

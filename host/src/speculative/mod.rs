@@ -16,6 +16,7 @@ use crate::plugin::{DrafterError, LoadedDrafter};
 use crate::target_view::TargetView;
 
 mod accept;
+mod catch_up;
 mod depth;
 mod live;
 mod prefill;

@@ -6,6 +6,7 @@ use std::cell::RefCell;
 use mlx_rs::Array;
 
 use super::accept::accept;
+use super::catch_up::CatchUp;
 use super::slot::DrafterSlot;
 use super::{forward, Row, SpecConfig, Taps};
 use crate::generate::{Event, Flow, GenerateError, Request};
@@ -27,9 +28,10 @@ pub(super) fn round(
     batch: &Batch,
     rows: &mut [Row],
     slot: &mut DrafterSlot,
+    catch_up: &mut CatchUp,
     on_event: &mut impl FnMut(usize, Event) -> Flow,
 ) -> Result<(), GenerateError> {
-    let proposals = draft(batch, rows, slot)?;
+    let proposals = draft(batch, rows, slot, catch_up)?;
 
     // One forward over every row's [pending, drafts…], right-padded to the longest.
     let width = 1 + proposals.iter().map(|p| p.tokens.len()).max().unwrap_or(0);
@@ -67,6 +69,10 @@ pub(super) fn round(
         cache.rollback(&rollback).map_err(|e| GenerateError::Internal(e.to_string()))?;
     }
     let flat: Vec<u32> = windows.concat();
+    if width == 1 {
+        // Nothing was drafted: the drafter sees these tokens when it next drafts.
+        return catch_up.push(flat, context, slot);
+    }
     let counts: Vec<u32> = accepted.iter().map(|&a| a as u32).collect();
     slot.call(|g| g.commit(&flat, &counts, context.as_ref()));
     Ok(())
@@ -74,7 +80,12 @@ pub(super) fn round(
 
 /// Each active row's proposal, no deeper than the round's draft length and its remaining budget
 /// allow (a row one token from `max_tokens` gets none); empty proposals when the drafter is gone.
-fn draft(batch: &Batch, rows: &[Row], slot: &mut DrafterSlot) -> Result<Vec<Proposal>, GenerateError> {
+fn draft(
+    batch: &Batch,
+    rows: &[Row],
+    slot: &mut DrafterSlot,
+    catch_up: &mut CatchUp,
+) -> Result<Vec<Proposal>, GenerateError> {
     let depths: Vec<usize> = batch
         .active
         .iter()
@@ -88,6 +99,7 @@ fn draft(batch: &Batch, rows: &[Row], slot: &mut DrafterSlot) -> Result<Vec<Prop
     if depth == 0 {
         return Ok(empty());
     }
+    catch_up.flush(slot)?;
     let pending: Vec<u32> = batch.active.iter().map(|&r| rows[r].pending).collect();
     let steps: Vec<u64> = batch.active.iter().map(|&r| rows[r].tokens.len() as u64).collect();
     let Some(mut proposals) = slot.call(|g| g.draft(&pending, depth, &steps)) else { return Ok(empty()) };

@@ -110,7 +110,7 @@ impl Rope {
     /// The cosines and sines of positions 0..`end` (at least), in `dtype`, shared by every rope
     /// of the same kind in the process and grown as positions reach further.
     fn table(&self, dtype: Dtype, end: usize) -> Result<Arc<Table>, Exception> {
-        static TABLES: Mutex<Option<HashMap<(Vec<u32>, Dtype), Arc<Table>>>> = Mutex::new(None);
+        static TABLES: Mutex<Option<HashMap<TableKey, Arc<Table>>>> = Mutex::new(None);
         let kind = match self {
             Rope::Default { dims, base } => vec![*dims as u32, base.to_bits()],
             Rope::Proportional { dims, freqs } => {
@@ -130,6 +130,9 @@ impl Rope {
         Ok(table)
     }
 }
+
+/// A rope's kind (dims and base, or dims and frequencies, as bits) and the dtype.
+type TableKey = (Vec<u32>, Dtype);
 
 /// cos θ and sin θ for every position and frequency, [positions, dims / 2] each, as MLX's rope
 /// rounds them to the activation dtype.
