@@ -145,7 +145,8 @@ mod avx2 {
         if !supported {
             return portable::product(x, rows, k, w, outputs, n, y);
         }
-        let w_block = if rows == 1 { 4 } else { 2 };
+        // Four W rows for a single x row while their converted floats stay well inside L1.
+        let w_block = if rows == 1 && k <= 1024 { 4 } else { 2 };
         // Rows of W in another format (or of a length that is not a whole number of vectors)
         // are converted to floats once, into a buffer that stays in L1 and is padded with zeros
         // to whole vectors, and read from there by every block of x rows.
