@@ -206,12 +206,7 @@ impl Layer {
         let hd = self.head_dim;
         let q = self.self_attn.q_proj.forward(r)?.reshape(&[b, 1, c.num_attention_heads, hd])?;
         let q = rms_norm(&q, Some(&self.self_attn.q_norm), eps)?.transpose_axes(&[0, 2, 1, 3])?;
-        let rows: Vec<Array> = positions
-            .iter()
-            .enumerate()
-            .map(|(row, &p)| self.rope.apply(&q.take_axis(Array::from_slice(&[row as i32], &[1]), 0)?, p))
-            .collect::<Result<_, _>>()?;
-        let q = plugin_api::mlx_rs::ops::concatenate(&rows, 0)?;
+        let q = self.rope.apply_rows(&q, positions)?;
         let keys = donors.keys.borrow().to_array();
         let values = donors.values.borrow().to_array();
         let window = match self.layer_type {

@@ -8,7 +8,7 @@ use std::path::Path;
 use plugin_api::config::ConfigFile;
 use plugin_api::mlx_rs::error::Exception;
 use plugin_api::mlx_rs::{Array, Dtype};
-use plugin_api::nn::ops::{attention, gelu_approx, rms_norm, Mask};
+use plugin_api::nn::ops::{attention, geglu, rms_norm, Mask};
 use plugin_api::nn::Weights;
 use plugin_api::sdk::{Draw, Target};
 use plugin_api::PluginError;
@@ -206,7 +206,7 @@ impl Dspark {
             let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[1, gamma, c.d_draft])?;
             h = h.add(out.matmul(&layer.o)?)?;
             let f = rms_norm(&h, Some(&layer.ff_norm), eps)?;
-            h = h.add(gelu_approx(&f.matmul(&layer.gate)?)?.multiply(f.matmul(&layer.up)?)?.matmul(&layer.down)?)?;
+            h = h.add(geglu(&f.matmul(&layer.gate)?, &f.matmul(&layer.up)?)?.matmul(&layer.down)?)?;
         }
         let h = rms_norm(&h, Some(&self.out_norm), eps)?.reshape(&[gamma, c.d_draft])?;
         let base = target.logits_from_hidden(&h.matmul(&self.out_proj)?.reshape(&[1, gamma, c.hidden_size])?)?;
