@@ -20,7 +20,7 @@ pub fn rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Array, Ex
 /// microseconds of dispatch on the CPU and a small model meets eight norms per layer; the
 /// result is MLX's bit for bit (tested). `None` for what it does not cover.
 fn cpu_rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Option<Array>, Exception> {
-    use super::kernels::{rounded, row_major, with_floats};
+    use super::kernels::{round_to, rounded, row_major, with_floats};
     let dtype = x.dtype();
     let n = x.shape().last().copied().unwrap_or(0) as usize;
     let weight_fits = weight.is_none_or(|w| w.dtype() == dtype && w.shape() == [n as i32]);
@@ -29,11 +29,7 @@ fn cpu_rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Option<Ar
     }
     let weight = weight.map(|w| row_major(w).and_then(|w| with_floats(&w, <[f32]>::to_vec))).transpose()?;
     let x = row_major(x)?;
-    let round = |v: f32| match dtype {
-        Dtype::Bfloat16 => half::bf16::from_f32(v).to_f32(),
-        Dtype::Float16 => half::f16::from_f32(v).to_f32(),
-        _ => v,
-    };
+    let round = |v| round_to(dtype, v);
     let inverse_n = (1.0 / n as f64) as f32;
     let y = with_floats(&x, |xs| {
         let mut y = Vec::with_capacity(xs.len());
@@ -79,7 +75,7 @@ pub fn geglu(gate: &Array, up: &Array) -> Result<Array, Exception> {
 /// the C library's `powf` and `tanhf` that MLX's CPU ops call: MLX's result bit for bit
 /// (tested), without nine dispatches of microseconds each. `None` for what it does not cover.
 fn cpu_geglu(gate: &Array, up: &Array) -> Result<Option<Array>, Exception> {
-    use super::kernels::{rounded, row_major, with_floats};
+    use super::kernels::{round_to, rounded, row_major, with_floats};
     let dtype = gate.dtype();
     if !matches!(dtype, Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16)
         || up.dtype() != dtype
@@ -87,11 +83,7 @@ fn cpu_geglu(gate: &Array, up: &Array) -> Result<Option<Array>, Exception> {
     {
         return Ok(None);
     }
-    let round = |v: f32| match dtype {
-        Dtype::Bfloat16 => half::bf16::from_f32(v).to_f32(),
-        Dtype::Float16 => half::f16::from_f32(v).to_f32(),
-        _ => v,
-    };
+    let round = |v| round_to(dtype, v);
     let (c, k) = (round(0.044715), round((2.0 / std::f32::consts::PI).sqrt()));
     let (gate, up) = (row_major(gate)?, row_major(up)?);
     let ups = with_floats(&up, <[f32]>::to_vec)?;

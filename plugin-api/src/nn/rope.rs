@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype};
 
-use super::kernels::{rounded, row_major, with_floats};
+use super::kernels::{round_to, rounded, row_major, with_floats};
 
 #[derive(Clone)]
 pub enum Rope {
@@ -83,11 +83,7 @@ impl Rope {
         let (heads, length, d) = (shape[1] as usize, shape[2] as usize, shape[3] as usize);
         let end = offsets.iter().map(|&o| o as usize + length).max().unwrap_or(0);
         let table = self.table(dtype, end)?;
-        let round = |v: f32| match dtype {
-            Dtype::Bfloat16 => half::bf16::from_f32(v).to_f32(),
-            Dtype::Float16 => half::f16::from_f32(v).to_f32(),
-            _ => v,
-        };
+        let round = |v| round_to(dtype, v);
         let half = dims / 2;
         let x = row_major(x)?;
         let y = with_floats(&x, |xs| {

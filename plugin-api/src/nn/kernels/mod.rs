@@ -149,6 +149,17 @@ pub(crate) fn with_floats<R>(a: &Array, f: impl FnOnce(&[f32]) -> R) -> Result<R
     }
 }
 
+/// `v` rounded to `dtype` (to nearest, ties to even, as MLX converts), kept as float32: what an
+/// MLX op of that dtype does to each result.
+#[inline(always)]
+pub(crate) fn round_to(dtype: Dtype, v: f32) -> f32 {
+    match dtype {
+        Dtype::Bfloat16 => half::bf16::from_f32(v).to_f32(),
+        Dtype::Float16 => half::f16::from_f32(v).to_f32(),
+        _ => v,
+    }
+}
+
 /// An array of `shape` holding `values` rounded to `dtype` (float32, bfloat16 or float16).
 pub(crate) fn rounded(values: &[f32], shape: &[i32], dtype: Dtype) -> Array {
     match dtype {
