@@ -6,6 +6,8 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::Instant;
 
+use mlx_rs::Array;
+
 use crate::generate::{generate, GenerateError, Request};
 use crate::model::Gemma4;
 
@@ -52,7 +54,15 @@ pub struct PlainBench {
     pub weight_bytes_per_token: usize,
     pub memory_gb_per_s: f64,
     pub bandwidth_bound_tokens_per_s: f64,
+    /// A verify window of [`WINDOW`] tokens over a one-token step, both after the prompt:
+    /// medians of interleaved forwards (logits included), and their ratio.
+    pub step_ms: f64,
+    pub window_ms: f64,
+    pub window_over_step: f64,
 }
+
+/// The verify window the bench times: a pending token and four drafts.
+pub const WINDOW: usize = 5;
 
 pub fn plain(
     model: &Gemma4,
@@ -73,6 +83,7 @@ pub fn plain(
             host.push(run_host(model, request)?);
         }
     }
+    let (step_ms, window_ms) = window_cost(model, &request.prompt, 4 * config.pairs.max(1))?;
     let ratios = |f: fn(&Throughput) -> f64| host.iter().zip(&mlx_lm).map(|(h, m)| f(h) / f(m)).collect::<Vec<_>>();
     let weight_bytes_per_token = model.weight_bytes_per_token();
     let memory_gb_per_s = memory_bandwidth_gb_per_s();
@@ -84,7 +95,42 @@ pub fn plain(
         weight_bytes_per_token,
         memory_gb_per_s,
         bandwidth_bound_tokens_per_s: memory_gb_per_s * 1e9 / weight_bytes_per_token as f64,
+        step_ms,
+        window_ms,
+        window_over_step: window_ms / step_ms,
     })
+}
+
+/// Median milliseconds of a one-token forward and of a [`WINDOW`]-token one after `prompt`,
+/// `repetitions` of each in alternation, the caches rolled back after each.
+fn window_cost(model: &Gemma4, prompt: &[u32], repetitions: usize) -> Result<(f64, f64), GenerateError> {
+    let internal = |e: crate::model::cache::CacheError| GenerateError::Internal(e.to_string());
+    let mut caches = model.make_caches(1, WINDOW);
+    let ids = |tokens: &[u32]| {
+        Array::from_slice(&tokens.iter().map(|&t| t as i32).collect::<Vec<_>>(), &[1, tokens.len() as i32])
+    };
+    let forward = |tokens: &[u32], caches: &mut [crate::model::LayerCache]| -> Result<f64, GenerateError> {
+        let started = Instant::now();
+        let hidden = model.forward_hidden(&ids(tokens), caches, None)?;
+        model.logits_from_hidden(&hidden)?.eval()?;
+        Ok(started.elapsed().as_secs_f64() * 1e3)
+    };
+    for chunk in prompt.chunks(crate::generate::PREFILL_CHUNK) {
+        forward(chunk, &mut caches)?;
+    }
+    let last = prompt.last().copied().unwrap_or(0);
+    let (mut step, mut window) = (Vec::new(), Vec::new());
+    for _ in 0..=repetitions {
+        for (times, width) in [(&mut step, 1), (&mut window, WINDOW)] {
+            let ms = forward(&vec![last; width], &mut caches)?;
+            times.push(ms);
+            for cache in caches.iter_mut() {
+                cache.rollback(&[width]).map_err(internal)?;
+            }
+        }
+    }
+    // The first of each warms up.
+    Ok((summary(&step[1..]).0, summary(&window[1..]).0))
 }
 
 fn run_host(model: &Gemma4, request: &Request) -> Result<Throughput, BenchError> {
