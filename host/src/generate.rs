@@ -148,6 +148,11 @@ pub fn check_request(model: &Gemma4, request: &Request) -> Result<(), GenerateEr
     request.sampling.validate().map_err(GenerateError::Sampling)
 }
 
+/// One row of token ids as the model takes them: [1, L] int32.
+pub fn token_ids(tokens: &[u32]) -> Array {
+    Array::from_slice(&tokens.iter().map(|&t| t as i32).collect::<Vec<_>>(), &[1, tokens.len() as i32])
+}
+
 /// Decodes plainly, telling `on_event` of the prefill's progress and of each token as it is
 /// produced; it may answer [`Flow::Stop`].
 pub fn generate<R: Into<Flow>>(
@@ -164,7 +169,7 @@ pub fn generate<R: Into<Flow>>(
     let mut logits = None;
     let mut done = 0;
     for chunk in request.prompt.chunks(PREFILL_CHUNK) {
-        let ids = Array::from_slice(&chunk.iter().map(|&t| t as i32).collect::<Vec<_>>(), &[1, chunk.len() as i32]);
+        let ids = token_ids(chunk);
         let hidden = model.forward_hidden(&ids, &mut caches, None)?;
         stats.target_forwards += 1;
         let chunk_logits = last_logits(model, &hidden)?;
@@ -197,7 +202,7 @@ pub fn generate<R: Into<Flow>>(
         if flow == Flow::Stop {
             break StopReason::Interrupted;
         }
-        let ids = Array::from_slice(&[next as i32], &[1, 1]);
+        let ids = token_ids(&[next]);
         let hidden = model.forward_hidden(&ids, &mut caches, None)?;
         stats.target_forwards += 1;
         logits = last_logits(model, &hidden)?;

@@ -379,10 +379,8 @@ fn run(cli: Cli) -> Result<()> {
                 None => println!("drafter   none (plain decoding)"),
                 Some((drafter, config)) => {
                     let spec = manifest.drafter.as_ref().expect("a drafter was loaded");
-                    let tokens = match spec.draft_tokens {
-                        host::manifest::DraftTokens::Auto => format!("auto (up to {})", config.draft_tokens),
-                        host::manifest::DraftTokens::Fixed(n) => n.to_string(),
-                    };
+                    let auto = spec.draft_tokens == host::manifest::DraftTokens::Auto;
+                    let tokens = host::speculative::describe_draft_tokens(auto, config.draft_tokens);
                     println!("drafter   {}, {tokens} draft tokens, verify {:?}", spec.kind, config.verify);
                     for warning in host::run::depth_warnings(&drafter.info, config.draft_tokens) {
                         println!("warning   {warning}");

@@ -12,7 +12,7 @@ use crate::manifest::{DraftTokens, Manifest, ManifestError};
 use crate::model::{Gemma4, ModelError};
 use crate::plugin::{DrafterError, LoadedDrafter};
 use crate::sampling::SamplingParams;
-use crate::speculative::{auto_draft_tokens, generate_speculative, probe_open, SpecConfig, Verify, AUTO_MOST};
+use crate::speculative::{generate_speculative, probe_open, SpecConfig, Verify, AUTO_MOST};
 use crate::tokenizer::{StreamDecoder, Tokenizer, TokenizerError};
 
 /// What `host run` is asked: a manifest, the command line's overrides, where plugins live.
@@ -154,11 +154,8 @@ impl Session {
     /// The drafter and its config for a batch of `rows` rows that stays together (a single
     /// request, or a file of them).
     pub fn drafter_for(&self, rows: usize) -> Option<(&LoadedDrafter, SpecConfig)> {
-        let (drafter, mut config) = self.drafter.as_ref().map(|(d, c)| (d, *c))?;
-        if self.auto_draft_tokens {
-            config.draft_tokens = config.draft_tokens.min(auto_draft_tokens(rows));
-        }
-        Some((drafter, config))
+        let (drafter, config) = self.drafter.as_ref()?;
+        Some((drafter, config.for_rows(self.auto_draft_tokens, rows)))
     }
 
     /// The request the manifest, the checkpoint's defaults and `overrides` describe.

@@ -6,8 +6,6 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::Instant;
 
-use mlx_rs::Array;
-
 use crate::generate::{generate, GenerateError, Request};
 use crate::model::Gemma4;
 
@@ -106,12 +104,9 @@ pub fn plain(
 fn window_cost(model: &Gemma4, prompt: &[u32], repetitions: usize) -> Result<(f64, f64), GenerateError> {
     let internal = |e: crate::model::cache::CacheError| GenerateError::Internal(e.to_string());
     let mut caches = model.make_caches(1, WINDOW);
-    let ids = |tokens: &[u32]| {
-        Array::from_slice(&tokens.iter().map(|&t| t as i32).collect::<Vec<_>>(), &[1, tokens.len() as i32])
-    };
     let forward = |tokens: &[u32], caches: &mut [crate::model::LayerCache]| -> Result<f64, GenerateError> {
         let started = Instant::now();
-        let hidden = model.forward_hidden(&ids(tokens), caches, None)?;
+        let hidden = model.forward_hidden(&crate::generate::token_ids(tokens), caches, None)?;
         model.logits_from_hidden(&hidden)?.eval()?;
         Ok(started.elapsed().as_secs_f64() * 1e3)
     };

@@ -126,10 +126,7 @@ fn closed_loop(
 
 impl ServingBench {
     pub fn text(&self) -> String {
-        let drafting = match self.auto_draft_tokens {
-            true => format!("auto (up to {})", self.draft_tokens),
-            false => self.draft_tokens.to_string(),
-        };
+        let drafting = crate::speculative::describe_draft_tokens(self.auto_draft_tokens, self.draft_tokens);
         let mut out = format!(
             "serving: {} requests of {} tokens per run, {} drafting {drafting} (median; speed-up range)\n\
              \x20 concurrency   plain tok/s   speculative tok/s   speed-up             tokens/round  identical\n",

@@ -28,6 +28,10 @@ impl CatchUp {
         context: Option<Array>,
         slot: &mut DrafterSlot,
     ) -> Result<(), GenerateError> {
+        if !matches!(slot, DrafterSlot::Active(_)) {
+            // Plain decoding, or a drafter dropped: nobody to catch up.
+            return Ok(());
+        }
         self.tokens.push(tokens);
         self.contexts.extend(context);
         if self.tokens.len() >= MOST_ROUNDS {

@@ -12,11 +12,33 @@
 /// The most tokens a row drafts under "auto" (the caches' rollback room is sized for it).
 pub const AUTO_MOST: usize = 3;
 
+use super::SpecConfig;
+
 /// The draft length for a round of `rows` rows (0: the round verifies only the pending token).
 pub fn auto_draft_tokens(rows: usize) -> usize {
     match rows {
         0..=1 => 3,
         2 => 2,
         _ => 0,
+    }
+}
+
+impl SpecConfig {
+    /// The config of a round that `rows` rows share: under "auto", no deeper than
+    /// [`auto_draft_tokens`] of them.
+    pub fn for_rows(mut self, auto: bool, rows: usize) -> SpecConfig {
+        if auto {
+            self.draft_tokens = self.draft_tokens.min(auto_draft_tokens(rows));
+        }
+        self
+    }
+}
+
+/// The draft length as reports print it: "3", or "auto (up to 3)".
+pub fn describe_draft_tokens(auto: bool, most: usize) -> String {
+    if auto {
+        format!("auto (up to {most})")
+    } else {
+        most.to_string()
     }
 }

@@ -177,10 +177,7 @@ impl<'a, Id: Copy> LiveBatch<'a, Id> {
     ) -> Result<Vec<(Id, Generation)>, GenerateError> {
         let mut finished = self.leave_finished()?;
         if !self.members.is_empty() {
-            let mut config = self.config;
-            if self.auto_draft_tokens {
-                config.draft_tokens = config.draft_tokens.min(super::auto_draft_tokens(self.members.len()));
-            }
+            let config = self.config.for_rows(self.auto_draft_tokens, self.members.len());
             let batch = Batch {
                 model: self.model,
                 caches: &self.caches,

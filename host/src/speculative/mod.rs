@@ -24,7 +24,7 @@ mod prefix_cache;
 mod round;
 mod slot;
 
-pub use depth::{auto_draft_tokens, AUTO_MOST};
+pub use depth::{auto_draft_tokens, describe_draft_tokens, AUTO_MOST};
 pub use live::LiveBatch;
 
 /// How drafted tokens are accepted.

@@ -109,10 +109,10 @@ impl Rope {
         static TABLES: Mutex<Option<HashMap<TableKey, Arc<Table>>>> = Mutex::new(None);
         let kind = match self {
             Rope::Default { dims, base } => vec![*dims as u32, base.to_bits()],
-            Rope::Proportional { dims, freqs } => {
-                let freqs = freqs.as_dtype(Dtype::Float32)?;
-                std::iter::once(*dims as u32).chain(freqs.as_slice::<f32>().iter().map(|f| f.to_bits())).collect()
-            }
+            // The frequencies are float32 as `proportional` makes them; reading them is no op.
+            Rope::Proportional { dims, freqs } => with_floats(&row_major(freqs)?, |f| {
+                std::iter::once(*dims as u32).chain(f.iter().map(|f| f.to_bits())).collect()
+            })?,
         };
         let mut tables = TABLES.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let tables = tables.get_or_insert_with(HashMap::new);
