@@ -232,6 +232,21 @@ enum Command {
     },
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
     Completions { shell: clap_complete::Shell },
+    /// Run a command (`run …`) as N tensor-parallel ranks over MLX's ring backend: N local
+    /// ranks on loopback, or one rank per entry of a ring hostfile. Only rank 0 writes output.
+    Launch {
+        /// Ranks to start on this machine (default 2; with --hostfile, its count).
+        #[arg(short = 'n', long = "ranks", value_name = "N")]
+        ranks: Option<usize>,
+        /// A ring hostfile: a JSON list with one list of "ip:port" addresses per rank. Ranks on
+        /// other hosts are started over ssh, with this executable and the hostfile at the same
+        /// paths there.
+        #[arg(long, value_name = "FILE")]
+        hostfile: Option<PathBuf>,
+        /// The command each rank runs, after `--` (e.g. `-- run --manifest m.toml`).
+        #[arg(last = true, required = true, value_name = "COMMAND")]
+        command: Vec<std::ffi::OsString>,
+    },
     /// Check manifests.
     Manifest {
         #[command(subcommand)]
@@ -288,18 +303,36 @@ fn main() -> ExitCode {
         unsafe { std::env::set_var(plugin_api::sdk::PANIC_OUTPUT_ENV, "1") };
     }
     host::runtime::init();
-    match run(cli) {
+    // A rank started by `host launch`: rank 0 speaks for all, the others only report errors.
+    let rank = std::env::var_os(host::distributed::HOSTFILE_ENV)
+        .map(|_| std::env::var(host::distributed::RANK_ENV).unwrap_or_default());
+    match run(cli, rank.as_deref().is_some_and(|r| r.trim() != "0")) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            // One write, so that ranks failing together do not interleave their messages.
+            let line = match &rank {
+                Some(rank) => format!("error (rank {rank}): {e:#}\n"),
+                None => format!("error: {e:#}\n"),
+            };
+            let _ = std::io::stderr().write_all(line.as_bytes());
             ExitCode::FAILURE
         }
     }
 }
 
-fn run(cli: Cli) -> Result<()> {
-    let (verbose, quiet) = (cli.verbose, cli.quiet);
+fn run(cli: Cli, silent_rank: bool) -> Result<()> {
+    let (verbose, quiet) = (cli.verbose, cli.quiet || silent_rank);
+    let ranked = std::env::var_os(host::distributed::HOSTFILE_ENV).is_some();
+    if ranked && !matches!(cli.command, Command::Run(_)) {
+        bail!("a rank of `host launch` runs `host run` only (this command does not shard over ranks)");
+    }
     match cli.command {
+        Command::Launch { ranks, hostfile, command } => {
+            if command.first().and_then(|c| c.to_str()) != Some("run") {
+                bail!("host launch runs `run …` (serving and benchmarking a sharded target are not supported)");
+            }
+            host::launch::launch(&host::launch::LaunchOptions { ranks, hostfile, args: command })?;
+        }
         Command::Run(args) => run_manifest(args, quiet)?,
         Command::Bench(args) => bench(args, quiet)?,
         Command::Serve(args) => serve(args, quiet)?,

@@ -16,6 +16,10 @@ pub enum ModelError {
     Tensor { dir: PathBuf, name: String, reason: String },
     #[error("MLX: {0}")]
     Mlx(#[from] mlx_rs::error::Exception),
+    #[error("tensor parallelism: {0}")]
+    Shard(String),
+    #[error(transparent)]
+    Distributed(#[from] crate::distributed::DistributedError),
     #[error("{0}")]
     Internal(String),
 }

@@ -2,6 +2,7 @@
 //! tensor names.
 
 use mlx_rs::error::Exception;
+use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{Array, Dtype};
 use plugin_api::nn::ops::{attention, geglu, rms_norm, scalar, softcap, Mask};
 use plugin_api::nn::{Embedding, Linear, Rope};
@@ -9,6 +10,7 @@ use plugin_api::nn::{Embedding, Linear, Rope};
 use super::cache::LayerCache;
 use super::config::{Gemma4Config, LayerType};
 use super::error::ModelError;
+use crate::distributed::Group;
 
 pub struct Attention {
     pub q_proj: Linear,
@@ -42,6 +44,8 @@ pub struct Moe {
     pub router: Router,
     pub experts: SwitchGlu,
     pub top_k: i32,
+    /// The experts this rank holds (all of them in a single process).
+    pub local_experts: std::ops::Range<i32>,
     pub pre_feedforward_layernorm_2: Array,
     pub post_feedforward_layernorm_1: Array,
     pub post_feedforward_layernorm_2: Array,
@@ -87,6 +91,9 @@ pub struct Gemma4 {
     /// Bytes of all weights, and of the routed experts among them.
     pub weight_bytes: usize,
     pub expert_bytes: usize,
+    /// The ranks of a tensor-parallel target, over which o_proj's and down_proj's partial
+    /// outputs are summed; `None` in a single process.
+    pub group: Option<&'static Group>,
 }
 
 /// Hidden states captured during a forward, at the requested layers.
@@ -172,8 +179,8 @@ impl Gemma4 {
         for (i, layer) in self.layers.iter().enumerate() {
             let source = self.kv_source[i];
             let cache = caches.get_mut(i).filter(|_| source == i);
-            let (out, kv) =
-                layer.forward(&h, &offsets, cache, shared[source].clone(), per_layer.as_ref().map(|p| (p, i)), c)?;
+            let per_layer = per_layer.as_ref().map(|p| (p, i));
+            let (out, kv) = layer.forward(&h, &offsets, cache, shared[source].clone(), per_layer, self.group, c)?;
             h = out;
             if source == i {
                 shared[i] = Some(kv);
@@ -219,19 +226,32 @@ impl DecoderLayer {
         cache: Option<&mut LayerCache>,
         shared: Option<SharedKv>,
         per_layer: Option<(&Array, usize)>,
+        group: Option<&Group>,
         c: &Gemma4Config,
     ) -> Result<(Array, SharedKv), ModelError> {
         let eps = c.rms_norm_eps;
         let r = rms_norm(x, Some(&self.input_layernorm), eps)?;
         let (attn, kv) = self.self_attn.forward(&r, offsets, cache, shared, eps)?;
+        let attn = sum_over_ranks(group, attn)?;
         let h = x.add(rms_norm(&attn, Some(&self.post_attention_layernorm), eps)?)?;
 
         let ff = match &self.moe {
-            None => self.mlp.geglu(&rms_norm(&h, Some(&self.pre_feedforward_layernorm), eps)?)?,
+            None => {
+                let dense = self.mlp.geglu(&rms_norm(&h, Some(&self.pre_feedforward_layernorm), eps)?)?;
+                sum_over_ranks(group, dense)?
+            }
             Some(moe) => {
                 let dense = self.mlp.geglu(&rms_norm(&h, Some(&self.pre_feedforward_layernorm), eps)?)?;
-                let dense = rms_norm(&dense, Some(&moe.post_feedforward_layernorm_1), eps)?;
                 let routed = moe.forward(&h, eps)?;
+                // Both partial sums cross the ranks in one collective.
+                let (dense, routed) = match group {
+                    None => (dense, routed),
+                    Some(g) => {
+                        let both = g.all_sum(&mlx_rs::ops::stack(&[dense, routed], 0)?)?;
+                        (both.index(0), both.index(1))
+                    }
+                };
+                let dense = rms_norm(&dense, Some(&moe.post_feedforward_layernorm_1), eps)?;
                 dense.add(rms_norm(&routed, Some(&moe.post_feedforward_layernorm_2), eps)?)?
             }
         };
@@ -306,12 +326,38 @@ impl Moe {
         let weights = scores.take_along_axis(&indices, -1)?;
         let weights =
             mlx_rs::ops::softmax_axis(&weights, -1, None)?.multiply(r.per_expert_scale.take_axis(&indices, 0)?)?;
+        let (indices, weights) = self.local(indices, weights, experts)?;
 
         let x = rms_norm(h, Some(&self.pre_feedforward_layernorm_2), eps)?.expand_dims_axes(&[-2, -3])?;
         let up = switch_linear(&self.experts.up_proj, &x, &indices)?;
         let gate = switch_linear(&self.experts.gate_proj, &x, &indices)?;
         let y = switch_linear(&self.experts.down_proj, &geglu(&gate, &up)?, &indices)?.squeeze_axes(&[-2])?;
         y.multiply(weights.expand_dims(-1)?)?.sum_axis(-2, None)
+    }
+}
+
+impl Moe {
+    /// Routing restricted to the experts this rank holds: indices into its own stack, with the
+    /// weight of every expert held elsewhere zeroed (its slot computes expert 0 of the stack,
+    /// which then counts for nothing). The other ranks add what they hold.
+    fn local(&self, indices: Array, weights: Array, experts: i32) -> Result<(Array, Array), Exception> {
+        let range = &self.local_experts;
+        if range.start == 0 && range.end == experts {
+            return Ok((indices, weights));
+        }
+        let local = indices.subtract(Array::from_int(range.start))?;
+        let here = local.ge(Array::from_int(0))?.logical_and(local.lt(Array::from_int(range.end - range.start))?)?;
+        let indices = mlx_rs::ops::select(&here, &local, Array::from_int(0))?;
+        let weights = mlx_rs::ops::select(&here, &weights, scalar(0.0, weights.dtype())?)?;
+        Ok((indices, weights))
+    }
+}
+
+/// Sums a rank's partial output over all ranks; a single process holds the whole sum already.
+fn sum_over_ranks(group: Option<&Group>, x: Array) -> Result<Array, Exception> {
+    match group {
+        Some(g) => g.all_sum(&x),
+        None => Ok(x),
     }
 }
 

@@ -5,19 +5,36 @@ use std::path::Path;
 
 use plugin_api::nn::{Embedding, Linear, Quantization, Rope, Weights, WeightsError};
 
+use crate::distributed::{self, Group};
+
 use super::config::{Gemma4Config, LayerType};
 use super::gemma4::{Attention, DecoderLayer, Gemma4, Mlp, Moe, PerLayerInput, PerLayerInputs, Router, SwitchGlu};
+use super::shard::Shard;
 use super::ModelError;
 
 /// Prefixes of the text model's tensors in the checkpoint formats we read.
 const PREFIXES: [&str; 4] = ["model.language_model.", "language_model.model.", "model.", ""];
 
+/// Loads the target whole, or, in a process that `host launch` made a rank, this rank's shard
+/// of it (see [`super::shard`]).
 pub fn load(dir: &Path) -> Result<Gemma4, ModelError> {
+    load_on(dir, distributed::group()?)
+}
+
+/// Loads the target for `group`'s rank (whole for `None`).
+pub fn load_on(dir: &Path, group: Option<&'static Group>) -> Result<Gemma4, ModelError> {
     let config = Gemma4Config::load(dir)?;
+    let shard = group.map(|g| Shard { rank: g.rank, ranks: g.size }).unwrap_or(Shard { rank: 0, ranks: 1 });
+    shard.check(&config)?;
     let wrap = |error: WeightsError| ModelError::Weights { dir: dir.to_owned(), error };
-    let mut weights = Weights::load_dir(dir).map_err(wrap)?;
+    let mut weights = match shard.ranks {
+        1 => Weights::load_dir(dir),
+        _ => Weights::load_dir_split(dir, &|name| shard.split(name)),
+    }
+    .map_err(wrap)?;
     normalize_names(&mut weights)?;
-    let model = build(config, &weights).map_err(wrap)?;
+    let mut model = build(config, &weights, shard).map_err(wrap)?;
+    model.group = group;
     Ok(model)
 }
 
@@ -52,8 +69,10 @@ fn normalize_names(w: &mut Weights) -> Result<(), ModelError> {
     Ok(())
 }
 
-fn build(config: Gemma4Config, w: &Weights) -> Result<Gemma4, WeightsError> {
+fn build(config: Gemma4Config, w: &Weights, shard: Shard) -> Result<Gemma4, WeightsError> {
     let c = &config;
+    // Widths a rank holds: heads, KV heads, intermediate rows and experts are divided.
+    let n = shard.ranks as i32;
     let q = |path: &str| -> Option<Quantization> {
         let quant = c.quantization.as_ref()?;
         w.contains(&format!("{path}.scales")).then(|| quant.for_module(path)).flatten()
@@ -100,35 +119,37 @@ fn build(config: Gemma4Config, w: &Weights) -> Result<Gemma4, WeightsError> {
     for i in 0..c.num_hidden_layers {
         let p = format!("layers.{i}");
         let head_dim = c.layer_head_dim(i);
-        let n_kv = c.layer_kv_heads(i);
+        let n_heads = c.num_attention_heads / n;
+        let n_kv = c.layer_kv_heads(i) / n;
         let has_kv = i < first_shared;
         let lin = |name: &str, out: i32, inp: i32| {
             Linear::load(w, &format!("{p}.{name}"), out, inp, q(&format!("{p}.{name}")))
         };
         let self_attn = Attention {
-            q_proj: lin("self_attn.q_proj", c.num_attention_heads * head_dim, hidden)?,
+            q_proj: lin("self_attn.q_proj", n_heads * head_dim, hidden)?,
             k_proj: has_kv.then(|| lin("self_attn.k_proj", n_kv * head_dim, hidden)).transpose()?,
             v_proj: (has_kv && !c.k_eq_v(i)).then(|| lin("self_attn.v_proj", n_kv * head_dim, hidden)).transpose()?,
-            o_proj: lin("self_attn.o_proj", hidden, c.num_attention_heads * head_dim)?,
+            o_proj: lin("self_attn.o_proj", hidden, n_heads * head_dim)?,
             q_norm: norm(&format!("{p}.self_attn.q_norm"), head_dim)?,
             k_norm: has_kv.then(|| norm(&format!("{p}.self_attn.k_norm"), head_dim)).transpose()?,
-            n_heads: c.num_attention_heads,
+            n_heads,
             n_kv_heads: n_kv,
             head_dim,
             rope: rope_for(c, i, head_dim)
                 .map_err(|e| WeightsError::File { file: c.file.clone(), reason: e.to_string() })?,
         };
         let wide = c.use_double_wide_mlp && i >= first_shared && first_shared > 0;
-        let inter = c.intermediate_size * if wide { 2 } else { 1 };
+        let inter = c.intermediate_size * if wide { 2 } else { 1 } / n;
         let mlp = Mlp {
             gate_proj: lin("mlp.gate_proj", inter, hidden)?,
             up_proj: lin("mlp.up_proj", inter, hidden)?,
             down_proj: lin("mlp.down_proj", hidden, inter)?,
         };
         let moe = if c.enable_moe_block {
+            let local = c.num_experts / n;
             let experts = |name: &str, out: i32, inp: i32| {
                 let path = format!("{p}.experts.switch_glu.{name}");
-                load_experts(w, &path, c.num_experts, out, inp, q(&path))
+                load_experts(w, &path, local, out, inp, q(&path))
             };
             Some(Moe {
                 router: Router {
@@ -142,6 +163,7 @@ fn build(config: Gemma4Config, w: &Weights) -> Result<Gemma4, WeightsError> {
                     down_proj: experts("down_proj", hidden, c.moe_intermediate_size)?,
                 },
                 top_k: c.top_k_experts,
+                local_experts: shard.rank as i32 * local..(shard.rank as i32 + 1) * local,
                 pre_feedforward_layernorm_2: norm(&format!("{p}.pre_feedforward_layernorm_2"), hidden)?,
                 post_feedforward_layernorm_1: norm(&format!("{p}.post_feedforward_layernorm_1"), hidden)?,
                 post_feedforward_layernorm_2: norm(&format!("{p}.post_feedforward_layernorm_2"), hidden)?,
@@ -195,6 +217,7 @@ fn build(config: Gemma4Config, w: &Weights) -> Result<Gemma4, WeightsError> {
         dtype,
         weight_bytes,
         expert_bytes,
+        group: None,
     })
 }
 

@@ -5,6 +5,7 @@ pub mod config;
 pub mod error;
 pub mod gemma4;
 pub mod load;
+pub mod shard;
 
 pub use cache::LayerCache;
 pub use config::Gemma4Config;

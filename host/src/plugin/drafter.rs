@@ -20,6 +20,8 @@ pub enum DrafterError {
     InvalidAnswer { kind: String, call: &'static str, reason: String },
     #[error("drafter `{kind}` is disabled for this request after an earlier failure")]
     Poisoned { kind: String },
+    #[error("drafter `{kind}` cannot serve this target: {reason}")]
+    Unpaired { kind: String, reason: String },
 }
 
 /// A loaded artifact of a plugin.

@@ -61,6 +61,14 @@ fn check_pairing(model: &Gemma4, drafter: &LoadedDrafter) -> Result<(), DrafterE
     if let Some(bad) = caps.tap_layers.iter().find(|&&l| l > layers) {
         return Err(refuse(format!("tap layer {bad} is beyond the target's {layers} layers (valid: 0..={layers})")));
     }
+    if let (Some(group), true) = (model.group, caps.ports.contains(plugin_api::Ports::DONORS)) {
+        let reason = format!(
+            "it reads the target's KV caches (the `donors` port), which a tensor-parallel target splits by \
+             KV head over its {} ranks; run this drafter with an unsharded target",
+            group.size
+        );
+        return Err(DrafterError::Unpaired { kind: drafter.kind().to_owned(), reason });
+    }
     if caps.prefill_mode != PrefillMode::TAIL_SPLIT {
         return Err(refuse(format!(
             "prefill mode `{}` is not supported by this host (only tail-split)",

@@ -18,4 +18,4 @@ pub use linear::{Embedding, Linear, Quantization};
 pub use mlp::Mlp;
 pub use rope::Rope;
 pub use view::{Quantized, WeightsView};
-pub use weights::{Weights, WeightsError};
+pub use weights::{Split, Weights, WeightsError};

@@ -26,6 +26,16 @@ pub enum WeightsError {
     Shape { name: String, expected: Vec<i32>, found: Vec<i32> },
     #[error("tensor `{name}` is {found:?}; {role} must be {expected}")]
     Role { name: String, found: Dtype, role: &'static str, expected: &'static str },
+    #[error("{file}: tensor `{name}` of shape {shape:?} cannot be split in {parts} equal parts along axis {axis}")]
+    Split { file: PathBuf, name: String, shape: Vec<usize>, axis: usize, parts: usize },
+}
+
+/// One equal part of a tensor along one axis: what a rank of a tensor-parallel model holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Split {
+    pub axis: usize,
+    pub part: usize,
+    pub parts: usize,
 }
 
 /// Every tensor of a checkpoint directory, by name.
@@ -38,6 +48,12 @@ impl Weights {
     /// Loads `model.safetensors`, or the shards listed by `model.safetensors.index.json`, or
     /// else every `model*.safetensors` file of the directory.
     pub fn load_dir(dir: &Path) -> Result<Weights, WeightsError> {
+        Weights::load_dir_split(dir, &|_| None)
+    }
+
+    /// Like [`Weights::load_dir`], keeping of each tensor only the part `split` names for it:
+    /// the part is copied out of the mapped file, so the whole tensor is never in memory.
+    pub fn load_dir_split(dir: &Path, split: &dyn Fn(&str) -> Option<Split>) -> Result<Weights, WeightsError> {
         let index = dir.join("model.safetensors.index.json");
         let files: Vec<PathBuf> = if index.exists() {
             shard_files(&index)?.into_iter().map(|f| dir.join(f)).collect()
@@ -60,7 +76,7 @@ impl Weights {
         }
         let mut tensors = BTreeMap::new();
         for file in files {
-            load_file(&file, &mut tensors)?;
+            load_file(&file, split, &mut tensors)?;
         }
         Ok(Weights { dir: dir.to_owned(), tensors })
     }
@@ -68,7 +84,7 @@ impl Weights {
     /// Loads one safetensors file.
     pub fn load_file(file: &Path) -> Result<Weights, WeightsError> {
         let mut tensors = BTreeMap::new();
-        load_file(file, &mut tensors)?;
+        load_file(file, &|_| None, &mut tensors)?;
         Ok(Weights { dir: file.parent().unwrap_or(Path::new(".")).to_owned(), tensors })
     }
 
@@ -187,7 +203,11 @@ fn shard_files(index: &Path) -> Result<Vec<String>, WeightsError> {
     Ok(files)
 }
 
-fn load_file(file: &Path, into: &mut BTreeMap<String, Array>) -> Result<(), WeightsError> {
+fn load_file(
+    file: &Path,
+    split: &dyn Fn(&str) -> Option<Split>,
+    into: &mut BTreeMap<String, Array>,
+) -> Result<(), WeightsError> {
     let handle = File::open(file).map_err(|e| WeightsError::File { file: file.to_owned(), reason: e.to_string() })?;
     // SAFETY: the map is read-only and dropped before this function returns; every tensor is
     // copied into MLX-owned memory first.
@@ -206,11 +226,67 @@ fn load_file(file: &Path, into: &mut BTreeMap<String, Array>) -> Result<(), Weig
             safetensors::Dtype::I64 => Dtype::Int64,
             other => return Err(WeightsError::Dtype { file: file.to_owned(), name, dtype: format!("{other:?}") }),
         };
-        let shape: Vec<i32> = view.shape().iter().map(|&d| d as i32).collect();
-        // SAFETY: safetensors checked that the data holds exactly shape × dtype bytes;
-        // mlx_array_new_data copies them.
-        let array = unsafe { Array::from_raw_data(view.data().as_ptr().cast(), &shape, dtype) };
+        let array = match split(&name) {
+            None => {
+                let shape: Vec<i32> = view.shape().iter().map(|&d| d as i32).collect();
+                // SAFETY: safetensors checked that the data holds exactly shape × dtype bytes;
+                // mlx_array_new_data copies them.
+                unsafe { Array::from_raw_data(view.data().as_ptr().cast(), &shape, dtype) }
+            }
+            Some(s) => {
+                let (shape, data) =
+                    part_of(view.shape(), view.data(), view.dtype().size(), s).ok_or_else(|| WeightsError::Split {
+                        file: file.to_owned(),
+                        name: name.clone(),
+                        shape: view.shape().to_vec(),
+                        axis: s.axis,
+                        parts: s.parts,
+                    })?;
+                // SAFETY: `data` holds exactly shape × dtype bytes; mlx_array_new_data copies them.
+                unsafe { Array::from_raw_data(data.as_ptr().cast(), &shape, dtype) }
+            }
+        };
         into.insert(name, array);
     }
     Ok(())
+}
+
+/// The shape and row-major bytes of part `s.part` of `s.parts` along `s.axis` of a row-major
+/// tensor; `None` when the axis does not exist or does not divide evenly.
+fn part_of(shape: &[usize], data: &[u8], item: usize, s: Split) -> Option<(Vec<i32>, Vec<u8>)> {
+    let len = *shape.get(s.axis)?;
+    if s.parts == 0 || len % s.parts != 0 || s.part >= s.parts {
+        return None;
+    }
+    let part = len / s.parts;
+    let inner: usize = shape[s.axis + 1..].iter().product::<usize>() * item;
+    let outer: usize = shape[..s.axis].iter().product();
+    let mut bytes = Vec::with_capacity(outer * part * inner);
+    for o in 0..outer {
+        let start = (o * len + s.part * part) * inner;
+        bytes.extend_from_slice(&data[start..start + part * inner]);
+    }
+    let mut shape: Vec<i32> = shape.iter().map(|&d| d as i32).collect();
+    shape[s.axis] = part as i32;
+    Some((shape, bytes))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_part_along_an_axis_is_that_slice_of_the_tensor() {
+        // A [2, 4, 3] tensor of bytes 0..24; part 1 of 2 along axis 1 is rows 2..4 of each block.
+        let data: Vec<u8> = (0..24).collect();
+        let (shape, part) = part_of(&[2, 4, 3], &data, 1, Split { axis: 1, part: 1, parts: 2 }).unwrap();
+        assert_eq!(shape, vec![2, 2, 3]);
+        assert_eq!(part, vec![6, 7, 8, 9, 10, 11, 18, 19, 20, 21, 22, 23]);
+        // Along the last axis with 2-byte items: columns 2..4 of each row of [2, 4].
+        let (shape, part) = part_of(&[2, 4], &data[..16], 2, Split { axis: 1, part: 1, parts: 2 }).unwrap();
+        assert_eq!(shape, vec![2, 2]);
+        assert_eq!(part, vec![4, 5, 6, 7, 12, 13, 14, 15]);
+        assert!(part_of(&[2, 3], &data[..6], 1, Split { axis: 1, part: 0, parts: 2 }).is_none());
+        assert!(part_of(&[2, 3], &data[..6], 1, Split { axis: 2, part: 0, parts: 1 }).is_none());
+    }
 }

@@ -19,6 +19,13 @@ use half_quantized::Half;
 /// thread costs more than it saves.
 const SPLIT_BYTES: usize = 1 << 20;
 
+/// Whether this process may run on a second core: a rank of a tensor-parallel run shares the
+/// machine with its peers and is pinned to its own cores.
+fn second_core() -> bool {
+    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, usize::from)) >= 2
+}
+
 /// Whether a quantized product of `activations` may be summed in any order. MLX's CPU kernel
 /// sums float32 activations in float32, which the float32 route reproduces up to summation
 /// order; half-precision activations it sums in half precision, rounding after every weight
@@ -68,7 +75,7 @@ pub fn small_product(
                 let w = half_quantized::Quantized { packed, scales, biases, bits, group };
                 // Splitting pays from fewer weights here: every weight costs several operations;
                 // the halves stay whole groups of eight lanes.
-                let split = (n * k >= SPLIT_BYTES / 4 && n >= 16).then_some(n / 16 * 8);
+                let split = (n * k >= SPLIT_BYTES / 4 && n >= 16 && second_core()).then_some(n / 16 * 8);
                 return outputs(x, n, split, |xs, range, y| half_quantized::product(xs, rows, k, w, half, range, n, y))
                     .map(Some);
             }
@@ -94,7 +101,7 @@ pub fn small_product(
         _ => return Ok(None),
     };
     let bytes = w.nbytes() + scales.map_or(0, Array::nbytes);
-    let split = (bytes >= SPLIT_BYTES && n >= 2).then_some(n / 2);
+    let split = (bytes >= SPLIT_BYTES && n >= 2 && second_core()).then_some(n / 2);
     outputs(x, n, split, |xs, range, y| dot::product(xs, rows, k, weight, range, n, y)).map(Some)
 }
 

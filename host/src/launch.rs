@@ -1,0 +1,227 @@
+//! `host launch`: starts the ranks of a tensor-parallel run with the ring backend's own
+//! environment (`MLX_RANK`, `MLX_HOSTFILE`), as `mlx.launch` does, and watches them: the first
+//! rank to fail ends the others, so a dead rank never leaves its peers waiting in a collective.
+//!
+//! Ranks on this machine are started directly, each pinned to its own share of the cores so
+//! that their BLAS and kernel threads do not fight; ranks on other hosts are started over
+//! `ssh`, which needs this executable and the hostfile at the same paths there.
+
+use std::ffi::OsString;
+use std::net::{IpAddr, TcpListener};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::distributed::{read_hostfile, DistributedError, HOSTFILE_ENV, RANK_ENV};
+
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    #[error(transparent)]
+    Hostfile(#[from] DistributedError),
+    #[error("-n {given} does not match the {listed} ranks of {file}")]
+    Count { given: usize, listed: usize, file: PathBuf },
+    #[error("-n: at least one rank")]
+    NoRanks,
+    #[error("{what}: {error}")]
+    Io { what: String, error: std::io::Error },
+    #[error("rank {rank} ({how}); the other ranks were stopped")]
+    RankFailed { rank: usize, how: String },
+}
+
+pub struct LaunchOptions {
+    /// Ranks on loopback (without a hostfile), or the hostfile's count, checked.
+    pub ranks: Option<usize>,
+    pub hostfile: Option<PathBuf>,
+    /// The host command each rank runs (`run …`, without the executable).
+    pub args: Vec<OsString>,
+}
+
+/// Starts every rank and waits for all of them; only rank 0's standard output is kept.
+pub fn launch(options: &LaunchOptions) -> Result<(), LaunchError> {
+    let io = |what: &str| {
+        let what = what.to_owned();
+        move |error| LaunchError::Io { what, error }
+    };
+    let (hostfile, addresses, temporary) = match &options.hostfile {
+        Some(file) => {
+            let addresses = read_hostfile(file)?;
+            if let Some(given) = options.ranks.filter(|&n| n != addresses.len()) {
+                return Err(LaunchError::Count { given, listed: addresses.len(), file: file.clone() });
+            }
+            (std::path::absolute(file).map_err(io("the hostfile's path"))?, addresses, false)
+        }
+        None => {
+            let n = options.ranks.unwrap_or(2);
+            if n == 0 {
+                return Err(LaunchError::NoRanks);
+            }
+            let addresses = loopback_addresses(n).map_err(io("finding free loopback ports"))?;
+            let file = std::env::temp_dir().join(format!("host-launch-{}.json", std::process::id()));
+            let json = serde_json::to_string(&addresses).expect("strings serialize");
+            std::fs::write(&file, json).map_err(io(&format!("writing {}", file.display())))?;
+            (file, addresses, true)
+        }
+    };
+    let result = start_and_watch(&hostfile, &addresses, &options.args);
+    if temporary {
+        let _ = std::fs::remove_file(&hostfile);
+    }
+    result
+}
+
+fn start_and_watch(hostfile: &Path, addresses: &[Vec<String>], args: &[OsString]) -> Result<(), LaunchError> {
+    let exe = std::env::current_exe().map_err(|error| LaunchError::Io { what: "this executable".into(), error })?;
+    let local: Vec<bool> = addresses.iter().map(|a| a.iter().all(|addr| is_loopback(addr))).collect();
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let local_ranks = local.iter().filter(|&&l| l).count();
+    let mut children: Vec<Child> = Vec::new();
+    for (rank, addrs) in addresses.iter().enumerate() {
+        let mut command = if local[rank] {
+            let mut c = Command::new(&exe);
+            c.args(args).env(RANK_ENV, rank.to_string()).env(HOSTFILE_ENV, hostfile);
+            let slot = local[..rank].iter().filter(|&&l| l).count();
+            if local_ranks > 1 && cores >= local_ranks {
+                pin_to_cores(&mut c, slot * cores / local_ranks..(slot + 1) * cores / local_ranks);
+            }
+            c
+        } else {
+            let host = addrs[0].rsplit_once(':').map_or(addrs[0].as_str(), |(h, _)| h);
+            let mut c = Command::new("ssh");
+            c.args(["-o", "BatchMode=yes", host, "env"])
+                .arg(format!("{RANK_ENV}={rank}"))
+                .arg(format!("{HOSTFILE_ENV}={}", hostfile.display()))
+                .arg(&exe)
+                .args(args);
+            c
+        };
+        if rank > 0 {
+            command.stdin(Stdio::null()).stdout(Stdio::null());
+        }
+        match command.spawn() {
+            Ok(child) => children.push(child),
+            Err(error) => {
+                stop(&mut children);
+                return Err(LaunchError::Io { what: format!("starting rank {rank}"), error });
+            }
+        }
+    }
+    watch(children)
+}
+
+/// How long the other ranks may run on after rank 0 finished: they end within a round of it,
+/// unless rank 0 stopped early (its output closed, an interrupt) and left them in a collective.
+const AFTER_RANK_0: Duration = Duration::from_secs(10);
+
+/// Waits for every rank; when one fails, stops the rest and says which one and how. Of ranks
+/// found failed together, one killed by a signal is named first: the others are likely to have
+/// failed because it went away.
+fn watch(mut children: Vec<Child>) -> Result<(), LaunchError> {
+    let mut done = vec![false; children.len()];
+    let mut rank_0_done: Option<Instant> = None;
+    while done.iter().any(|d| !d) {
+        if let Some(rank) =
+            rank_0_done.filter(|t| t.elapsed() > AFTER_RANK_0).and_then(|_| done.iter().position(|d| !d))
+        {
+            stop(&mut children);
+            let how = format!("still running {} s after rank 0 finished", AFTER_RANK_0.as_secs());
+            return Err(LaunchError::RankFailed { rank, how });
+        }
+        let mut failed: Vec<(usize, ExitStatus)> = Vec::new();
+        for (rank, child) in children.iter_mut().enumerate() {
+            if done[rank] {
+                continue;
+            }
+            let status = child
+                .try_wait()
+                .map_err(|error| LaunchError::Io { what: format!("waiting for rank {rank}"), error })?;
+            if let Some(status) = status {
+                done[rank] = true;
+                if rank == 0 {
+                    rank_0_done = Some(Instant::now());
+                }
+                if !status.success() {
+                    failed.push((rank, status));
+                }
+            }
+        }
+        if let Some(&(rank, status)) = failed.iter().find(|(_, s)| s.signal().is_some()).or(failed.first()) {
+            stop(&mut children);
+            return Err(LaunchError::RankFailed { rank, how: describe(status) });
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(())
+}
+
+/// Asks every rank still running to stop (SIGTERM), then kills what is left after a grace period.
+fn stop(children: &mut [Child]) {
+    for child in children.iter() {
+        // SAFETY: kill only sends a signal to a process this launcher started.
+        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    }
+    let deadline = Instant::now() + Duration::from_secs(3);
+    for child in children.iter_mut() {
+        while child.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}
+
+fn describe(status: ExitStatus) -> String {
+    match (status.code(), status.signal()) {
+        (Some(code), _) => format!("exited with status {code}"),
+        (None, Some(signal)) => format!("killed by signal {signal}"),
+        _ => status.to_string(),
+    }
+}
+
+/// One free port on 127.0.0.1 per rank, in the ring hostfile's shape.
+fn loopback_addresses(n: usize) -> std::io::Result<Vec<Vec<String>>> {
+    // All listeners are held until every port is known, so that no two ranks get the same one.
+    let listeners: Vec<TcpListener> = (0..n).map(|_| TcpListener::bind("127.0.0.1:0")).collect::<Result<_, _>>()?;
+    listeners.iter().map(|l| Ok(vec![l.local_addr()?.to_string()])).collect()
+}
+
+fn is_loopback(address: &str) -> bool {
+    let host = address.rsplit_once(':').map_or(address, |(h, _)| h);
+    host == "localhost" || host.trim_matches(['[', ']']).parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
+}
+
+/// Runs the child on `cores` only (and its threads with it: OpenBLAS and the CPU kernels size
+/// their thread pools from the cores a process may use).
+fn pin_to_cores(command: &mut Command, cores: std::ops::Range<usize>) {
+    // SAFETY: between fork and exec the closure only calls async-signal-safe libc functions on
+    // a stack-local cpu_set_t.
+    unsafe {
+        command.pre_exec(move || {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            for core in cores.clone() {
+                libc::CPU_SET(core, &mut set);
+            }
+            if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loopback_ranks_get_distinct_ports_and_are_started_here() {
+        let addresses = loopback_addresses(3).unwrap();
+        let mut ports: Vec<&String> = addresses.iter().map(|a| &a[0]).collect();
+        ports.sort();
+        ports.dedup();
+        assert_eq!(ports.len(), 3);
+        assert!(addresses.iter().all(|a| is_loopback(&a[0])));
+        assert!(is_loopback("localhost:5000") && is_loopback("[::1]:5000"));
+        assert!(!is_loopback("10.0.0.2:5000"));
+    }
+}
