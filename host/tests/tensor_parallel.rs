@@ -37,7 +37,7 @@ fn prompt_and_step_logits(model: &Gemma4) -> Vec<f32> {
 }
 
 /// The body of one rank, started by `two_ranks_compute_one_processs_logits` with the ring's
-/// environment: rank 0 writes the logits it computed.
+/// environment: rank 0 writes the bytes of weights it holds, then the logits it computed.
 #[test]
 #[ignore = "a rank of two_ranks_compute_one_processs_logits, started by it"]
 fn rank_writes_its_logits() {
@@ -47,7 +47,8 @@ fn rank_writes_its_logits() {
     let group = model.group.expect("started as a rank of two");
     let logits = prompt_and_step_logits(&model);
     if group.rank == 0 {
-        let bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let mut bytes: Vec<u8> = (model.weight_bytes as u64).to_le_bytes().to_vec();
+        bytes.extend(logits.iter().flat_map(|v| v.to_le_bytes()));
         std::fs::write(std::env::var(LOGITS_ENV).unwrap(), bytes).unwrap();
     }
 }
@@ -60,7 +61,8 @@ fn ring_hostfile(dir: &Path, ranks: usize) -> PathBuf {
     file
 }
 
-fn logits_on_two_ranks(model: &Path) -> Vec<f32> {
+/// Rank 0's weight bytes and logits.
+fn logits_on_two_ranks(model: &Path) -> (usize, Vec<f32>) {
     let dir = tempfile::tempdir().unwrap();
     let hostfile = ring_hostfile(dir.path(), 2);
     let out = dir.path().join("logits.f32");
@@ -88,7 +90,10 @@ fn logits_on_two_ranks(model: &Path) -> Vec<f32> {
             std::thread::sleep(Duration::from_millis(20));
         }
     }
-    std::fs::read(&out).unwrap().chunks(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect()
+    let bytes = std::fs::read(&out).unwrap();
+    let (held, logits) = bytes.split_at(8);
+    let logits = logits.chunks(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+    (u64::from_le_bytes(held.try_into().unwrap()) as usize, logits)
 }
 
 /// The quant4 fixture with its bfloat16 tensors (scales, biases, norms) widened to float32, so
@@ -133,8 +138,11 @@ fn two_ranks_compute_one_processs_logits() {
     host::runtime::init();
     let quant4 = quant4_in_float32();
     for (name, dir) in [("dense", fixture("dense")), ("moe", fixture("moe")), ("quant4", quant4.path().to_owned())] {
-        let whole = prompt_and_step_logits(&host::model::load::load_on(&dir, None).unwrap());
-        let sharded = logits_on_two_ranks(&dir);
+        let model = host::model::load::load_on(&dir, None).unwrap();
+        let whole = prompt_and_step_logits(&model);
+        let (held, sharded) = logits_on_two_ranks(&dir);
+        // Only norms (and the router) are held whole: a rank loads little more than half.
+        assert!(held * 100 <= model.weight_bytes * 55, "{name}: rank 0 holds {held} of {} bytes", model.weight_bytes);
         assert_eq!(whole.len(), sharded.len(), "{name}");
         let worst = whole.iter().zip(&sharded).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
         assert!(worst <= 1e-4, "{name}: logits differ by up to {worst}");

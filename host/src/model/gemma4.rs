@@ -94,6 +94,9 @@ pub struct Gemma4 {
     /// The ranks of a tensor-parallel target, over which o_proj's and down_proj's partial
     /// outputs are summed; `None` in a single process.
     pub group: Option<&'static Group>,
+    /// The first token id of this rank's slice of the vocabulary (of the embedding table and
+    /// the head); 0 in a single process.
+    pub vocab_offset: i32,
 }
 
 /// Hidden states captured during a forward, at the requested layers.
@@ -138,7 +141,19 @@ impl Gemma4 {
 
     /// Token embeddings of ids [B, L], times √hidden when `scaled` (the model's own input).
     pub fn embed(&self, ids: &Array, scaled: bool) -> Result<Array, Exception> {
-        let h = self.embed_tokens.embed(ids)?;
+        let h = match self.group {
+            None => self.embed_tokens.embed(ids)?,
+            // This rank's rows of the table for the ids in its slice of the vocabulary, zeros
+            // for the others: the ranks' rows add up to the table's, exactly.
+            Some(g) => {
+                let rows = self.embed_tokens.weight.shape()[0];
+                let local = ids.subtract(Array::from_int(self.vocab_offset))?;
+                let here = local.ge(Array::from_int(0))?.logical_and(local.lt(Array::from_int(rows))?)?;
+                let found = self.embed_tokens.embed(&mlx_rs::ops::select(&here, &local, Array::from_int(0))?)?;
+                let zero = scalar(0.0, found.dtype())?;
+                g.all_sum(&mlx_rs::ops::select(&here.expand_dims(-1)?, &found, &zero)?)?
+            }
+        };
         if !scaled {
             return Ok(h);
         }
@@ -150,6 +165,17 @@ impl Gemma4 {
         let logits = match &self.lm_head {
             Some(head) => head.forward(h)?,
             None => self.embed_tokens.as_linear(h)?,
+        };
+        // Each rank scored its slice of the vocabulary; all_gather joins slices along the first
+        // axis, so the vocabulary goes there and back (to row-major logits, as a single
+        // process returns them).
+        let logits = match self.group {
+            None => logits,
+            Some(g) => {
+                let last = logits.ndim() as i32 - 1;
+                let slices = g.all_gather(&mlx_rs::ops::move_axis(&logits, last, 0)?)?;
+                mlx_rs::ops::move_axis(&slices, 0, last)?.contiguous()?
+            }
         };
         match self.config.final_logit_softcapping {
             Some(cap) => softcap(&logits, cap),

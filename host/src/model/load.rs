@@ -80,7 +80,8 @@ fn build(config: Gemma4Config, w: &Weights, shard: Shard) -> Result<Gemma4, Weig
     let hidden = c.hidden_size;
     let norm = |name: &str, dims: i32| w.shaped(&format!("{name}.weight"), &[dims]);
 
-    let embed_tokens = Embedding::load(w, "embed_tokens", c.vocab_size, hidden, q("embed_tokens"))?;
+    let vocab = c.vocab_size / n;
+    let embed_tokens = Embedding::load(w, "embed_tokens", vocab, hidden, q("embed_tokens"))?;
     let layers_n = c.num_hidden_layers as i32;
     let per_layer_inputs = if c.hidden_size_per_layer_input > 0 {
         let width = c.hidden_size_per_layer_input;
@@ -194,11 +195,8 @@ fn build(config: Gemma4Config, w: &Weights, shard: Shard) -> Result<Gemma4, Weig
             layer_scalar: w.optional(&format!("{p}.layer_scalar"))?,
         });
     }
-    let lm_head = if c.tie_word_embeddings {
-        None
-    } else {
-        Some(Linear::load(w, "lm_head", c.vocab_size, hidden, q("lm_head"))?)
-    };
+    let lm_head =
+        if c.tie_word_embeddings { None } else { Some(Linear::load(w, "lm_head", vocab, hidden, q("lm_head"))?) };
     let dtype = embed_tokens.dtype();
     let expert_bytes = layers
         .iter()
@@ -218,6 +216,7 @@ fn build(config: Gemma4Config, w: &Weights, shard: Shard) -> Result<Gemma4, Weig
         weight_bytes,
         expert_bytes,
         group: None,
+        vocab_offset: shard.rank as i32 * vocab,
     })
 }
 

@@ -4,11 +4,14 @@
 //!   and a slice of the intermediate width;
 //! - o and down are split by input columns, and their partial outputs are summed over ranks;
 //! - routed experts are divided among ranks, each rank computing its own experts' share;
-//! - everything else (embeddings, norms, router, per-layer inputs, the head) is replicated.
+//! - the embedding table and the head are split by vocabulary: each rank embeds the ids in its
+//!   slice (the ranks' rows summed) and scores its slice of the logits (gathered whole on every
+//!   rank, so that sampling and verification stay identical on all of them);
+//! - everything else (norms, router, per-layer inputs) is replicated.
 //!
-//! The head stays whole on every rank: a tied head is the embedding table, which every rank
-//! needs whole for the input anyway, and whole logits on every rank keep sampling and
-//! verification identical on all of them without another collective.
+//! Splitting the head was measured against replicating it on the 262,144-token bench model over
+//! two ranks: a replicated head makes every rank read the whole table for every token, which
+//! costs more than gathering the logits (see the README).
 
 use plugin_api::nn::Split;
 
@@ -41,6 +44,9 @@ impl Shard {
                 };
                 return refuse(format!("{key} (layer {layer})"), kv);
             }
+        }
+        if c.vocab_size % n != 0 {
+            return refuse("vocab_size".into(), c.vocab_size);
         }
         if c.intermediate_size % n != 0 {
             return refuse("intermediate_size".into(), c.intermediate_size);
@@ -76,7 +82,15 @@ impl Shard {
             .iter()
             .find_map(|suffix| name.strip_suffix(&format!(".{suffix}")))
             .unwrap_or(name);
-        let by_rows = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"];
+        let by_rows = [
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "embed_tokens",
+            "lm_head",
+        ];
         let by_columns = ["self_attn.o_proj", "mlp.down_proj"];
         let axis = if module.contains(".experts.") {
             // Stacked [experts, out, in] (mlx-lm), or Hugging Face's fused gate_up and down.
@@ -106,12 +120,13 @@ mod tests {
         assert_eq!(s.split("layers.2.mlp.down_proj.weight"), part(1));
         assert_eq!(s.split("layers.2.experts.switch_glu.down_proj.weight"), part(0));
         assert_eq!(s.split("model.layers.2.experts.gate_up_proj"), part(0));
+        assert_eq!(s.split("model.embed_tokens.weight"), part(0));
+        assert_eq!(s.split("language_model.lm_head.weight"), part(0));
         for replicated in [
-            "model.embed_tokens.weight",
+            "model.embed_tokens_per_layer.weight",
             "layers.0.self_attn.q_norm.weight",
             "layers.2.router.proj.weight",
             "layers.1.per_layer_projection.weight",
-            "lm_head.weight",
         ] {
             assert_eq!(s.split(replicated), None, "{replicated}");
         }
