@@ -11,7 +11,7 @@ ORACLE_PY := tests/oracle/.venv/bin/python
 BENCH_MODEL := target/bench-model
 
 .PHONY: setup build fixtures run serve test doctor oracle bench demo-model training-smoke \
-	train-drafter demo-drafters drafter-bench
+	train-drafter demo-drafters drafter-bench replicas
 
 setup:
 	@bash scripts/setup.sh
@@ -32,6 +32,11 @@ run: build
 # An OpenAI-compatible server on the embedded default, at http://127.0.0.1:8080/v1.
 serve: build
 	./target/release/host serve --manifest manifests/default.toml
+
+# Two `host serve` replicas behind Debian's nginx on loopback (installed if missing): requests
+# sent through nginx reach both (scripts/replicas.sh; not part of the tests).
+replicas: build
+	bash scripts/replicas.sh
 
 test: setup fixtures training-smoke
 	bash tests/clients/setup.sh

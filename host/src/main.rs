@@ -146,8 +146,12 @@ struct ServeArgs {
 
 #[derive(Args)]
 struct BenchArgs {
-    #[arg(long, value_name = "FILE", required_unless_present_any = ["kernels", "sweep"])]
+    #[arg(long, value_name = "FILE", required_unless_present_any = ["kernels", "sweep", "collectives"])]
     manifest: Option<PathBuf>,
+    /// Time the collectives of a tensor-parallel target (all_sum of a hidden state, all_gather
+    /// of a slice of logits) between ranks: `host launch -n 2 -- bench --collectives`.
+    #[arg(long, conflicts_with_all = ["kernels", "sweep", "serving", "manifest"])]
+    collectives: bool,
     /// Time drafters instead: these manifests (one target, each with a [drafter]) at every
     /// --draft-tokens length on every prompt of --prompts-file, against plain decoding.
     #[arg(long, value_delimiter = ',', value_name = "FILE,FILE,...", conflicts_with_all = ["kernels", "manifest", "serving"], requires = "prompts_file")]
@@ -323,13 +327,14 @@ fn main() -> ExitCode {
 fn run(cli: Cli, silent_rank: bool) -> Result<()> {
     let (verbose, quiet) = (cli.verbose, cli.quiet || silent_rank);
     let ranked = std::env::var_os(host::distributed::HOSTFILE_ENV).is_some();
-    if ranked && !matches!(cli.command, Command::Run(_)) {
-        bail!("a rank of `host launch` runs `host run` only (this command does not shard over ranks)");
+    let sharded = matches!(&cli.command, Command::Run(_) | Command::Bench(BenchArgs { collectives: true, .. }));
+    if ranked && !sharded {
+        bail!("a rank of `host launch` runs `run` or `bench --collectives` (this command does not shard over ranks)");
     }
     match cli.command {
         Command::Launch { ranks, hostfile, command } => {
-            if command.first().and_then(|c| c.to_str()) != Some("run") {
-                bail!("host launch runs `run …` (serving and benchmarking a sharded target are not supported)");
+            if !matches!(command.first().and_then(|c| c.to_str()), Some("run" | "bench")) {
+                bail!("host launch runs `run …` or `bench --collectives` (serving a sharded target is not supported)");
             }
             host::launch::launch(&host::launch::LaunchOptions { ranks, hostfile, args: command })?;
         }
@@ -572,6 +577,12 @@ fn spinner(message: &str) -> ProgressBar {
 
 fn bench(args: BenchArgs, quiet: bool) -> Result<()> {
     let bar = (std::io::stderr().is_terminal() && !quiet).then(|| spinner("benchmarking"));
+    if args.collectives {
+        let report = host::bench::collectives::collectives();
+        bar.inspect(ProgressBar::finish_and_clear);
+        let report = report?;
+        return print_report(args.json, &report, || report.text());
+    }
     if args.kernels {
         let report = host::bench::kernels::kernels();
         bar.inspect(ProgressBar::finish_and_clear);

@@ -9,6 +9,7 @@ use std::time::Instant;
 use crate::generate::{generate, GenerateError, Request};
 use crate::model::Gemma4;
 
+pub mod collectives;
 pub mod kernels;
 pub mod plot;
 mod report;
