@@ -152,6 +152,10 @@ struct BenchArgs {
     /// of a slice of logits) between ranks: `host launch -n 2 -- bench --collectives`.
     #[arg(long, conflicts_with_all = ["kernels", "sweep", "serving", "manifest"])]
     collectives: bool,
+    /// Time the manifest's request in one process against the target sharded over this many
+    /// ranks on this machine (`host launch`), paired and interleaved.
+    #[arg(long, value_name = "N", conflicts_with_all = ["kernels", "sweep", "serving", "collectives"])]
+    ranks: Option<usize>,
     /// Time drafters instead: these manifests (one target, each with a [drafter]) at every
     /// --draft-tokens length on every prompt of --prompts-file, against plain decoding.
     #[arg(long, value_delimiter = ',', value_name = "FILE,FILE,...", conflicts_with_all = ["kernels", "manifest", "serving"], requires = "prompts_file")]
@@ -579,6 +583,13 @@ fn bench(args: BenchArgs, quiet: bool) -> Result<()> {
     let bar = (std::io::stderr().is_terminal() && !quiet).then(|| spinner("benchmarking"));
     if args.collectives {
         let report = host::bench::collectives::collectives();
+        bar.inspect(ProgressBar::finish_and_clear);
+        let report = report?;
+        return print_report(args.json, &report, || report.text());
+    }
+    if let (Some(ranks), Some(manifest)) = (args.ranks, &args.manifest) {
+        let plugins = plugins_dir::resolve(args.dir.plugins_dir);
+        let report = host::bench::ranks::ranks(manifest, &plugins, ranks, args.pairs, args.max_tokens);
         bar.inspect(ProgressBar::finish_and_clear);
         let report = report?;
         return print_report(args.json, &report, || report.text());

@@ -266,3 +266,38 @@ fn a_rank_that_dies_ends_the_others_with_a_message() {
     assert!(err.contains("rank 1 (killed by signal 9); the other ranks were stopped"), "{err}");
     assert!(!Path::new(&format!("/proc/{}", ranks[0])).exists(), "rank 0 outlived the launcher");
 }
+
+#[test]
+fn the_sharded_bench_pairs_one_process_with_the_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let manifest = dir.path().join("m.toml");
+    let target = fixture("dense");
+    let text = format!("[target]\nmodel = {:?}\n\n[generation]\nprompt_ids = [2, 17, 90]\n", target.to_str().unwrap());
+    std::fs::write(&manifest, text).unwrap();
+    let out = host(&[
+        "bench",
+        "--manifest",
+        manifest.to_str().unwrap(),
+        "--ranks",
+        "2",
+        "--pairs",
+        "2",
+        "--max-tokens",
+        "8",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["identical_tokens"], true);
+    assert_eq!(report["ratios"].as_array().unwrap().len(), 2);
+    assert!(report["sharded"].as_array().unwrap().iter().all(|r| r.as_f64().unwrap() > 0.0));
+
+    let out = host(&["launch", "-n", "2", "--", "bench", "--collectives", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = report["rows"].as_array().unwrap();
+    assert!(rows.len() >= 2 && rows.iter().all(|r| r["median_us"].as_f64().unwrap() > 0.0), "{report}");
+
+    let out = host(&["bench", "--collectives"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("host launch -n 2 -- bench --collectives"));
+}

@@ -12,6 +12,7 @@ use crate::model::Gemma4;
 pub mod collectives;
 pub mod kernels;
 pub mod plot;
+pub mod ranks;
 mod report;
 mod serving;
 pub mod sweep;
