@@ -122,6 +122,20 @@ impl Group {
         self.collective(x, mlx_sys::mlx_distributed_all_gather, "all_gather")
     }
 
+    /// Rank 0's `bytes` on every rank (the other ranks' are ignored): a length, then the
+    /// bytes, each summed over ranks to which the others add zeros.
+    pub fn broadcast(&self, bytes: &[u8]) -> Result<Vec<u8>, Exception> {
+        let mine = if self.rank == 0 { bytes } else { &[] };
+        let len = self.all_sum(&Array::from_slice(&[mine.len() as i32], &[1]))?;
+        let len = len.as_slice::<i32>()[0] as usize;
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        let data: Vec<u8> = if self.rank == 0 { mine.to_vec() } else { vec![0; len] };
+        let summed = self.all_sum(&Array::from_slice(&data, &[len as i32]))?;
+        Ok(summed.as_slice::<u8>().to_vec())
+    }
+
     fn collective(
         &self,
         x: &Array,

@@ -331,20 +331,23 @@ fn main() -> ExitCode {
 fn run(cli: Cli, silent_rank: bool) -> Result<()> {
     let (verbose, quiet) = (cli.verbose, cli.quiet || silent_rank);
     let ranked = std::env::var_os(host::distributed::HOSTFILE_ENV).is_some();
-    let sharded = matches!(&cli.command, Command::Run(_) | Command::Bench(BenchArgs { collectives: true, .. }));
+    let sharded = matches!(
+        &cli.command,
+        Command::Run(_) | Command::Serve(_) | Command::Bench(BenchArgs { collectives: true, .. })
+    );
     if ranked && !sharded {
-        bail!("a rank of `host launch` runs `run` or `bench --collectives` (this command does not shard over ranks)");
+        bail!("a rank of `host launch` runs `run`, `serve` or `bench --collectives` (this command does not shard over ranks)");
     }
     match cli.command {
         Command::Launch { ranks, hostfile, command } => {
-            if !matches!(command.first().and_then(|c| c.to_str()), Some("run" | "bench")) {
-                bail!("host launch runs `run …` or `bench --collectives` (serving a sharded target is not supported)");
+            if !matches!(command.first().and_then(|c| c.to_str()), Some("run" | "serve" | "bench")) {
+                bail!("host launch runs `run …`, `serve …` or `bench --collectives`");
             }
             host::launch::launch(&host::launch::LaunchOptions { ranks, hostfile, args: command })?;
         }
         Command::Run(args) => run_manifest(args, quiet)?,
         Command::Bench(args) => bench(args, quiet)?,
-        Command::Serve(args) => serve(args, quiet)?,
+        Command::Serve(args) => serve(args, quiet, silent_rank)?,
         Command::Doctor { json, dir } => {
             let report = doctor::Report::collect(plugins_dir::resolve(dir.plugins_dir))?;
             if json {
@@ -442,7 +445,7 @@ fn scan(dir: PluginsDir) -> Result<(PathBuf, Registry)> {
     Ok((dir, registry))
 }
 
-fn serve(args: ServeArgs, quiet: bool) -> Result<()> {
+fn serve(args: ServeArgs, quiet: bool, silent_rank: bool) -> Result<()> {
     let source = Source::from(args.source);
     let server = source.load()?.server;
     let options = host::serve::ServeOptions {
@@ -459,6 +462,10 @@ fn serve(args: ServeArgs, quiet: bool) -> Result<()> {
         max_queue: args.max_queue.or(server.max_queue).unwrap_or(64) as usize,
         prefix_cache_mb: args.prefix_cache_mb.or(server.prefix_cache_mb).unwrap_or(256) as usize,
     };
+    if silent_rank {
+        host::serve::follow(options)?;
+        return Ok(());
+    }
     host::serve::serve(
         options,
         |address| eprintln!("listening on http://{address}"),

@@ -7,7 +7,7 @@
 use mlx_rs::error::Exception;
 use mlx_rs::Array;
 
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SamplingParams {
     pub temperature: f32,
     /// Nucleus mass in (0, 1); 1 or 0 disables it.

@@ -301,3 +301,76 @@ fn the_sharded_bench_pairs_one_process_with_the_ranks() {
     let out = host(&["bench", "--collectives"]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("host launch -n 2 -- bench --collectives"));
 }
+
+#[test]
+fn a_sharded_server_batches_requests_as_one_process_decodes_them() {
+    let pair = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/dflash/gemma4-dense");
+    let plugins = Path::new(env!("CARGO_BIN_EXE_host")).parent().unwrap().to_str().unwrap().to_owned();
+    let (target, dflash) = (pair.join("target"), pair.join("drafter"));
+    let source =
+        ["--model", target.to_str().unwrap(), "--drafter", "dflash", "--drafter-artifact", dflash.to_str().unwrap()];
+    let mut launcher = Command::new(env!("CARGO_BIN_EXE_host"))
+        .args(["launch", "-n", "2", "--", "serve", "--port", "0", "--plugins-dir", &plugins])
+        .args(source)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = std::io::BufReader::new(launcher.stderr.take().unwrap());
+    let mut line = String::new();
+    let address = loop {
+        line.clear();
+        assert!(std::io::BufRead::read_line(&mut stderr, &mut line).unwrap() > 0, "the server did not start");
+        if let Some(address) = line.trim().strip_prefix("listening on ") {
+            break address.to_owned();
+        }
+    };
+    // Requests in flight together, of different lengths, greedy and seeded.
+    let requests: Vec<(Vec<u32>, u32, f32)> = vec![
+        (vec![2, 17, 90, 301, 44], 20, 0.0),
+        (vec![5, 6, 7, 8, 5, 6, 7], 12, 0.0),
+        (vec![9, 40, 9, 40, 9], 16, 0.8),
+        (vec![300, 1, 2], 8, 0.0),
+    ];
+    let threads: Vec<_> = requests
+        .iter()
+        .cloned()
+        .map(|(prompt, max_tokens, temperature)| {
+            let url = format!("{address}/v1/completions");
+            std::thread::spawn(move || {
+                let body = serde_json::json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "seed": 11});
+                let reply: serde_json::Value = ureq::post(&url).send_json(body).unwrap().into_json().unwrap();
+                let drafted = reply["usage"]["speculative"]["drafted_tokens"].as_u64().unwrap();
+                (reply["choices"][0]["text"].as_str().unwrap().to_owned(), drafted)
+            })
+        })
+        .collect();
+    let (served, drafted): (Vec<String>, Vec<u64>) = threads.into_iter().map(|t| t.join().unwrap()).unzip();
+    assert!(drafted.iter().sum::<u64>() > 0, "nothing was drafted");
+    // SIGTERM reaches rank 0 through the launcher; rank 0 finishes and ends the other rank.
+    // SAFETY: kill sends SIGTERM to the launcher this test started.
+    unsafe { libc::kill(launcher.id() as libc::pid_t, libc::SIGTERM) };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = launcher.try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "the sharded server did not stop within 30 s of SIGTERM");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status}");
+    for ((prompt, max_tokens, temperature), text) in requests.iter().zip(&served) {
+        let ids = prompt.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+        let (n, t) = (max_tokens.to_string(), temperature.to_string());
+        let alone = host(
+            &[
+                &["run"][..],
+                &["--model", target.to_str().unwrap(), "--prompt-ids", &ids],
+                &["--max-tokens", &n, "--temperature", &t, "--seed", "11", "--json"],
+            ]
+            .concat(),
+        );
+        assert!(alone.status.success(), "{}", String::from_utf8_lossy(&alone.stderr));
+        let json: serde_json::Value = serde_json::from_slice(&alone.stdout).unwrap();
+        assert_eq!(json["text"].as_str().unwrap(), text, "prompt {ids}");
+    }
+}

@@ -206,7 +206,7 @@ impl Gemma4 {
             let source = self.kv_source[i];
             let cache = caches.get_mut(i).filter(|_| source == i);
             let per_layer = per_layer.as_ref().map(|p| (p, i));
-            let (out, kv) = layer.forward(&h, &offsets, cache, shared[source].clone(), per_layer, self.group, c)?;
+            let (out, kv) = layer.forward(&h, &offsets, cache, shared[source].clone(), per_layer, self)?;
             h = out;
             if source == i {
                 shared[i] = Some(kv);
@@ -252,10 +252,9 @@ impl DecoderLayer {
         cache: Option<&mut LayerCache>,
         shared: Option<SharedKv>,
         per_layer: Option<(&Array, usize)>,
-        group: Option<&Group>,
-        c: &Gemma4Config,
+        model: &Gemma4,
     ) -> Result<(Array, SharedKv), ModelError> {
-        let eps = c.rms_norm_eps;
+        let (eps, group) = (model.config.rms_norm_eps, model.group);
         let r = rms_norm(x, Some(&self.input_layernorm), eps)?;
         let (attn, kv) = self.self_attn.forward(&r, offsets, cache, shared, eps)?;
         let attn = sum_over_ranks(group, attn)?;
@@ -360,9 +359,7 @@ impl Moe {
         let y = switch_linear(&self.experts.down_proj, &geglu(&gate, &up)?, &indices)?.squeeze_axes(&[-2])?;
         y.multiply(weights.expand_dims(-1)?)?.sum_axis(-2, None)
     }
-}
 
-impl Moe {
     /// Routing restricted to the experts this rank holds: indices into its own stack, with the
     /// weight of every expert held elsewhere zeroed (its slot computes expert 0 of the stack,
     /// which then counts for nothing). The other ranks add what they hold.

@@ -43,6 +43,24 @@ pub struct Ready {
     pub draft_tokens: Option<usize>,
 }
 
+/// What the engine decided between two rounds: the requests that join the batch, in order, and
+/// the rows that leave at their next token. A sharded target's ranks all apply the same
+/// decisions, made by rank 0 and broadcast, so that their batches stay identical.
+#[derive(Default, serde::Serialize, serde::Deserialize)]
+struct Decisions {
+    joins: Vec<Joining>,
+    leaving: Vec<u64>,
+    /// No more requests will come: the engine ends once its batch is empty.
+    closing: bool,
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Joining {
+    id: u64,
+    request: Request,
+    draft_tokens: usize,
+}
+
 /// Loads the session, reports `Ready` (or why it could not load) through `ready`, then serves
 /// `jobs` until the channel closes and the batch is empty.
 pub fn run(
@@ -64,22 +82,19 @@ pub fn run(
             return;
         }
     };
-    let drafter = session.drafter.as_ref().map(|(d, _)| d);
-    let config =
-        session.drafter.as_ref().map_or(SpecConfig { draft_tokens: 0, verify: Verify::Match }, |(_, config)| *config);
-    let new_batch = || {
-        let batch = LiveBatch::new(&session.model, drafter, config).expect("pairing checked when the session opened");
-        batch.with_prefix_cache(prefix_cache_bytes).with_auto_draft_tokens(session.auto_draft_tokens)
-    };
+    let group = session.model.group;
+    let config = config_of(&session);
+    let new_batch = || batch_of(&session, config, prefix_cache_bytes);
     let mut batch = new_batch();
     let mut waiting: HashMap<u64, Job> = HashMap::new();
     let mut next_id = 0u64;
     let mut open = true;
     loop {
         // Intake: block while idle, otherwise take what is waiting, up to the batch limit.
-        while open && batch.len() < max_batch {
-            let job =
-                if batch.is_empty() { jobs.recv().map_err(|_| TryRecvError::Disconnected) } else { jobs.try_recv() };
+        let mut decisions = Decisions::default();
+        while open && batch.len() + decisions.joins.len() < max_batch {
+            let idle = batch.is_empty() && decisions.joins.is_empty();
+            let job = if idle { jobs.recv().map_err(|_| TryRecvError::Disconnected) } else { jobs.try_recv() };
             match job {
                 Ok(job) => {
                     metrics.queue_depth.dec();
@@ -89,40 +104,58 @@ pub fn run(
                     }
                     let id = next_id;
                     next_id += 1;
-                    let gone = || job.events.is_closed();
-                    let depth = job.draft_tokens.unwrap_or(config.draft_tokens);
-                    let joined = batch.join_drafting(id, job.request.clone(), depth, |_| {
-                        if gone() {
-                            Flow::Stop
-                        } else {
-                            Flow::Continue
-                        }
-                    });
-                    match joined {
-                        Ok(()) => {
-                            metrics.prefix_cache_bytes.set(batch.prefix_cache_bytes() as i64);
-                            waiting.insert(id, job);
-                        }
-                        Err(e) => {
-                            let _ = job.events.send(JobEvent::Failed(e.to_string()));
-                        }
-                    }
+                    let draft_tokens = job.draft_tokens.unwrap_or(config.draft_tokens);
+                    decisions.joins.push(Joining { id, request: job.request.clone(), draft_tokens });
+                    waiting.insert(id, job);
                 }
                 Err(TryRecvError::Empty) => break,
                 Err(TryRecvError::Disconnected) => open = false,
             }
         }
-        if batch.is_empty() {
-            if !open {
+        decisions.closing = !open && batch.is_empty() && decisions.joins.is_empty();
+        if let Some(group) = group {
+            // Ranks cannot stop a row in the middle of a round on their own: a request whose
+            // client left or that found a stop string leaves at its next token, on every rank.
+            decisions.leaving = waiting
+                .iter()
+                .filter(|(_, job)| job.events.is_closed() || job.stop.load(Ordering::Relaxed))
+                .map(|(&id, _)| id)
+                .collect();
+            if let Err(e) = share(group, &mut decisions) {
+                for (_, job) in waiting.drain() {
+                    let _ = job.events.send(JobEvent::Failed(e.clone()));
+                }
                 return;
             }
+        }
+        if decisions.closing {
+            return;
+        }
+        for joining in decisions.joins {
+            let job = &waiting[&joining.id];
+            let gone = || group.is_none() && job.events.is_closed();
+            let flow = |_: Event| if gone() { Flow::Stop } else { Flow::Continue };
+            match batch.join_drafting(joining.id, joining.request, joining.draft_tokens, flow) {
+                Ok(()) => {
+                    metrics.prefix_cache_bytes.set(batch.prefix_cache_bytes() as i64);
+                }
+                Err(e) => {
+                    let job = waiting.remove(&joining.id).expect("a joining row has its job");
+                    let _ = job.events.send(JobEvent::Failed(e.to_string()));
+                }
+            }
+        }
+        if batch.is_empty() {
             continue;
         }
         metrics.batch_size.set(batch.len() as i64);
         let result = batch.round(|id, event| {
             let Event::Token(token) = event else { return Flow::Continue };
             let job = &waiting[&id];
-            if job.events.send(JobEvent::Token(token)).is_err() || job.stop.load(Ordering::Relaxed) {
+            let delivered = job.events.send(JobEvent::Token(token)).is_ok();
+            let stop = decisions.leaving.contains(&id)
+                || (group.is_none() && (!delivered || job.stop.load(Ordering::Relaxed)));
+            if stop {
                 Flow::Stop
             } else {
                 Flow::Continue
@@ -150,6 +183,52 @@ pub fn run(
         metrics.active_memory_bytes.set(crate::runtime::active_memory() as i64);
         metrics.batch_size.set(batch.len() as i64);
     }
+}
+
+/// A rank other than 0 of a sharded target: it serves no HTTP, and runs the same batch as rank
+/// 0 by applying the decisions rank 0 broadcasts before each round, until rank 0 closes.
+pub fn follow(options: RunOptions, prefix_cache_bytes: usize) -> Result<(), super::ServeError> {
+    let session = Session::open(&options, |_| {})?;
+    let group = session.model.group.expect("a follower is a rank of a sharded target");
+    let config = config_of(&session);
+    let new_batch = || batch_of(&session, config, prefix_cache_bytes);
+    let mut batch = new_batch();
+    loop {
+        let mut decisions = Decisions::default();
+        share(group, &mut decisions).map_err(super::ServeError::Ranks)?;
+        if decisions.closing {
+            return Ok(());
+        }
+        for joining in decisions.joins {
+            // A request the leader could not join fails here alike; the leader reports it.
+            let _ = batch.join_drafting(joining.id, joining.request, joining.draft_tokens, |_| Flow::Continue);
+        }
+        if batch.is_empty() {
+            continue;
+        }
+        let leaving = &decisions.leaving;
+        if batch.round(|id, _| if leaving.contains(&id) { Flow::Stop } else { Flow::Continue }).is_err() {
+            batch = new_batch();
+        }
+    }
+}
+
+/// Rank 0's decisions on every rank.
+fn share(group: &crate::distributed::Group, decisions: &mut Decisions) -> Result<(), String> {
+    let bytes = serde_json::to_vec(&*decisions).expect("decisions serialize");
+    let shared = group.broadcast(&bytes).map_err(|e| format!("sharing the batch with the other ranks: {e}"))?;
+    *decisions = serde_json::from_slice(&shared).map_err(|e| format!("rank 0's decisions: {e}"))?;
+    Ok(())
+}
+
+fn config_of(session: &Session) -> SpecConfig {
+    session.drafter.as_ref().map_or(SpecConfig { draft_tokens: 0, verify: Verify::Match }, |(_, config)| *config)
+}
+
+fn batch_of(session: &Session, config: SpecConfig, prefix_cache_bytes: usize) -> LiveBatch<'_, u64> {
+    let drafter = session.drafter.as_ref().map(|(d, _)| d);
+    let batch = LiveBatch::new(&session.model, drafter, config).expect("pairing checked when the session opened");
+    batch.with_prefix_cache(prefix_cache_bytes).with_auto_draft_tokens(session.auto_draft_tokens)
 }
 
 fn ready_of(session: &Session, options: &RunOptions) -> Result<Ready, RunError> {

@@ -60,6 +60,8 @@ pub enum ServeError {
     Io(#[from] std::io::Error),
     #[error("the engine thread stopped before it was ready")]
     EngineGone,
+    #[error("{0}")]
+    Ranks(String),
 }
 
 struct App {
@@ -68,6 +70,17 @@ struct App {
     metrics: Arc<Metrics>,
     api_key: Option<String>,
     next_id: AtomicU64,
+}
+
+/// A rank other than 0 of a sharded target under `host launch`: no HTTP, only the engine,
+/// following rank 0's batch until rank 0 stops serving. Interrupts are rank 0's to handle.
+pub fn follow(options: ServeOptions) -> Result<(), ServeError> {
+    // SAFETY: setting a signal's disposition to "ignore" has no handler to run.
+    unsafe {
+        libc::signal(libc::SIGINT, libc::SIG_IGN);
+        libc::signal(libc::SIGTERM, libc::SIG_IGN);
+    }
+    engine::follow(options.run, options.prefix_cache_mb << 20)
 }
 
 /// Loads the manifest's model and drafter, then serves until SIGTERM or Ctrl-C, after which it
