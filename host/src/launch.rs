@@ -88,12 +88,17 @@ fn start_and_watch(hostfile: &Path, addresses: &[Vec<String>], args: &[OsString]
             c
         } else {
             let host = addrs[0].rsplit_once(':').map_or(addrs[0].as_str(), |(h, _)| h);
+            // ssh hands the remote shell one line: every word is quoted for it.
+            let mut words = vec![
+                "env".to_owned(),
+                format!("{RANK_ENV}={rank}"),
+                format!("{HOSTFILE_ENV}={}", hostfile.display()),
+                exe.display().to_string(),
+            ];
+            words.extend(args.iter().map(|a| a.to_string_lossy().into_owned()));
+            let line: Vec<String> = words.iter().map(|w| shell_quoted(w)).collect();
             let mut c = Command::new("ssh");
-            c.args(["-o", "BatchMode=yes", host, "env"])
-                .arg(format!("{RANK_ENV}={rank}"))
-                .arg(format!("{HOSTFILE_ENV}={}", hostfile.display()))
-                .arg(&exe)
-                .args(args);
+            c.args(["-o", "BatchMode=yes", host, &line.join(" ")]);
             c
         };
         if rank > 0 {
@@ -197,6 +202,11 @@ fn describe(status: ExitStatus) -> String {
     }
 }
 
+/// `word` as one word of a POSIX shell command line.
+fn shell_quoted(word: &str) -> String {
+    format!("'{}'", word.replace('\'', "'\\''"))
+}
+
 /// One free port on 127.0.0.1 per rank, in the ring hostfile's shape.
 fn loopback_addresses(n: usize) -> std::io::Result<Vec<Vec<String>>> {
     // All listeners are held until every port is known, so that no two ranks get the same one.
@@ -242,5 +252,11 @@ mod tests {
         assert!(addresses.iter().all(|a| is_loopback(&a[0])));
         assert!(is_loopback("localhost:5000") && is_loopback("[::1]:5000"));
         assert!(!is_loopback("10.0.0.2:5000"));
+    }
+
+    #[test]
+    fn words_sent_over_ssh_survive_the_remote_shell() {
+        assert_eq!(shell_quoted("In the beginning"), "'In the beginning'");
+        assert_eq!(shell_quoted("it's"), "'it'\\''s'");
     }
 }
