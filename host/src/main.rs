@@ -310,7 +310,7 @@ fn main() -> ExitCode {
         // SAFETY: still single-threaded: the runtime and any plugin start later.
         unsafe { std::env::set_var(plugin_api::sdk::PANIC_OUTPUT_ENV, "1") };
     }
-    host::runtime::init();
+    host::runtime::init_process();
     // A rank started by `host launch`: rank 0 speaks for all, the others only report errors.
     let rank = std::env::var_os(host::distributed::HOSTFILE_ENV)
         .map(|_| std::env::var(host::distributed::RANK_ENV).unwrap_or_default());

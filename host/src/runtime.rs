@@ -16,6 +16,19 @@ pub fn init() {
     INIT.call_once(mlx_rs::transforms::compile::disable_compile);
 }
 
+/// [`init`] for the `host` process, called first thing in `main` while it is the only thread:
+/// the main thread and MLX's CPU worker share one core, and the kernels' helper threads get
+/// the others (see `plugin_api::nn::cpus` for why and what it measured).
+pub fn init_process() {
+    if let Some(helpers) = plugin_api::nn::cpus::share_one_core_with_mlx() {
+        // SAFETY: no other thread exists yet to read the environment concurrently.
+        unsafe { std::env::set_var(plugin_api::nn::cpus::HELPER_CPUS_ENV, helpers) };
+    }
+    // MLX starts its worker with the first array it evaluates; it inherits this affinity.
+    let _ = mlx_rs::Array::from_int(0).eval();
+    init();
+}
+
 /// The version of the libmlx loaded into this process, as it reports itself.
 pub fn mlx_version() -> String {
     // SAFETY: mlx_version fills a fresh mlx_string, which is freed after copying its text.

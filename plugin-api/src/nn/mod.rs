@@ -3,6 +3,7 @@
 //! attention, the gated MLP. They follow mlx-lm's numerics, which the oracles check.
 
 pub mod context;
+pub mod cpus;
 mod header;
 pub mod kernels;
 pub mod linear;

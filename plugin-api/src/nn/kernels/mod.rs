@@ -19,11 +19,10 @@ use half_quantized::Half;
 /// thread costs more than it saves.
 const SPLIT_BYTES: usize = 1 << 20;
 
-/// Whether this process may run on a second core: a rank of a tensor-parallel run shares the
-/// machine with its peers and is pinned to its own cores.
+/// Whether a product may be split with a helper thread: only when the helper gets a core of its
+/// own (a rank of a tensor-parallel run on a shared machine may have one core in all).
 fn second_core() -> bool {
-    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, usize::from)) >= 2
+    super::cpus::helper_has_a_core()
 }
 
 /// Whether a quantized product of `activations` may be summed in any order. MLX's CPU kernel
@@ -125,9 +124,11 @@ fn outputs(
             None => run(xs, 0..n, &mut y),
             Some(at) => {
                 let mut upper = vec![0f32; rows * n];
-                std::thread::scope(|scope| {
-                    scope.spawn(|| run(xs, at..n, &mut upper));
-                    run(xs, 0..at, &mut y);
+                super::cpus::with_helper_cores(|| {
+                    std::thread::scope(|scope| {
+                        scope.spawn(|| run(xs, at..n, &mut upper));
+                        run(xs, 0..at, &mut y);
+                    })
                 });
                 for m in 0..rows {
                     y[m * n + at..(m + 1) * n].copy_from_slice(&upper[m * n + at..(m + 1) * n]);

@@ -1,0 +1,106 @@
+//! Which cores run MLX's CPU work and which run the kernels' helper threads.
+//!
+//! MLX runs every CPU op on a worker thread of its own: the thread that builds the graph wakes
+//! it for each op, and is woken back when an evaluation completes. When the two threads sit on
+//! different cores every wake is an inter-processor interrupt, which on virtual machines costs
+//! tens of microseconds; measured with `perf` on a 2-core machine, those wakes took 35–40% of
+//! decode time, and decoding the demo target confined to one core ran 1.8× faster than on
+//! two. Products of large weights still want a second core (the float32 bench model decodes
+//! about 1.5× faster on two). So the process's driving thread and MLX's worker share one core,
+//! and the helper threads of [`super::kernels`] run on the others.
+//!
+//! The host pins itself once at start-up and names the helper cores in [`HELPER_CPUS_ENV`], which
+//! every copy of this crate in the process (the host's and each plugin's) reads.
+
+use std::sync::OnceLock;
+
+/// The cores helper threads move to, as a comma-separated list of CPU numbers.
+pub const HELPER_CPUS_ENV: &str = "HOST_HELPER_CPUS";
+
+/// The cores the calling thread may run on.
+fn allowed() -> Vec<usize> {
+    // SAFETY: sched_getaffinity fills a zeroed cpu_set_t of the size given.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return Vec::new();
+        }
+        (0..libc::CPU_SETSIZE as usize).filter(|&c| libc::CPU_ISSET(c, &set)).collect()
+    }
+}
+
+fn pin(cpus: &[usize]) -> bool {
+    // SAFETY: sched_setaffinity reads a cpu_set_t built here; 0 means the calling thread.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        for &c in cpus {
+            libc::CPU_SET(c, &mut set);
+        }
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+    }
+}
+
+/// Confines the calling thread to the first of its cores and returns the others, for
+/// [`HELPER_CPUS_ENV`]; `None` (nothing changed) with fewer than two cores. Call it before MLX
+/// starts its worker thread, which inherits the affinity.
+pub fn share_one_core_with_mlx() -> Option<String> {
+    let cpus = allowed();
+    let (&first, rest) = cpus.split_first()?;
+    if rest.is_empty() || !pin(&[first]) {
+        return None;
+    }
+    Some(rest.iter().map(usize::to_string).collect::<Vec<_>>().join(","))
+}
+
+/// Runs `spawn_and_join` with the calling thread widened to the helper cores too, so that the
+/// helper threads it starts inherit them and start on an idle core at once (a thread started on
+/// its parent's only core waits for it, and a product split in two runs serially); the calling
+/// thread is confined again afterwards.
+pub(crate) fn with_helper_cores<T>(spawn_and_join: impl FnOnce() -> T) -> T {
+    static HELPERS: OnceLock<Vec<usize>> = OnceLock::new();
+    let helpers = HELPERS.get_or_init(|| {
+        std::env::var(HELPER_CPUS_ENV)
+            .map(|list| list.split(',').filter_map(|c| c.trim().parse().ok()).collect())
+            .unwrap_or_default()
+    });
+    let own = allowed();
+    if helpers.is_empty() || helpers.iter().all(|c| own.contains(c)) {
+        return spawn_and_join();
+    }
+    let mut wide = own.clone();
+    wide.extend(helpers.iter().filter(|c| !own.contains(c)));
+    pin(&wide);
+    let result = spawn_and_join();
+    pin(&own);
+    result
+}
+
+/// Whether a helper thread has a core of its own: the helper cores when the process named
+/// them, else a second core among the calling thread's.
+pub(crate) fn helper_has_a_core() -> bool {
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| std::env::var(HELPER_CPUS_ENV).is_ok_and(|l| !l.trim().is_empty()) || allowed().len() >= 2)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_driving_thread_keeps_its_first_core_and_names_the_others() {
+        // On a thread of its own: the test harness's threads keep their affinity.
+        std::thread::spawn(|| {
+            let before = allowed();
+            match share_one_core_with_mlx() {
+                None => assert_eq!(before.len(), 1),
+                Some(helpers) => {
+                    assert_eq!(allowed(), vec![before[0]]);
+                    let named: Vec<usize> = helpers.split(',').map(|c| c.parse().unwrap()).collect();
+                    assert_eq!(named, before[1..]);
+                }
+            }
+        })
+        .join()
+        .unwrap();
+    }
+}
