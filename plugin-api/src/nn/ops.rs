@@ -139,8 +139,43 @@ fn half_index(dtype: Dtype) -> fn(f32) -> usize {
 
 /// `tanh(x / cap) · cap`.
 pub fn softcap(x: &Array, cap: f32) -> Result<Array, Exception> {
+    if super::wide::on_cpu() {
+        if let Some(table) = half_softcap_table(x.dtype(), cap) {
+            use super::kernels::{rounded, row_major, with_floats};
+            let x = row_major(x)?;
+            let index = half_index(x.dtype());
+            return with_floats(&x, |xs| {
+                let y: Vec<f32> = xs.iter().map(|&v| table[index(v)]).collect();
+                rounded(&y, x.shape(), x.dtype())
+            });
+        }
+    }
     let c = scalar(cap, x.dtype())?;
     mlx_rs::ops::tanh(x.divide(&c)?)?.multiply(&c)
+}
+
+/// For half-precision logits, the softcap of each of the 65,536 values, by MLX's three steps
+/// (divide, the C library's `tanhf`, multiply), each rounded to the dtype: a lookup per logit
+/// instead of three MLX ops over the whole vocabulary. One table per dtype and cap.
+fn half_softcap_table(dtype: Dtype, cap: f32) -> Option<&'static [f32]> {
+    type Tables = Vec<((bool, u32), &'static [f32])>;
+    static TABLES: std::sync::Mutex<Tables> = std::sync::Mutex::new(Vec::new());
+    let widen: fn(u16) -> f32 = match dtype {
+        Dtype::Bfloat16 => |b| f32::from_bits((b as u32) << 16),
+        Dtype::Float16 => |b| half::f16::from_bits(b).to_f32(),
+        _ => return None,
+    };
+    let key = (dtype == Dtype::Bfloat16, cap.to_bits());
+    let mut tables = TABLES.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, table)) = tables.iter().find(|(k, _)| *k == key) {
+        return Some(table);
+    }
+    let round = |v| super::kernels::round_to(dtype, v);
+    let c = round(cap);
+    let table: Vec<f32> = (0..=u16::MAX).map(|b| round(round(round(widen(b) / c).tanh()) * c)).collect();
+    let table: &'static [f32] = Box::leak(table.into_boxed_slice());
+    tables.push((key, table));
+    Some(table)
 }
 
 /// A scalar in `dtype`, so that it does not promote the array it meets (Python floats are
@@ -283,7 +318,7 @@ mod rms_norm_tests {
 }
 
 #[cfg(test)]
-mod geglu_tests {
+mod elementwise_tests {
     use mlx_rs::random;
 
     use super::*;
@@ -301,6 +336,29 @@ mod geglu_tests {
                 assert_eq!(ours.dtype(), mlx.dtype());
                 let differing = ours.ne(&mlx).unwrap().sum(None).unwrap().item_cast::<u32>();
                 assert_eq!(differing, 0, "{dtype:?}, spread {spread}");
+            }
+        }
+    }
+
+    /// The softcap tables, checked at every finite value a logit can take.
+    #[test]
+    fn every_finite_half_precision_logit_softcaps_as_mlx_does() {
+        for dtype in [Dtype::Bfloat16, Dtype::Float16] {
+            let values: Vec<f32> = (0..=u16::MAX)
+                .map(|b| match dtype {
+                    Dtype::Bfloat16 => f32::from_bits((b as u32) << 16),
+                    _ => half::f16::from_bits(b).to_f32(),
+                })
+                .filter(|v| v.is_finite())
+                .collect();
+            let x = Array::from_slice(&values, &[values.len() as i32]).as_dtype(dtype).unwrap();
+            for cap in [30.0f32, 15.0] {
+                let ours = softcap(&x, cap).unwrap();
+                let c = scalar(cap, dtype).unwrap();
+                let mlx = mlx_rs::ops::tanh(x.divide(&c).unwrap()).unwrap().multiply(&c).unwrap();
+                assert_eq!(ours.dtype(), dtype);
+                let differing = ours.ne(&mlx).unwrap().sum(None).unwrap().item_cast::<u32>();
+                assert_eq!(differing, 0, "{dtype:?}, cap {cap}");
             }
         }
     }
