@@ -8,9 +8,9 @@
 
 use std::ffi::OsString;
 use std::net::{IpAddr, TcpListener};
-use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -74,17 +74,20 @@ pub fn launch(options: &LaunchOptions) -> Result<(), LaunchError> {
 fn start_and_watch(hostfile: &Path, addresses: &[Vec<String>], args: &[OsString]) -> Result<(), LaunchError> {
     let exe = std::env::current_exe().map_err(|error| LaunchError::Io { what: "this executable".into(), error })?;
     let local: Vec<bool> = addresses.iter().map(|a| a.iter().all(|addr| is_loopback(addr))).collect();
-    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let cores = crate::runtime::process_cpus();
     let local_ranks = local.iter().filter(|&&l| l).count();
     let mut children: Vec<Child> = Vec::new();
     for (rank, addrs) in addresses.iter().enumerate() {
         let mut command = if local[rank] {
-            let mut c = Command::new(&exe);
-            c.args(args).env(RANK_ENV, rank.to_string()).env(HOSTFILE_ENV, hostfile);
+            // Each local rank on its own share of the cores, when there are enough.
             let slot = local[..rank].iter().filter(|&&l| l).count();
-            if local_ranks > 1 && cores >= local_ranks {
-                pin_to_cores(&mut c, slot * cores / local_ranks..(slot + 1) * cores / local_ranks);
-            }
+            let n = cores.len();
+            let share = match n >= local_ranks {
+                true => cores[slot * n / local_ranks..(slot + 1) * n / local_ranks].to_vec(),
+                false => cores.clone(),
+            };
+            let mut c = crate::runtime::command_on(&exe, share);
+            c.args(args).env(RANK_ENV, rank.to_string()).env(HOSTFILE_ENV, hostfile);
             c
         } else {
             let host = addrs[0].rsplit_once(':').map_or(addrs[0].as_str(), |(h, _)| h);
@@ -97,7 +100,7 @@ fn start_and_watch(hostfile: &Path, addresses: &[Vec<String>], args: &[OsString]
             ];
             words.extend(args.iter().map(|a| a.to_string_lossy().into_owned()));
             let line: Vec<String> = words.iter().map(|w| shell_quoted(w)).collect();
-            let mut c = Command::new("ssh");
+            let mut c = crate::runtime::command("ssh");
             c.args(["-o", "BatchMode=yes", host, &line.join(" ")]);
             c
         };
@@ -217,25 +220,6 @@ fn loopback_addresses(n: usize) -> std::io::Result<Vec<Vec<String>>> {
 fn is_loopback(address: &str) -> bool {
     let host = address.rsplit_once(':').map_or(address, |(h, _)| h);
     host == "localhost" || host.trim_matches(['[', ']']).parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
-}
-
-/// Runs the child on `cores` only (and its threads with it: OpenBLAS and the CPU kernels size
-/// their thread pools from the cores a process may use).
-fn pin_to_cores(command: &mut Command, cores: std::ops::Range<usize>) {
-    // SAFETY: between fork and exec the closure only calls async-signal-safe libc functions on
-    // a stack-local cpu_set_t.
-    unsafe {
-        command.pre_exec(move || {
-            let mut set: libc::cpu_set_t = std::mem::zeroed();
-            for core in cores.clone() {
-                libc::CPU_SET(core, &mut set);
-            }
-            if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
 }
 
 #[cfg(test)]

@@ -20,6 +20,7 @@ pub fn init() {
 /// the main thread and MLX's CPU worker share one core, and the kernels' helper threads get
 /// the others (see `plugin_api::nn::cpus` for why and what it measured).
 pub fn init_process() {
+    let _ = PROCESS_CPUS.set(plugin_api::nn::cpus::allowed());
     if let Some(helpers) = plugin_api::nn::cpus::share_one_core_with_mlx() {
         // SAFETY: no other thread exists yet to read the environment concurrently.
         unsafe { std::env::set_var(plugin_api::nn::cpus::HELPER_CPUS_ENV, helpers) };
@@ -27,6 +28,38 @@ pub fn init_process() {
     // MLX starts its worker with the first array it evaluates; it inherits this affinity.
     let _ = mlx_rs::Array::from_int(0).eval();
     init();
+}
+
+/// The cores this process was given, before [`init_process`] kept one for MLX's dispatch.
+static PROCESS_CPUS: std::sync::OnceLock<Vec<usize>> = std::sync::OnceLock::new();
+
+/// The cores this process was given (all of them, not only the one its driving thread keeps).
+pub fn process_cpus() -> Vec<usize> {
+    PROCESS_CPUS.get().cloned().unwrap_or_else(plugin_api::nn::cpus::allowed)
+}
+
+/// A child process on `cpus`: children inherit the affinity of the thread that starts them,
+/// and without this would share the one core the driving thread keeps.
+pub fn command_on(program: impl AsRef<std::ffi::OsStr>, cpus: Vec<usize>) -> std::process::Command {
+    use std::os::unix::process::CommandExt;
+    let mut command = std::process::Command::new(program);
+    // SAFETY: between fork and exec the closure only builds a cpu_set_t and calls
+    // sched_setaffinity, both async-signal-safe.
+    unsafe {
+        command.pre_exec(move || {
+            if cpus.is_empty() || plugin_api::nn::cpus::pin(&cpus) {
+                Ok(())
+            } else {
+                Err(std::io::Error::last_os_error())
+            }
+        });
+    }
+    command
+}
+
+/// A child process on every core this process was given.
+pub fn command(program: impl AsRef<std::ffi::OsStr>) -> std::process::Command {
+    command_on(program, process_cpus())
 }
 
 /// The version of the libmlx loaded into this process, as it reports itself.

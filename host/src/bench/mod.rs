@@ -3,7 +3,6 @@
 //! ratio per pair and its spread, and the memory-bandwidth bound for the checkpoint.
 
 use std::path::PathBuf;
-use std::process::Command;
 use std::time::Instant;
 
 use crate::generate::{generate, GenerateError, Request};
@@ -140,7 +139,7 @@ fn run_host(model: &Gemma4, request: &Request) -> Result<Throughput, BenchError>
 
 fn run_mlx_lm(model_dir: &std::path::Path, request: &Request, config: &BenchConfig) -> Result<Throughput, BenchError> {
     let ids: Vec<String> = request.prompt.iter().map(u32::to_string).collect();
-    let mut command = Command::new(&config.mlx_lm_python);
+    let mut command = crate::runtime::command(&config.mlx_lm_python);
     command
         .arg("-c")
         .arg(MLX_LM_DECODE)

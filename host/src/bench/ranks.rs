@@ -4,7 +4,6 @@
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use serde::Serialize;
 
@@ -78,7 +77,7 @@ fn decode(args: &[OsString]) -> Result<(f64, Vec<u64>), RanksError> {
     let exe: PathBuf = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("host"));
     let command = format!("host {}", args.iter().map(|a| a.to_string_lossy()).collect::<Vec<_>>().join(" "));
     let fail = |reason: String| RanksError::Run { command: command.clone(), reason };
-    let out = Command::new(exe).args(args).output().map_err(|e| fail(e.to_string()))?;
+    let out = crate::runtime::command(exe).args(args).output().map_err(|e| fail(e.to_string()))?;
     if !out.status.success() {
         return Err(fail(String::from_utf8_lossy(&out.stderr).trim().to_owned()));
     }

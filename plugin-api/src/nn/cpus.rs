@@ -18,7 +18,7 @@ use std::sync::OnceLock;
 pub const HELPER_CPUS_ENV: &str = "HOST_HELPER_CPUS";
 
 /// The cores the calling thread may run on.
-fn allowed() -> Vec<usize> {
+pub fn allowed() -> Vec<usize> {
     // SAFETY: sched_getaffinity fills a zeroed cpu_set_t of the size given.
     unsafe {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
@@ -29,7 +29,9 @@ fn allowed() -> Vec<usize> {
     }
 }
 
-fn pin(cpus: &[usize]) -> bool {
+/// Confines the calling thread to `cpus`; false if the system refused. Only async-signal-safe
+/// calls: it may run between fork and exec.
+pub fn pin(cpus: &[usize]) -> bool {
     // SAFETY: sched_setaffinity reads a cpu_set_t built here; 0 means the calling thread.
     unsafe {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
