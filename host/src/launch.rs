@@ -10,7 +10,7 @@ use std::ffi::OsString;
 use std::net::{IpAddr, TcpListener};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ExitStatus, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -78,7 +78,7 @@ fn start_and_watch(hostfile: &Path, addresses: &[Vec<String>], args: &[OsString]
     let local_ranks = local.iter().filter(|&&l| l).count();
     let mut children: Vec<Child> = Vec::new();
     for (rank, addrs) in addresses.iter().enumerate() {
-        let mut command = if local[rank] {
+        let (mut command, share) = if local[rank] {
             // Each local rank on its own share of the cores, when there are enough.
             let slot = local[..rank].iter().filter(|&&l| l).count();
             let n = cores.len();
@@ -86,9 +86,9 @@ fn start_and_watch(hostfile: &Path, addresses: &[Vec<String>], args: &[OsString]
                 true => cores[slot * n / local_ranks..(slot + 1) * n / local_ranks].to_vec(),
                 false => cores.clone(),
             };
-            let mut c = crate::runtime::command_on(&exe, share);
+            let mut c = Command::new(&exe);
             c.args(args).env(RANK_ENV, rank.to_string()).env(HOSTFILE_ENV, hostfile);
-            c
+            (c, share)
         } else {
             let host = addrs[0].rsplit_once(':').map_or(addrs[0].as_str(), |(h, _)| h);
             // ssh hands the remote shell one line: every word is quoted for it.
@@ -100,14 +100,14 @@ fn start_and_watch(hostfile: &Path, addresses: &[Vec<String>], args: &[OsString]
             ];
             words.extend(args.iter().map(|a| a.to_string_lossy().into_owned()));
             let line: Vec<String> = words.iter().map(|w| shell_quoted(w)).collect();
-            let mut c = crate::runtime::command("ssh");
+            let mut c = Command::new("ssh");
             c.args(["-o", "BatchMode=yes", host, &line.join(" ")]);
-            c
+            (c, cores.clone())
         };
         if rank > 0 {
             command.stdin(Stdio::null()).stdout(Stdio::null());
         }
-        match command.spawn() {
+        match crate::runtime::starting_children_on(&share, || command.spawn()) {
             Ok(child) => children.push(child),
             Err(error) => {
                 stop(&mut children);

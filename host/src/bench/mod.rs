@@ -139,7 +139,7 @@ fn run_host(model: &Gemma4, request: &Request) -> Result<Throughput, BenchError>
 
 fn run_mlx_lm(model_dir: &std::path::Path, request: &Request, config: &BenchConfig) -> Result<Throughput, BenchError> {
     let ids: Vec<String> = request.prompt.iter().map(u32::to_string).collect();
-    let mut command = crate::runtime::command(&config.mlx_lm_python);
+    let mut command = std::process::Command::new(&config.mlx_lm_python);
     command
         .arg("-c")
         .arg(MLX_LM_DECODE)
@@ -151,7 +151,7 @@ fn run_mlx_lm(model_dir: &std::path::Path, request: &Request, config: &BenchConf
         .arg(request.max_tokens.to_string());
     let shown = format!("{} mlx_lm_decode.py", config.mlx_lm_python.display());
     let failed = |reason: String| BenchError::Reference { command: shown.clone(), reason };
-    let out = command.output().map_err(|e| failed(e.to_string()))?;
+    let out = crate::runtime::starting_children(|| command.output()).map_err(|e| failed(e.to_string()))?;
     if !out.status.success() {
         return Err(failed(String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or("failed").to_owned()));
     }

@@ -4,6 +4,7 @@
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
+use std::process::Command;
 
 use serde::Serialize;
 
@@ -77,7 +78,8 @@ fn decode(args: &[OsString]) -> Result<(f64, Vec<u64>), RanksError> {
     let exe: PathBuf = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("host"));
     let command = format!("host {}", args.iter().map(|a| a.to_string_lossy()).collect::<Vec<_>>().join(" "));
     let fail = |reason: String| RanksError::Run { command: command.clone(), reason };
-    let out = crate::runtime::command(exe).args(args).output().map_err(|e| fail(e.to_string()))?;
+    let out =
+        crate::runtime::starting_children(|| Command::new(exe).args(args).output()).map_err(|e| fail(e.to_string()))?;
     if !out.status.success() {
         return Err(fail(String::from_utf8_lossy(&out.stderr).trim().to_owned()));
     }
