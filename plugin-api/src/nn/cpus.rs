@@ -29,8 +29,7 @@ pub fn allowed() -> Vec<usize> {
     }
 }
 
-/// Confines the calling thread to `cpus`; false if the system refused. Only async-signal-safe
-/// calls: it may run between fork and exec.
+/// Confines the calling thread to `cpus`; false if the system refused.
 pub fn pin(cpus: &[usize]) -> bool {
     // SAFETY: sched_setaffinity reads a cpu_set_t built here; 0 means the calling thread.
     unsafe {
