@@ -53,19 +53,24 @@ pub fn share_one_core_with_mlx() -> Option<String> {
     Some(rest.iter().map(usize::to_string).collect::<Vec<_>>().join(","))
 }
 
+/// The helper cores the process named in [`HELPER_CPUS_ENV`] (none if it named none).
+fn named_helpers() -> &'static [usize] {
+    static HELPERS: OnceLock<Vec<usize>> = OnceLock::new();
+    HELPERS.get_or_init(|| {
+        std::env::var(HELPER_CPUS_ENV)
+            .map(|list| list.split(',').filter_map(|c| c.trim().parse().ok()).collect())
+            .unwrap_or_default()
+    })
+}
+
 /// Runs `spawn_and_join` with the calling thread widened to the helper cores too, so that the
 /// helper threads it starts inherit them and start on an idle core at once (a thread started on
 /// its parent's only core waits for it, and a product split in two runs serially); the calling
 /// thread is confined again afterwards.
 pub(crate) fn with_helper_cores<T>(spawn_and_join: impl FnOnce() -> T) -> T {
-    static HELPERS: OnceLock<Vec<usize>> = OnceLock::new();
-    let helpers = HELPERS.get_or_init(|| {
-        std::env::var(HELPER_CPUS_ENV)
-            .map(|list| list.split(',').filter_map(|c| c.trim().parse().ok()).collect())
-            .unwrap_or_default()
-    });
+    let helpers = named_helpers();
     let own = allowed();
-    if helpers.is_empty() || helpers.iter().all(|c| own.contains(c)) {
+    if helpers.iter().all(|c| own.contains(c)) {
         return spawn_and_join();
     }
     let mut wide = own.clone();
@@ -80,7 +85,7 @@ pub(crate) fn with_helper_cores<T>(spawn_and_join: impl FnOnce() -> T) -> T {
 /// them, else a second core among the calling thread's.
 pub(crate) fn helper_has_a_core() -> bool {
     static HAS: OnceLock<bool> = OnceLock::new();
-    *HAS.get_or_init(|| std::env::var(HELPER_CPUS_ENV).is_ok_and(|l| !l.trim().is_empty()) || allowed().len() >= 2)
+    *HAS.get_or_init(|| !named_helpers().is_empty() || allowed().len() >= 2)
 }
 
 #[cfg(test)]

@@ -1,7 +1,5 @@
 //! Small functional pieces, each as mlx-lm computes it.
 
-use std::sync::OnceLock;
-
 use mlx_rs::error::Exception;
 use mlx_rs::fast::ScaledDotProductAttentionMask;
 use mlx_rs::{Array, Dtype};
@@ -115,18 +113,33 @@ fn gelu(dtype: Dtype, x: f32) -> f32 {
     round(round(x * 0.5) * g)
 }
 
-/// For a half-precision gate, gelu(x) depends on x alone, which takes 65,536 values: they are
-/// computed once per dtype, by the same steps, so a lookup gives the same bits without a
-/// `powf` and a `tanhf` per element (15% of a batched verify round of the demo target).
-fn half_gelu_table(dtype: Dtype) -> Option<&'static [f32]> {
-    static BF16: OnceLock<Vec<f32>> = OnceLock::new();
-    static F16: OnceLock<Vec<f32>> = OnceLock::new();
-    let (cell, widen): (_, fn(u16) -> f32) = match dtype {
-        Dtype::Bfloat16 => (&BF16, |b| f32::from_bits((b as u32) << 16)),
-        Dtype::Float16 => (&F16, |b| half::f16::from_bits(b).to_f32()),
+/// `f` at each of the 65,536 values of a half-precision `dtype`, indexed by bit pattern: an
+/// elementwise op whose input is a half-precision value depends on that value alone, so a table
+/// computed once by the op's own steps gives the same bits at the cost of a lookup. One table
+/// per op (`what` and its `param`) and dtype, kept for the life of the process; `None` for
+/// other dtypes.
+fn half_table(dtype: Dtype, what: &'static str, param: f32, f: impl Fn(f32) -> f32) -> Option<&'static [f32]> {
+    type Key = (&'static str, bool, u32);
+    static TABLES: std::sync::Mutex<Vec<(Key, &'static [f32])>> = std::sync::Mutex::new(Vec::new());
+    let widen: fn(u16) -> f32 = match dtype {
+        Dtype::Bfloat16 => |b| f32::from_bits((b as u32) << 16),
+        Dtype::Float16 => |b| half::f16::from_bits(b).to_f32(),
         _ => return None,
     };
-    Some(cell.get_or_init(|| (0..=u16::MAX).map(|b| gelu(dtype, widen(b))).collect()))
+    let key = (what, dtype == Dtype::Bfloat16, param.to_bits());
+    let mut tables = TABLES.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, table)) = tables.iter().find(|(k, _)| *k == key) {
+        return Some(table);
+    }
+    let table: &'static [f32] = Box::leak((0..=u16::MAX).map(|b| f(widen(b))).collect());
+    tables.push((key, table));
+    Some(table)
+}
+
+/// gelu's table: a lookup instead of a `powf` and a `tanhf` per element (15% of a batched
+/// verify round of the demo target).
+fn half_gelu_table(dtype: Dtype) -> Option<&'static [f32]> {
+    half_table(dtype, "gelu", 0.0, |x| gelu(dtype, x))
 }
 
 /// The table index of a half-precision value held as an f32 (exactly, having been widened).
@@ -154,28 +167,12 @@ pub fn softcap(x: &Array, cap: f32) -> Result<Array, Exception> {
     mlx_rs::ops::tanh(x.divide(&c)?)?.multiply(&c)
 }
 
-/// For half-precision logits, the softcap of each of the 65,536 values, by MLX's three steps
-/// (divide, the C library's `tanhf`, multiply), each rounded to the dtype: a lookup per logit
-/// instead of three MLX ops over the whole vocabulary. One table per dtype and cap.
+/// The softcap's table, by MLX's three steps (divide, the C library's `tanhf`, multiply), each
+/// rounded to the dtype: a lookup per logit instead of three MLX ops over the vocabulary.
 fn half_softcap_table(dtype: Dtype, cap: f32) -> Option<&'static [f32]> {
-    type Tables = Vec<((bool, u32), &'static [f32])>;
-    static TABLES: std::sync::Mutex<Tables> = std::sync::Mutex::new(Vec::new());
-    let widen: fn(u16) -> f32 = match dtype {
-        Dtype::Bfloat16 => |b| f32::from_bits((b as u32) << 16),
-        Dtype::Float16 => |b| half::f16::from_bits(b).to_f32(),
-        _ => return None,
-    };
-    let key = (dtype == Dtype::Bfloat16, cap.to_bits());
-    let mut tables = TABLES.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some((_, table)) = tables.iter().find(|(k, _)| *k == key) {
-        return Some(table);
-    }
     let round = |v| super::kernels::round_to(dtype, v);
     let c = round(cap);
-    let table: Vec<f32> = (0..=u16::MAX).map(|b| round(round(round(widen(b) / c).tanh()) * c)).collect();
-    let table: &'static [f32] = Box::leak(table.into_boxed_slice());
-    tables.push((key, table));
-    Some(table)
+    half_table(dtype, "softcap", cap, |x| round(round(round(x / c).tanh()) * c))
 }
 
 /// A scalar in `dtype`, so that it does not promote the array it meets (Python floats are

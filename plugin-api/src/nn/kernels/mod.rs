@@ -19,12 +19,6 @@ use half_quantized::Half;
 /// thread costs more than it saves.
 const SPLIT_BYTES: usize = 1 << 20;
 
-/// Whether a product may be split with a helper thread: only when the helper gets a core of its
-/// own (a rank of a tensor-parallel run on a shared machine may have one core in all).
-fn second_core() -> bool {
-    super::cpus::helper_has_a_core()
-}
-
 /// Whether a quantized product of `activations` may be summed in any order. MLX's CPU kernel
 /// sums float32 activations in float32, which the float32 route reproduces up to summation
 /// order; half-precision activations it sums in half precision, rounding after every weight
@@ -74,7 +68,8 @@ pub fn small_product(
                 let w = half_quantized::Quantized { packed, scales, biases, bits, group };
                 // Splitting pays from fewer weights here: every weight costs several operations;
                 // the halves stay whole groups of eight lanes.
-                let split = (n * k >= SPLIT_BYTES / 4 && n >= 16 && second_core()).then_some(n / 16 * 8);
+                let split =
+                    (n * k >= SPLIT_BYTES / 4 && n >= 16 && super::cpus::helper_has_a_core()).then_some(n / 16 * 8);
                 return outputs(x, n, split, |xs, range, y| half_quantized::product(xs, rows, k, w, half, range, n, y))
                     .map(Some);
             }
@@ -100,7 +95,7 @@ pub fn small_product(
         _ => return Ok(None),
     };
     let bytes = w.nbytes() + scales.map_or(0, Array::nbytes);
-    let split = (bytes >= SPLIT_BYTES && n >= 2 && second_core()).then_some(n / 2);
+    let split = (bytes >= SPLIT_BYTES && n >= 2 && super::cpus::helper_has_a_core()).then_some(n / 2);
     outputs(x, n, split, |xs, range, y| dot::product(xs, rows, k, weight, range, n, y)).map(Some)
 }
 
