@@ -144,81 +144,215 @@ pub fn filtered_logprobs(logits: &[f32], params: &SamplingParams) -> Vec<f32> {
     }
     let k = params.top_k as usize;
     if k > 0 && k < lp.len() {
-        let mut sorted = lp.clone();
-        sorted.select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a));
-        let kth = sorted[k - 1];
-        // Ties at the k-th value: keep the first ones, so exactly k remain.
-        let mut above = lp.iter().filter(|&&x| x > kth).count();
-        for x in lp.iter_mut() {
-            if *x < kth || (*x == kth && above >= k) {
-                *x = f32::NEG_INFINITY;
-            } else if *x == kth {
-                above += 1;
-            }
-        }
+        top_k(&mut lp, k);
     }
     lp
 }
 
-/// Keeps the smallest set of most likely tokens whose mass reaches `p`.
-///
-/// Only the tokens that can be in that set are sorted: all tokens at or above a cut form a
-/// prefix of the sorted order, so once their mass reaches `p` the set lies among them. A real
-/// vocabulary (262,144 tokens) then costs one pass and a sort of a few hundred, not a sort of
-/// all of it; the set, and the order in which its mass is summed, are those of a full sort.
-fn top_p(lp: &mut [f32], p: f32) {
-    let best = lp.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut cut = best - 8.0;
-    let mut candidates: Vec<usize> = loop {
-        let above: Vec<usize> = (0..lp.len()).filter(|&t| lp[t] >= cut).collect();
-        let mass: f64 = above.iter().map(|&t| (lp[t] as f64).exp()).sum();
-        if mass >= p as f64 || above.len() == lp.len() {
-            break above;
+/// Bins of [`Histogram`] per nat below the best log-probability.
+const BINS_PER_NAT: f32 = 16.0;
+/// The histogram's reach below the best log-probability, in nats; what lies further down shares
+/// its last bin.
+const HISTOGRAM_NATS: f32 = 64.0;
+
+/// How many tokens, and how much of their mass, lie in each sixteenth of a nat below the best
+/// log-probability: one pass that bounds where the k-th token, or the edge of the nucleus, lies,
+/// so that only the tokens above that bound need sorting. A real vocabulary (262,144 tokens)
+/// then costs a pass and a sort of a few thousand tokens, not a sort of all of it.
+struct Histogram {
+    best: f32,
+    counts: Vec<u32>,
+    masses: Vec<f64>,
+}
+
+impl Histogram {
+    /// The histogram of `lp`, with the bins' masses if asked for (in single precision: close
+    /// enough to bound the nucleus, not to decide it).
+    fn new(lp: &[f32], with_masses: bool) -> Histogram {
+        let best = lp.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let last = (HISTOGRAM_NATS * BINS_PER_NAT) as usize;
+        let mut counts = vec![0u32; last + 1];
+        let mut masses = vec![0f64; if with_masses { last + 1 } else { 0 }];
+        for &x in lp {
+            if x > f32::NEG_INFINITY {
+                let bin = (((best - x) * BINS_PER_NAT) as usize).min(last);
+                counts[bin] += 1;
+                if with_masses {
+                    masses[bin] += x.exp() as f64;
+                }
+            }
         }
-        cut = if cut > best - 64.0 { cut - 8.0 } else { f32::NEG_INFINITY };
-    };
-    candidates.sort_by(|&a, &b| lp[b].total_cmp(&lp[a]));
-    let mut mass = 0.0f64;
-    let mut keep = candidates.len();
-    for (i, &t) in candidates.iter().enumerate() {
-        mass += (lp[t] as f64).exp();
-        if mass >= p as f64 {
-            keep = i + 1;
+        Histogram { best, counts, masses }
+    }
+
+    /// A bound every token of bins 0..=b lies at or above: the lower edge of bin b + 1, a bin
+    /// below b's own edge so that rounding in the bin arithmetic cannot put one under it.
+    fn floor_of(&self, b: usize) -> f32 {
+        if b + 2 >= self.counts.len() {
+            f32::NEG_INFINITY
+        } else {
+            self.best - (b + 2) as f32 / BINS_PER_NAT
+        }
+    }
+}
+
+/// The tokens at or above `cut`, most likely first, ties in token order: the order a full sort
+/// gives them. Each is sorted as one integer (its log-probability's bits, ordered, then its id).
+fn sorted_above(lp: &[f32], cut: f32) -> Vec<u32> {
+    let mut keys: Vec<u64> = lp
+        .iter()
+        .enumerate()
+        .filter(|&(_, &x)| x >= cut && x > f32::NEG_INFINITY)
+        .map(|(t, &x)| ((descending_key(x) as u64) << 32) | t as u64)
+        .collect();
+    keys.sort_unstable();
+    keys.into_iter().map(|key| key as u32).collect()
+}
+
+/// A key whose ascending order is the descending order of `x` (total order on floats).
+fn descending_key(x: f32) -> u32 {
+    let bits = x.to_bits();
+    let ascending = if bits >> 31 == 1 { !bits } else { bits | 0x8000_0000 };
+    !ascending
+}
+
+/// Keeps the `k` most likely tokens; of tokens tied at the k-th value, the first ones.
+fn top_k(lp: &mut [f32], k: usize) {
+    let histogram = Histogram::new(lp, false);
+    let mut seen = 0usize;
+    let mut cut = f32::NEG_INFINITY;
+    for (b, &count) in histogram.counts.iter().enumerate() {
+        seen += count as usize;
+        if seen >= k {
+            cut = histogram.floor_of(b);
             break;
         }
     }
-    let mut kept = vec![false; lp.len()];
-    for &t in &candidates[..keep] {
-        kept[t] = true;
+    let kept = sorted_above(lp, cut);
+    keep_only(lp, &kept[..k.min(kept.len())]);
+}
+
+/// Keeps the smallest set of most likely tokens whose mass reaches `p`, its mass summed most
+/// likely first: what a sort of the whole vocabulary gives.
+///
+/// The set lies among the tokens at or above the first histogram bin by which the bins' mass
+/// passes `p` by a margin far above its rounding; only those are sorted. Should their exact sum
+/// still fall short of `p` (or the margin not fit below 1), every token is sorted.
+fn top_p(lp: &mut [f32], p: f32) {
+    const MARGIN: f64 = 1e-4;
+    let histogram = Histogram::new(lp, true);
+    let mut mass = 0.0f64;
+    let mut cut = f32::NEG_INFINITY;
+    for (b, &bin) in histogram.masses.iter().enumerate() {
+        mass += bin;
+        if mass >= p as f64 + MARGIN {
+            cut = histogram.floor_of(b);
+            break;
+        }
     }
-    for (x, kept) in lp.iter_mut().zip(kept) {
-        if !kept {
+    let mut candidates = sorted_above(lp, cut);
+    let keep = loop {
+        let mut mass = 0.0f64;
+        let reached = candidates.iter().position(|&t| {
+            mass += (lp[t as usize] as f64).exp();
+            mass >= p as f64
+        });
+        match reached {
+            Some(i) => break i + 1,
+            None if cut == f32::NEG_INFINITY => break candidates.len(),
+            None => {
+                cut = f32::NEG_INFINITY;
+                candidates = sorted_above(lp, cut);
+            }
+        }
+    };
+    keep_only(lp, &candidates[..keep]);
+}
+
+/// Sets every token but `kept` to -inf.
+fn keep_only(lp: &mut [f32], kept: &[u32]) {
+    let mut keep = vec![false; lp.len()];
+    for &t in kept {
+        keep[t as usize] = true;
+    }
+    for (x, keep) in lp.iter_mut().zip(keep) {
+        if !keep {
             *x = f32::NEG_INFINITY;
         }
     }
 }
 
 /// argmax(logprob / T + Gumbel noise): a draw from softmax(logprob / T). The noise of each
-/// token depends only on (seed, step, token).
+/// token depends only on (seed, step, token); ties go to the lower token id.
+///
+/// Drawing the noise of every token of a real vocabulary (two logarithms each) would cost a
+/// sizeable part of a decode step, so tokens are visited most likely first, a nat of scaled
+/// log-probability at a time. Against the best score so far, a nat's tokens can only win with
+/// noise above a bound, that is with a uniform above `exp(-exp(-bound))`: each token's uniform,
+/// one hash, is compared with that, and only the few above it get their logarithms. The noise
+/// never exceeds -ln(-ln(1 - 2⁻⁵⁴)) < 37.5 (`uniform`'s largest value), so tokens further
+/// below the best score are not visited at all. The result is the argmax over every token.
 pub fn gumbel_argmax(logprobs: &[f32], temperature: f32, seed: u64, step: u64) -> u32 {
+    const MAX_NOISE: f64 = 37.5;
+    // Bounds are lowered by this much, far above the rounding of the scores, so that a token
+    // passed over scores strictly below the best.
+    const SLACK: f64 = 1e-6;
     let key = step_key(seed, step);
     let t = temperature as f64;
-    // Noise is at most -ln(-ln(1 - 2⁻⁵⁴)) < 37.5 (`uniform`'s largest value): a token whose scaled log-probability is that far
-    // below the best score so far cannot win, and its noise need not be drawn. Starting from the
-    // most likely token skips most of a large vocabulary without changing the draw.
-    const MAX_NOISE: f64 = 37.5;
-    let first = logprobs.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map_or(0, |(i, _)| i);
-    let mut best = (f64::NEG_INFINITY, 0u32);
-    for token in std::iter::once(first).chain((0..logprobs.len()).filter(|&i| i != first)) {
-        let lp = logprobs[token];
-        if lp == f32::NEG_INFINITY || lp as f64 / t + MAX_NOISE < best.0 {
-            continue;
+    let scaled = |lp: f32| lp as f64 / t;
+    let top = logprobs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if top == f32::NEG_INFINITY {
+        return 0;
+    }
+    let top = scaled(top);
+    // Bucket b holds the tokens scaled b to b + 1 nats below the top; the noise's least value
+    // (-ln(-ln(2⁻⁵⁴)) > -3.7) puts the best score above top - 3.7, so no token more than
+    // MAX_NOISE + 3.7 below it can win.
+    const BUCKETS: usize = (MAX_NOISE + 3.7) as usize + 1;
+    // Bucketing may round differently from `scaled` (a product, not a quotient): SLACK covers it.
+    let inverse = 1.0 / t;
+    let bucket_of = |lp: f32| -> Option<usize> {
+        let below = top - lp as f64 * inverse;
+        (lp > f32::NEG_INFINITY && below < BUCKETS as f64).then_some(below as usize)
+    };
+    // Tokens in bucket order (a counting sort): bucket b's are order[starts[b]..starts[b + 1]].
+    const NONE: u8 = u8::MAX;
+    let buckets: Vec<u8> = logprobs.iter().map(|&lp| bucket_of(lp).map_or(NONE, |b| b as u8)).collect();
+    let mut starts = [0usize; BUCKETS + 1];
+    for &b in &buckets {
+        if b != NONE {
+            starts[b as usize + 1] += 1;
         }
-        let u = uniform(key, token as u64);
-        let score = lp as f64 / t - (-u.ln()).ln();
-        // Ties go to the lower token id, as in a pass in token order.
-        if score > best.0 || (score == best.0 && token < best.1 as usize) {
-            best = (score, token as u32);
+    }
+    for b in 0..BUCKETS {
+        starts[b + 1] += starts[b];
+    }
+    let mut order = vec![0u32; starts[BUCKETS]];
+    let mut next = starts;
+    for (token, &b) in buckets.iter().enumerate() {
+        if b != NONE {
+            order[next[b as usize]] = token as u32;
+            next[b as usize] += 1;
+        }
+    }
+    let mut best = (f64::NEG_INFINITY, 0u32);
+    for b in 0..BUCKETS {
+        let highest = top - b as f64;
+        if highest + MAX_NOISE < best.0 {
+            break;
+        }
+        // Noise at or below `needed` cannot lift a token of this bucket to the best score.
+        let needed = best.0 - highest - SLACK;
+        let least_uniform = if needed == f64::NEG_INFINITY { 0.0 } else { (-(-needed).exp()).exp() };
+        for &token in &order[starts[b]..starts[b + 1]] {
+            let u = uniform(key, token as u64);
+            if u < least_uniform {
+                continue;
+            }
+            let score = scaled(logprobs[token as usize]) - (-u.ln()).ln();
+            if score > best.0 || (score == best.0 && token < best.1) {
+                best = (score, token);
+            }
         }
     }
     best.1
@@ -253,6 +387,15 @@ mod tests {
         }
     }
 
+    /// The first k tokens of a stable sort, most likely first.
+    fn top_k_by_full_sort(lp: &mut [f32], k: usize) {
+        let mut order: Vec<usize> = (0..lp.len()).collect();
+        order.sort_by(|&a, &b| lp[b].total_cmp(&lp[a]));
+        for &t in &order[k..] {
+            lp[t] = f32::NEG_INFINITY;
+        }
+    }
+
     fn gumbel_over_every_token(logprobs: &[f32], temperature: f32, seed: u64, step: u64) -> u32 {
         let key = step_key(seed, step);
         let mut best = (f64::NEG_INFINITY, 0u32);
@@ -269,7 +412,7 @@ mod tests {
     }
 
     #[test]
-    fn the_fast_top_p_and_draw_equal_a_full_sort_and_a_full_draw() {
+    fn the_fast_filters_and_draw_equal_a_full_sort_and_a_full_draw() {
         for case in 0..200u64 {
             let vocab = 50 + (case as usize * 37) % 3000;
             // Peaked, flat and tied logits.
@@ -284,6 +427,12 @@ mod tests {
                 top_p(&mut fast, p);
                 top_p_by_full_sort(&mut full, p);
                 assert_eq!(fast, full, "case {case}, top_p {p}");
+                for k in [1usize, 7, 40] {
+                    let (mut fast, mut full) = (lp.clone(), lp.clone());
+                    top_k(&mut fast, k);
+                    top_k_by_full_sort(&mut full, k);
+                    assert_eq!(fast, full, "case {case}, top_k {k}");
+                }
                 for t in [0.3f32, 0.7, 1.5] {
                     assert_eq!(gumbel_argmax(&fast, t, case, 7), gumbel_over_every_token(&full, t, case, 7));
                     assert_eq!(gumbel_argmax(&lp, t, case, 9), gumbel_over_every_token(&lp, t, case, 9));

@@ -9,7 +9,7 @@ use mlx_rs::{random, Array, Dtype};
 use plugin_api::nn::{Linear, Quantization};
 use serde::Serialize;
 
-use crate::sampling::{sample, SamplingParams};
+use super::SamplingRow;
 
 const SIDE: i32 = 4096;
 const ROWS: [i32; 5] = [1, 2, 4, 8, 16];
@@ -22,12 +22,6 @@ pub struct KernelRow {
     /// Weight bytes per second, host loops and MLX's op.
     pub host_gb_per_s: f64,
     pub mlx_gb_per_s: f64,
-}
-
-#[derive(Debug, Serialize)]
-pub struct SamplingRow {
-    pub settings: String,
-    pub milliseconds: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -145,19 +139,6 @@ pub fn kernels() -> Result<KernelReport, Exception> {
     }
     let logits = random::normal::<f32>(&[VOCAB], None, 3.0, &random::key(2)?)?;
     logits.eval()?;
-    let mut sampling = Vec::new();
-    for (settings, params) in [
-        ("temperature 0.7, top-p 0.95", SamplingParams { temperature: 0.7, top_p: 0.95, ..Default::default() }),
-        ("temperature 1.0, no filter", SamplingParams { temperature: 1.0, ..Default::default() }),
-        ("temperature 0.7, top-k 40", SamplingParams { temperature: 0.7, top_k: 40, ..Default::default() }),
-    ] {
-        let mut samples = Vec::new();
-        for step in 0..REPEATS as u64 {
-            let start = Instant::now();
-            sample(&logits, &params, step).map_err(|e| Exception::custom(e.to_string()))?;
-            samples.push(start.elapsed().as_secs_f64() * 1e3);
-        }
-        sampling.push(SamplingRow { settings: settings.into(), milliseconds: super::summary(&samples).0 });
-    }
+    let sampling = super::sampling_cost(&logits, REPEATS).map_err(|e| Exception::custom(e.to_string()))?;
     Ok(KernelReport { memory_gb_per_s, rows, sampling })
 }

@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use crate::generate::{generate, GenerateError, Request};
 use crate::model::Gemma4;
+use crate::sampling::{sample, SampleError, SamplingParams};
 
 pub mod collectives;
 pub mod kernels;
@@ -58,6 +59,36 @@ pub struct PlainBench {
     pub step_ms: f64,
     pub window_ms: f64,
     pub window_over_step: f64,
+    /// One sampled token from the logits after the prompt, per setting.
+    pub sampling: Vec<SamplingRow>,
+}
+
+/// What choosing one token costs at some sampling settings.
+#[derive(Debug, serde::Serialize)]
+pub struct SamplingRow {
+    pub settings: String,
+    pub milliseconds: f64,
+}
+
+/// Median milliseconds of [`sample`] on `logits` [V], `repetitions` draws (at different output
+/// positions) per setting: the filters and the draw of a sampled step.
+pub fn sampling_cost(logits: &mlx_rs::Array, repetitions: usize) -> Result<Vec<SamplingRow>, SampleError> {
+    let settings = [
+        ("temperature 0.7, top-p 0.95", SamplingParams { temperature: 0.7, top_p: 0.95, ..Default::default() }),
+        ("temperature 1.0, no filter", SamplingParams { temperature: 1.0, ..Default::default() }),
+        ("temperature 0.7, top-k 40", SamplingParams { temperature: 0.7, top_k: 40, ..Default::default() }),
+    ];
+    let mut rows = Vec::new();
+    for (settings, params) in settings {
+        let mut samples = Vec::with_capacity(repetitions);
+        for step in 0..repetitions as u64 {
+            let start = Instant::now();
+            sample(logits, &params, step)?;
+            samples.push(start.elapsed().as_secs_f64() * 1e3);
+        }
+        rows.push(SamplingRow { settings: settings.into(), milliseconds: summary(&samples).0 });
+    }
+    Ok(rows)
 }
 
 /// The verify window the bench times: a pending token and four drafts.
@@ -82,7 +113,8 @@ pub fn plain(
             host.push(run_host(model, request)?);
         }
     }
-    let (step_ms, window_ms) = window_cost(model, &request.prompt, 4 * config.pairs.max(1))?;
+    let (step_ms, window_ms, logits) = window_cost(model, &request.prompt, 4 * config.pairs.max(1))?;
+    let sampling = sampling_cost(&logits, 20).map_err(|e| GenerateError::Internal(e.to_string()))?;
     let ratios = |f: fn(&Throughput) -> f64| host.iter().zip(&mlx_lm).map(|(h, m)| f(h) / f(m)).collect::<Vec<_>>();
     let weight_bytes_per_token = model.weight_bytes_per_token();
     let memory_gb_per_s = memory_bandwidth_gb_per_s();
@@ -97,36 +129,45 @@ pub fn plain(
         step_ms,
         window_ms,
         window_over_step: window_ms / step_ms,
+        sampling,
     })
 }
 
 /// Median milliseconds of a one-token forward and of a [`WINDOW`]-token one after `prompt`,
-/// `repetitions` of each in alternation, the caches rolled back after each.
-fn window_cost(model: &Gemma4, prompt: &[u32], repetitions: usize) -> Result<(f64, f64), GenerateError> {
+/// `repetitions` of each in alternation, the caches rolled back after each; and the logits [V]
+/// of a one-token step.
+fn window_cost(model: &Gemma4, prompt: &[u32], repetitions: usize) -> Result<(f64, f64, mlx_rs::Array), GenerateError> {
     let internal = |e: crate::model::cache::CacheError| GenerateError::Internal(e.to_string());
     let mut caches = model.make_caches(1, WINDOW);
-    let forward = |tokens: &[u32], caches: &mut [crate::model::LayerCache]| -> Result<f64, GenerateError> {
-        let started = Instant::now();
-        let hidden = model.forward_hidden(&crate::generate::token_ids(tokens), caches, None)?;
-        model.logits_from_hidden(&hidden)?.eval()?;
-        Ok(started.elapsed().as_secs_f64() * 1e3)
-    };
+    let forward =
+        |tokens: &[u32], caches: &mut [crate::model::LayerCache]| -> Result<(f64, mlx_rs::Array), GenerateError> {
+            let started = Instant::now();
+            let hidden = model.forward_hidden(&crate::generate::token_ids(tokens), caches, None)?;
+            let logits = model.logits_from_hidden(&hidden)?;
+            logits.eval()?;
+            Ok((started.elapsed().as_secs_f64() * 1e3, logits))
+        };
     for chunk in prompt.chunks(crate::generate::PREFILL_CHUNK) {
         forward(chunk, &mut caches)?;
     }
     let last = prompt.last().copied().unwrap_or(0);
     let (mut step, mut window) = (Vec::new(), Vec::new());
+    let mut step_logits = None;
     for _ in 0..=repetitions {
         for (times, width) in [(&mut step, 1), (&mut window, WINDOW)] {
-            let ms = forward(&vec![last; width], &mut caches)?;
+            let (ms, logits) = forward(&vec![last; width], &mut caches)?;
             times.push(ms);
+            if width == 1 {
+                step_logits = Some(logits);
+            }
             for cache in caches.iter_mut() {
                 cache.rollback(&[width]).map_err(internal)?;
             }
         }
     }
+    let step_logits = step_logits.expect("at least one step").reshape(&[-1])?;
     // The first of each warms up.
-    Ok((summary(&step[1..]).0, summary(&window[1..]).0))
+    Ok((summary(&step[1..]).0, summary(&window[1..]).0, step_logits))
 }
 
 fn run_host(model: &Gemma4, request: &Request) -> Result<Throughput, BenchError> {

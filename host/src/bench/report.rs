@@ -177,7 +177,8 @@ fn plain_text(prompt_tokens: usize, max_tokens: usize, r: &PlainBench) -> String
          \x20 decode   host {hd:8.1} tok/s   mlx-lm {md:8.1} tok/s   ratio {dr:.3}x  [{dr_lo:.3}, {dr_hi:.3}]\n\
          \x20 prefill  host {hp:8.1} tok/s   mlx-lm {mp:8.1} tok/s   ratio {pr:.3}x  [{pr_lo:.3}, {pr_hi:.3}]\n\
          \x20 bandwidth bound {:.1} tok/s ({:.1} MB of weights per token at {:.1} GB/s measured); host decode at {:.0}% of it\n\
-         \x20 verify window of {} tokens {:.2} ms, one-token step {:.2} ms: {:.2}x a step (median)\n",
+         \x20 verify window of {} tokens {:.2} ms, one-token step {:.2} ms: {:.2}x a step (median)\n\
+         {}",
         r.host.len(),
         r.bandwidth_bound_tokens_per_s,
         r.weight_bytes_per_token as f64 / 1e6,
@@ -187,7 +188,22 @@ fn plain_text(prompt_tokens: usize, max_tokens: usize, r: &PlainBench) -> String
         r.window_ms,
         r.step_ms,
         r.window_over_step,
+        sampling_text(&r.sampling, r.step_ms),
     )
+}
+
+/// Each setting's cost of choosing a token, and its share of a one-token step.
+fn sampling_text(rows: &[super::SamplingRow], step_ms: f64) -> String {
+    rows.iter()
+        .map(|r| {
+            format!(
+                "  sampling ({}) {:.2} ms: {:.1}% of a step\n",
+                r.settings,
+                r.milliseconds,
+                100.0 * r.milliseconds / step_ms
+            )
+        })
+        .collect()
 }
 
 fn speculative_text(
