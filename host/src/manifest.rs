@@ -411,21 +411,20 @@ mod tests {
         Manifest::load(&file)
     }
 
-    fn temp(name: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("host-manifest-{}-{name}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        dir
+    /// A fresh directory for one test, removed with it.
+    fn temp(name: &str) -> tempfile::TempDir {
+        tempfile::Builder::new().prefix(&format!("host-manifest-{name}-")).tempdir().unwrap()
     }
 
     #[test]
     fn paths_resolve_relative_to_the_manifest() {
         let dir = temp("relative");
         let m = manifest_in(
-            &dir,
+            dir.path(),
             "[target]\nmodel = \"model\"\n[drafter]\nkind = \"ngram\"\n[drafter.options]\nmax_ngram = 4\n",
         )
         .unwrap();
-        assert_eq!(m.target_model, dir.join("model"));
+        assert_eq!(m.target_model, dir.path().join("model"));
         let d = m.drafter.unwrap();
         assert_eq!((d.kind.as_str(), d.draft_tokens), ("ngram", DraftTokens::Fixed(4)));
         assert_eq!(d.options["max_ngram"].as_integer(), Some(4));
@@ -435,7 +434,7 @@ mod tests {
     #[test]
     fn unknown_key_names_file_line_and_key() {
         let dir = temp("unknown");
-        let e = manifest_in(&dir, "[target]\nmodel = \"model\"\n\n[generation]\nmax_tokenz = 3\n").unwrap_err();
+        let e = manifest_in(dir.path(), "[target]\nmodel = \"model\"\n\n[generation]\nmax_tokenz = 3\n").unwrap_err();
         assert_eq!(e.line, Some(5));
         assert!(e.to_string().contains("m.toml:5:"), "{e}");
         assert!(e.message.contains("unknown field `max_tokenz`"), "{e}");
@@ -444,7 +443,8 @@ mod tests {
     #[test]
     fn wrong_type_names_the_line() {
         let dir = temp("type");
-        let e = manifest_in(&dir, "[target]\nmodel = \"model\"\n[generation]\ntemperature = \"hot\"\n").unwrap_err();
+        let e =
+            manifest_in(dir.path(), "[target]\nmodel = \"model\"\n[generation]\ntemperature = \"hot\"\n").unwrap_err();
         assert_eq!(e.line, Some(4));
         assert!(e.message.contains("invalid type"), "{e}");
     }
@@ -452,7 +452,7 @@ mod tests {
     #[test]
     fn missing_file_names_key_and_resolved_path() {
         let dir = temp("missing");
-        let e = manifest_in(&dir, "[target]\nmodel = \"model\"\n[drafter]\nkind = \"x\"\nartifact = \"nope\"\n")
+        let e = manifest_in(dir.path(), "[target]\nmodel = \"model\"\n[drafter]\nkind = \"x\"\nartifact = \"nope\"\n")
             .unwrap_err();
         assert_eq!(e.line, Some(5));
         assert!(e.message.starts_with("drafter.artifact: "), "{e}");
@@ -462,14 +462,14 @@ mod tests {
     #[test]
     fn missing_section_is_an_error() {
         let dir = temp("section");
-        let e = manifest_in(&dir, "[generation]\nseed = 1\n").unwrap_err();
+        let e = manifest_in(dir.path(), "[generation]\nseed = 1\n").unwrap_err();
         assert!(e.message.contains("missing field `target`"), "{e}");
     }
 
     #[test]
     fn unknown_drafter_option_is_refused_against_the_descriptor() {
         let dir = temp("option");
-        let m = manifest_in(&dir, "[target]\nmodel = \"model\"\n[drafter]\nkind = \"ngram\"\n[drafter.options]\nmax_ngram = 3\nmax_gram = 2\n")
+        let m = manifest_in(dir.path(), "[target]\nmodel = \"model\"\n[drafter]\nkind = \"ngram\"\n[drafter.options]\nmax_ngram = 3\nmax_gram = 2\n")
             .unwrap();
         let descriptor = Descriptor::new("ngram", "n", "0").option("max_ngram", "3", "");
         let e = m.check_drafter(&descriptor).unwrap_err();
@@ -482,7 +482,7 @@ mod tests {
         let dir = temp("draft-tokens");
         let with = |value: &str| {
             manifest_in(
-                &dir,
+                dir.path(),
                 &format!("[target]\nmodel = \"model\"\n[drafter]\nkind = \"x\"\ndraft_tokens = {value}\n"),
             )
         };
@@ -498,8 +498,8 @@ mod tests {
     #[test]
     fn bad_pin_is_refused() {
         let dir = temp("pin");
-        let e =
-            manifest_in(&dir, "[target]\nmodel = \"model\"\n[drafter]\nkind = \"x\"\nsha256 = \"abc\"\n").unwrap_err();
+        let e = manifest_in(dir.path(), "[target]\nmodel = \"model\"\n[drafter]\nkind = \"x\"\nsha256 = \"abc\"\n")
+            .unwrap_err();
         assert_eq!(e.line, Some(5));
     }
 }
