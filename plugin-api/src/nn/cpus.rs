@@ -7,7 +7,7 @@
 //! decode time, and decoding the demo target confined to one core ran 1.8× faster than on
 //! two. Products of large weights still want a second core (the float32 bench model decodes
 //! about 1.5× faster on two). So the process's driving thread and MLX's worker share one core,
-//! and the helper threads of [`super::kernels`] run on the others.
+//! and the kernels' helper thread ([`super::helper`]) runs on the others.
 //!
 //! The host pins itself once at start-up and names the helper cores in [`HELPER_CPUS_ENV`], which
 //! every copy of this crate in the process (the host's and each plugin's) reads.
@@ -63,22 +63,13 @@ fn named_helpers() -> &'static [usize] {
     })
 }
 
-/// Runs `spawn_and_join` with the calling thread widened to the helper cores too, so that the
-/// helper threads it starts inherit them and start on an idle core at once (a thread started on
-/// its parent's only core waits for it, and a product split in two runs serially); the calling
-/// thread is confined again afterwards.
-pub(crate) fn with_helper_cores<T>(spawn_and_join: impl FnOnce() -> T) -> T {
+/// Confines the calling thread (the kernels' helper) to the helper cores the process named, if
+/// it named any.
+pub(crate) fn move_to_helper_cores() {
     let helpers = named_helpers();
-    let own = allowed();
-    if helpers.iter().all(|c| own.contains(c)) {
-        return spawn_and_join();
+    if !helpers.is_empty() {
+        pin(helpers);
     }
-    let mut wide = own.clone();
-    wide.extend(helpers.iter().filter(|c| !own.contains(c)));
-    pin(&wide);
-    let result = spawn_and_join();
-    pin(&own);
-    result
 }
 
 /// Whether a helper thread has a core of its own: the helper cores when the process named

@@ -15,9 +15,11 @@ use super::linear::Quantization;
 use dot::{Params, Weight, MAX_ROWS};
 use half_quantized::Half;
 
-/// Weights (in bytes) from which a product is split between two threads: below it, starting a
-/// thread costs more than it saves.
-const SPLIT_BYTES: usize = 1 << 20;
+/// Multiply-adds (rows × outputs × inputs) from which a product is split with the helper thread
+/// ([`super::helper`]): below it, handing half over costs more than it saves. Measured on the
+/// demo target (`host bench --manifest`, one-token steps and 5-token windows interleaved in one
+/// process): splitting from 2¹⁵, 2¹⁷ or 2¹⁹ all beat never splitting, within noise of each other.
+const SPLIT_WORK: usize = 1 << 17;
 
 /// Whether a quantized product of `activations` may be summed in any order. MLX's CPU kernel
 /// sums float32 activations in float32, which the float32 route reproduces up to summation
@@ -68,8 +70,8 @@ pub fn small_product(
                 let w = half_quantized::Quantized { packed, scales, biases, bits, group };
                 // Splitting pays from fewer weights here: every weight costs several operations;
                 // the halves stay whole groups of eight lanes.
-                let split =
-                    (n * k >= SPLIT_BYTES / 4 && n >= 16 && super::cpus::helper_has_a_core()).then_some(n / 16 * 8);
+                let split = (rows * n * k >= SPLIT_WORK / 4 && n >= 16 && super::cpus::helper_has_a_core())
+                    .then_some(n / 16 * 8);
                 return outputs(x, n, split, |xs, range, y| half_quantized::product(xs, rows, k, w, half, range, n, y))
                     .map(Some);
             }
@@ -94,8 +96,7 @@ pub fn small_product(
         },
         _ => return Ok(None),
     };
-    let bytes = w.nbytes() + scales.map_or(0, Array::nbytes);
-    let split = (bytes >= SPLIT_BYTES && n >= 2 && super::cpus::helper_has_a_core()).then_some(n / 2);
+    let split = (rows * n * k >= SPLIT_WORK && n >= 2 && super::cpus::helper_has_a_core()).then_some(n / 2);
     outputs(x, n, split, |xs, range, y| dot::product(xs, rows, k, weight, range, n, y)).map(Some)
 }
 
@@ -119,12 +120,7 @@ fn outputs(
             None => run(xs, 0..n, &mut y),
             Some(at) => {
                 let mut upper = vec![0f32; rows * n];
-                super::cpus::with_helper_cores(|| {
-                    std::thread::scope(|scope| {
-                        scope.spawn(|| run(xs, at..n, &mut upper));
-                        run(xs, 0..at, &mut y);
-                    })
-                });
+                super::helper::join(|| run(xs, 0..at, &mut y), || run(xs, at..n, &mut upper));
                 for m in 0..rows {
                     y[m * n + at..(m + 1) * n].copy_from_slice(&upper[m * n + at..(m + 1) * n]);
                 }
