@@ -341,9 +341,12 @@ pub fn gumbel_argmax(logprobs: &[f32], temperature: f32, seed: u64, step: u64) -
         if highest + MAX_NOISE < best.0 {
             break;
         }
-        // Noise at or below `needed` cannot lift a token of this bucket to the best score.
+        // Noise at or below `needed` cannot lift a token of this bucket to the best score. The
+        // uniform giving that noise, exp(-exp(-needed)), is lowered by far more than the two
+        // exponentials' rounding (relative 1e-14 against at most e^3.7 ulps), so that a uniform
+        // below it is one whose noise is below `needed`.
         let needed = best.0 - highest - SLACK;
-        let least_uniform = if needed == f64::NEG_INFINITY { 0.0 } else { (-(-needed).exp()).exp() };
+        let least_uniform = if needed == f64::NEG_INFINITY { 0.0 } else { (-(-needed).exp()).exp() * (1.0 - 1e-14) };
         for &token in &order[starts[b]..starts[b + 1]] {
             let u = uniform(key, token as u64);
             if u < least_uniform {
