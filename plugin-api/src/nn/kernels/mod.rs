@@ -78,12 +78,14 @@ pub fn small_product(
             Weight::Quantized { packed, scales, biases, bits, group }
         }
         (None, None, None) => match w.dtype() {
-            // Float32 weights stay with MLX, which calls OpenBLAS for them. Alone these loops read
-            // a float32 weight faster at 1 to 4 rows (`host bench --kernels`: 17 against 11 GB/s
-            // at one row), but end to end the bench model decoded at 57 tok/s with them against
-            // 71 without (mlx-lm: 71): each product here waits for its input, where MLX's ops
-            // queue behind one another. The loops serve the other formats once converted.
-            Dtype::Float32 => return Ok(None),
+            // Float32 weights of up to MAX_ROWS rows: with the helper thread taking half of each
+            // product, these loops decode the float32 bench model at 60–62 tok/s against 41–48
+            // through MLX's op (OpenBLAS), and its 262,144-token sibling at 19 against 12
+            // (`host run`, alternated). More rows (prefill) stay with OpenBLAS.
+            Dtype::Float32 => match slice::<f32>(w) {
+                Some(w) => Weight::F32(w),
+                None => return Ok(None),
+            },
             Dtype::Bfloat16 => match bits16(w) {
                 Some(w) => Weight::Bf16(w),
                 None => return Ok(None),
