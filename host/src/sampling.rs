@@ -132,7 +132,10 @@ impl WindowTokens {
 /// Log-probabilities with the filters applied (removed tokens at -inf), before temperature.
 pub fn filtered_logprobs(logits: &[f32], params: &SamplingParams) -> Vec<f32> {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let log_sum = logits.iter().map(|&x| ((x - max) as f64).exp()).sum::<f64>().ln() as f32 + max;
+    // Summed in two halves, each in token order, then added: the same sum whether or not the
+    // halves run at once.
+    let (lower, upper) = on_halves(logits, |half, _| half.iter().map(|&x| ((x - max) as f64).exp()).sum::<f64>());
+    let log_sum = (lower + upper).ln() as f32 + max;
     let mut lp: Vec<f32> = logits.iter().map(|&x| x - log_sum).collect();
     if params.top_p > 0.0 && params.top_p < 1.0 {
         top_p(&mut lp, params.top_p);
@@ -147,6 +150,23 @@ pub fn filtered_logprobs(logits: &[f32], params: &SamplingParams) -> Vec<f32> {
         top_k(&mut lp, k);
     }
     lp
+}
+
+/// Vocabularies from which [`on_halves`] gives a half to the products' helper thread: below,
+/// handing it over costs more than it saves.
+const HALVES_IN_PARALLEL: usize = 1 << 15;
+
+/// `f(half, offset)` on the two halves of `values` (offset: the index of a half's first value),
+/// the second half on the products' helper thread when `values` is long enough.
+fn on_halves<T: Send>(values: &[f32], f: impl Fn(&[f32], usize) -> T + Sync) -> (T, T) {
+    let middle = values.len() / 2;
+    let (lower, upper) = values.split_at(middle);
+    if values.len() < HALVES_IN_PARALLEL {
+        return (f(lower, 0), f(upper, middle));
+    }
+    let (mut first, mut second) = (None, None);
+    plugin_api::nn::helper::join(|| first = Some(f(lower, 0)), || second = Some(f(upper, middle)));
+    (first.expect("joined"), second.expect("joined"))
 }
 
 /// Bins of [`Histogram`] per nat below the best log-probability.
@@ -171,17 +191,23 @@ impl Histogram {
     fn new(lp: &[f32], with_masses: bool) -> Histogram {
         let best = lp.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let last = (HISTOGRAM_NATS * BINS_PER_NAT) as usize;
-        let mut counts = vec![0u32; last + 1];
-        let mut masses = vec![0f64; if with_masses { last + 1 } else { 0 }];
-        for &x in lp {
-            if x > f32::NEG_INFINITY {
-                let bin = (((best - x) * BINS_PER_NAT) as usize).min(last);
-                counts[bin] += 1;
-                if with_masses {
-                    masses[bin] += x.exp() as f64;
+        let count = |half: &[f32], _| {
+            let mut counts = vec![0u32; last + 1];
+            let mut masses = vec![0f64; if with_masses { last + 1 } else { 0 }];
+            for &x in half {
+                if x > f32::NEG_INFINITY {
+                    let bin = (((best - x) * BINS_PER_NAT) as usize).min(last);
+                    counts[bin] += 1;
+                    if with_masses {
+                        masses[bin] += x.exp() as f64;
+                    }
                 }
             }
-        }
+            (counts, masses)
+        };
+        let ((mut counts, mut masses), (upper_counts, upper_masses)) = on_halves(lp, count);
+        counts.iter_mut().zip(upper_counts).for_each(|(c, u)| *c += u);
+        masses.iter_mut().zip(upper_masses).for_each(|(m, u)| *m += u);
         Histogram { best, counts, masses }
     }
 
@@ -293,16 +319,28 @@ fn keep_only(lp: &mut [f32], kept: &[u32]) {
 /// never exceeds -ln(-ln(1 - 2⁻⁵⁴)) < 37.5 (`uniform`'s largest value), so tokens further
 /// below the best score are not visited at all. The result is the argmax over every token.
 pub fn gumbel_argmax(logprobs: &[f32], temperature: f32, seed: u64, step: u64) -> u32 {
+    let key = step_key(seed, step);
+    // Each half's best, then the better of the two (ties to the lower token, the first half's).
+    let (lower, upper) = on_halves(logprobs, |half, offset| best_draw(half, offset as u32, temperature, key));
+    match (lower, upper) {
+        (Some(a), Some(b)) if b.0 > a.0 => b.1,
+        (Some(a), _) => a.1,
+        (None, Some(b)) => b.1,
+        (None, None) => 0,
+    }
+}
+
+/// The best score and its token among `logprobs` (token ids from `offset`), if any is finite.
+fn best_draw(logprobs: &[f32], offset: u32, temperature: f32, key: u64) -> Option<(f64, u32)> {
     const MAX_NOISE: f64 = 37.5;
     // Bounds are lowered by this much, far above the rounding of the scores, so that a token
     // passed over scores strictly below the best.
     const SLACK: f64 = 1e-6;
-    let key = step_key(seed, step);
     let t = temperature as f64;
     let scaled = |lp: f32| lp as f64 / t;
     let top = logprobs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     if top == f32::NEG_INFINITY {
-        return 0;
+        return None;
     }
     let top = scaled(top);
     // Bucket b holds the tokens scaled b to b + 1 nats below the top; the noise's least value
@@ -347,18 +385,19 @@ pub fn gumbel_argmax(logprobs: &[f32], temperature: f32, seed: u64, step: u64) -
         // below it is one whose noise is below `needed`.
         let needed = best.0 - highest - SLACK;
         let least_uniform = if needed == f64::NEG_INFINITY { 0.0 } else { (-(-needed).exp()).exp() * (1.0 - 1e-14) };
-        for &token in &order[starts[b]..starts[b + 1]] {
+        for &index in &order[starts[b]..starts[b + 1]] {
+            let token = offset + index;
             let u = uniform(key, token as u64);
             if u < least_uniform {
                 continue;
             }
-            let score = scaled(logprobs[token as usize]) - (-u.ln()).ln();
+            let score = scaled(logprobs[index as usize]) - (-u.ln()).ln();
             if score > best.0 || (score == best.0 && token < best.1) {
                 best = (score, token);
             }
         }
     }
-    best.1
+    Some(best)
 }
 
 pub use plugin_api::random::{step_key, uniform};

@@ -95,7 +95,7 @@ fn serve(shared: &Shared) -> ! {
 /// Runs `mine` on the calling thread and `theirs` on the helper at the same time, and returns
 /// when both are done; both run here, one after the other, when the helper is taken by another
 /// thread (or none could be started). A panic in either is resumed here once both have finished.
-pub(crate) fn join(mine: impl FnOnce() + Send, theirs: impl FnOnce() + Send) {
+pub fn join(mine: impl FnOnce() + Send, theirs: impl FnOnce() + Send) {
     // A panic resumed below poisons the lock; the helper itself is still sound.
     let turn = |h: &'static Helper| match h.busy.try_lock() {
         Ok(turn) => Some((h, turn)),

@@ -5,7 +5,7 @@
 pub mod context;
 pub mod cpus;
 mod header;
-mod helper;
+pub mod helper;
 pub mod kernels;
 pub mod linear;
 pub mod mlp;
