@@ -1,5 +1,6 @@
-//! One helper thread, kept awake while products come, that computes part of a product while the
-//! calling thread computes the rest.
+//! One helper thread, kept awake while work comes, that computes part of a product (or of any
+//! pass split in two, such as the host's sampling over a large vocabulary) while the calling
+//! thread computes the rest.
 //!
 //! Written by hand because the thread pools at hand split work the wrong way for a decode step.
 //! A step makes dozens of products of a few to a few hundred microseconds each, from one thread
@@ -7,8 +8,8 @@
 //! of microseconds on a virtual machine, more than splitting most of them saves. rayon, called
 //! from a thread outside its pool, runs both halves of a `join` on its workers and puts the
 //! caller to sleep, which costs a wake-up per product as well. Here the caller computes its part
-//! itself, and the helper, spinning between products, starts on the other at once; after
-//! [`SPIN`] without work it sleeps until the next.
+//! itself, and the helper, spinning between products, starts on the other at once; after 2 ms
+//! without work it sleeps until the next.
 
 use std::any::Any;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
