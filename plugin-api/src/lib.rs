@@ -27,6 +27,9 @@
 //! mlx-rs's global key. MLX's function compilation stays off in every artifact of the
 //! process: mlx-rs numbers compiled functions per copy while the compile cache is shared, so
 //! a plugin's compiled function could return the host's. The host turns it off at start-up.
+//! The SDK's `nn` products share their work with one helper thread per copy of the SDK
+//! (`nn::helper`), started on first use and kept for the life of the process; so the host
+//! never unloads a plugin library.
 //!
 //! ## Errors
 //! Every entry returns `RResult<_, `[`PluginError`]`>`: a kind and one line that names what was

@@ -10,6 +10,10 @@
 //! caller to sleep, which costs a wake-up per product as well. Here the caller computes its part
 //! itself, and the helper, spinning between products, starts on the other at once; after 2 ms
 //! without work it sleeps until the next.
+//!
+//! Each copy of this crate (the host's, and each plugin's) has its own helper, which lives as
+//! long as the process: a plugin library must never be unloaded while its helper runs, and the
+//! host never unloads one.
 
 use std::any::Any;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
