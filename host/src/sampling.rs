@@ -224,15 +224,33 @@ impl Histogram {
 
 /// The tokens at or above `cut`, most likely first, ties in token order: the order a full sort
 /// gives them. Each is sorted as one integer (its log-probability's bits, ordered, then its id).
+///
+/// Each half of the vocabulary is sorted on its own, then the two are merged.
 fn sorted_above(lp: &[f32], cut: f32) -> Vec<u32> {
-    let mut keys: Vec<u64> = lp
-        .iter()
-        .enumerate()
-        .filter(|&(_, &x)| x >= cut && x > f32::NEG_INFINITY)
-        .map(|(t, &x)| ((descending_key(x) as u64) << 32) | t as u64)
-        .collect();
-    keys.sort_unstable();
-    keys.into_iter().map(|key| key as u32).collect()
+    let sorted_half = |half: &[f32], offset: usize| {
+        let mut keys: Vec<u64> = half
+            .iter()
+            .enumerate()
+            .filter(|&(_, &x)| x >= cut && x > f32::NEG_INFINITY)
+            .map(|(t, &x)| ((descending_key(x) as u64) << 32) | (offset + t) as u64)
+            .collect();
+        keys.sort_unstable();
+        keys
+    };
+    let (lower, upper) = on_halves(lp, sorted_half);
+    let mut merged = Vec::with_capacity(lower.len() + upper.len());
+    let (mut i, mut j) = (0, 0);
+    while i < lower.len() && j < upper.len() {
+        if lower[i] < upper[j] {
+            merged.push(lower[i] as u32);
+            i += 1;
+        } else {
+            merged.push(upper[j] as u32);
+            j += 1;
+        }
+    }
+    merged.extend(lower[i..].iter().chain(&upper[j..]).map(|&key| key as u32));
+    merged
 }
 
 /// A key whose ascending order is the descending order of `x` (total order on floats).
