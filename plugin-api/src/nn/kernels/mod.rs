@@ -17,8 +17,9 @@ use half_quantized::Half;
 
 /// Multiply-adds (rows × outputs × inputs) from which a product is split with the helper thread
 /// ([`super::helper`]): below it, handing half over costs more than it saves. Measured on the
-/// demo target (`host bench --manifest`, one-token steps and 5-token windows interleaved in one
-/// process): splitting from 2¹⁵, 2¹⁷ or 2¹⁹ all beat never splitting, within noise of each other.
+/// demo target, one-token steps and 5-token windows interleaved in one process, two runs:
+/// windows took 6.8–7.1 ms splitting from 2¹⁵, 2¹⁷ or 2¹⁹ against 7.2–7.7 never splitting, and
+/// steps 4.1–4.5 ms either way; on quantized weights splitting pays more (see the README).
 const SPLIT_WORK: usize = 1 << 17;
 
 /// Whether a quantized product of `activations` may be summed in any order. MLX's CPU kernel
