@@ -82,9 +82,10 @@ fn start_and_watch(hostfile: &Path, addresses: &[Vec<String>], args: &[OsString]
             // Each local rank on its own share of the cores, when there are enough.
             let slot = local[..rank].iter().filter(|&&l| l).count();
             let n = cores.len();
-            let share = match n >= local_ranks {
-                true => cores[slot * n / local_ranks..(slot + 1) * n / local_ranks].to_vec(),
-                false => cores.clone(),
+            let share = if n >= local_ranks {
+                cores[slot * n / local_ranks..(slot + 1) * n / local_ranks].to_vec()
+            } else {
+                cores.clone()
             };
             let mut c = Command::new(&exe);
             c.args(args).env(RANK_ENV, rank.to_string()).env(HOSTFILE_ENV, hostfile);

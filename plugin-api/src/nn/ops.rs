@@ -337,18 +337,23 @@ mod elementwise_tests {
         }
     }
 
+    /// Every finite value of a half-precision `dtype`, as an array of that dtype.
+    fn every_finite(dtype: Dtype) -> Array {
+        let values: Vec<f32> = (0..=u16::MAX)
+            .map(|b| match dtype {
+                Dtype::Bfloat16 => f32::from_bits((b as u32) << 16),
+                _ => half::f16::from_bits(b).to_f32(),
+            })
+            .filter(|v| v.is_finite())
+            .collect();
+        Array::from_slice(&values, &[values.len() as i32]).as_dtype(dtype).unwrap()
+    }
+
     /// The softcap tables, checked at every finite value a logit can take.
     #[test]
     fn every_finite_half_precision_logit_softcaps_as_mlx_does() {
         for dtype in [Dtype::Bfloat16, Dtype::Float16] {
-            let values: Vec<f32> = (0..=u16::MAX)
-                .map(|b| match dtype {
-                    Dtype::Bfloat16 => f32::from_bits((b as u32) << 16),
-                    _ => half::f16::from_bits(b).to_f32(),
-                })
-                .filter(|v| v.is_finite())
-                .collect();
-            let x = Array::from_slice(&values, &[values.len() as i32]).as_dtype(dtype).unwrap();
+            let x = every_finite(dtype);
             for cap in [30.0f32, 15.0] {
                 let ours = softcap(&x, cap).unwrap();
                 let c = scalar(cap, dtype).unwrap();
@@ -363,15 +368,7 @@ mod elementwise_tests {
     /// The half-precision tables, checked at every finite value a gate can take.
     #[test]
     fn every_finite_half_precision_gate_equals_mlxs() {
-        let finite_bf16: Vec<half::bf16> =
-            (0..=u16::MAX).map(half::bf16::from_bits).filter(|v| v.to_f32().is_finite()).collect();
-        let finite_f16: Vec<half::f16> =
-            (0..=u16::MAX).map(half::f16::from_bits).filter(|v| v.to_f32().is_finite()).collect();
-        let gates = [
-            Array::from_slice(&finite_bf16, &[finite_bf16.len() as i32]),
-            Array::from_slice(&finite_f16, &[finite_f16.len() as i32]),
-        ];
-        for gate in gates {
+        for gate in [every_finite(Dtype::Bfloat16), every_finite(Dtype::Float16)] {
             let n = gate.shape()[0];
             let up = random::normal::<f32>(&[n], None, None, &random::key(5).unwrap())
                 .unwrap()

@@ -71,8 +71,7 @@ pub fn small_product(
                 let w = half_quantized::Quantized { packed, scales, biases, bits, group };
                 // Splitting pays from fewer weights here: every weight costs several operations;
                 // the halves stay whole groups of eight lanes.
-                let split = (rows * n * k >= SPLIT_WORK / 4 && n >= 16 && super::cpus::helper_has_a_core())
-                    .then_some(n / 16 * 8);
+                let split = (rows * n * k >= SPLIT_WORK / 4 && n >= 16).then_some(n / 16 * 8);
                 return outputs(x, n, split, |xs, range, y| half_quantized::product(xs, rows, k, w, half, range, n, y))
                     .map(Some);
             }
@@ -99,7 +98,7 @@ pub fn small_product(
         },
         _ => return Ok(None),
     };
-    let split = (rows * n * k >= SPLIT_WORK && n >= 2 && super::cpus::helper_has_a_core()).then_some(n / 2);
+    let split = (rows * n * k >= SPLIT_WORK && n >= 2).then_some(n / 2);
     outputs(x, n, split, |xs, range, y| dot::product(xs, rows, k, weight, range, n, y)).map(Some)
 }
 
