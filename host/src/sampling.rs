@@ -98,16 +98,46 @@ pub enum WindowTokens {
 }
 
 impl WindowTokens {
+    /// One window's logits [W, V].
     pub fn new(logits: &Array, params: &SamplingParams) -> Result<WindowTokens, SampleError> {
-        if params.is_greedy() {
-            let best = mlx_rs::ops::indexing::argmax_axis(logits, -1, None)?.as_dtype(mlx_rs::Dtype::Uint32)?;
-            check_finite_on_device(logits, &best)?;
-            return Ok(WindowTokens::Greedy(best.as_slice::<u32>().to_vec()));
+        let shape = logits.shape();
+        let rows = WindowTokens::rows(&logits.reshape(&[1, shape[0], shape[1]])?, &[params])?;
+        Ok(rows.into_iter().next().expect("one row"))
+    }
+
+    /// Each row's window from logits [B, W, V], row b sampled by `params[b]`: one argmax over
+    /// every greedy row and one read-back for the sampled ones, whatever the rows, since each
+    /// MLX op and evaluation costs microseconds of dispatch.
+    pub fn rows(logits: &Array, params: &[&SamplingParams]) -> Result<Vec<WindowTokens>, SampleError> {
+        let (width, vocab) = (logits.shape()[1] as usize, logits.shape()[2] as usize);
+        let best = match params.iter().any(|p| p.is_greedy()) {
+            true => Some(mlx_rs::ops::indexing::argmax_axis(logits, -1, None)?.as_dtype(mlx_rs::Dtype::Uint32)?),
+            false => None,
+        };
+        let host = match params.iter().any(|p| !p.is_greedy()) {
+            true => Some(logits.as_dtype(mlx_rs::Dtype::Float32)?),
+            false => None,
+        };
+        match (&best, &host) {
+            (Some(best), None) => check_finite_on_device(logits, best)?,
+            _ => {
+                mlx_rs::transforms::eval(best.iter().chain(&host))?;
+                check_finite(host.as_ref().expect("a sampled row").as_slice::<f32>())?;
+            }
         }
-        let vocab = *logits.shape().last().unwrap_or(&1) as usize;
-        let host = logits.as_dtype(mlx_rs::Dtype::Float32)?;
-        check_finite(host.as_slice::<f32>())?;
-        Ok(WindowTokens::Sampled { logits: host.as_slice::<f32>().to_vec(), vocab })
+        let best = best.as_ref().map(|b| b.as_slice::<u32>());
+        let host = host.as_ref().map(|h| h.as_slice::<f32>());
+        Ok(params
+            .iter()
+            .enumerate()
+            .map(|(b, p)| match (p.is_greedy(), best, host) {
+                (true, Some(best), _) => WindowTokens::Greedy(best[b * width..(b + 1) * width].to_vec()),
+                (_, _, Some(host)) => {
+                    WindowTokens::Sampled { logits: host[b * width * vocab..(b + 1) * width * vocab].to_vec(), vocab }
+                }
+                _ => unreachable!("greedy rows have argmaxes, sampled rows logits"),
+            })
+            .collect())
     }
 
     /// The logits of position `i` (sampled windows only).

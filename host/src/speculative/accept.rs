@@ -9,14 +9,14 @@ use crate::generate::{Flow, GenerateError, Request, StopReason};
 use crate::sampling::{filtered_logprobs, gumbel_argmax, step_key, uniform, WindowTokens};
 use plugin_api::sdk::Proposal;
 
-/// Walks one row's window logits [W, V] (W ≥ drafts + 1), emitting the tokens it keeps and
+/// Walks one row's window (W ≥ drafts + 1 positions), emitting the tokens it keeps and
 /// stopping at the first rejected draft, an end-of-sequence token or `max_tokens`. Returns how
 /// many drafts were accepted.
 pub(super) fn accept(
     row: &mut Row,
     request: &Request,
     proposal: &Proposal,
-    logits: &Array,
+    window: &WindowTokens,
     verify: Verify,
     mut emit: impl FnMut(u32) -> Flow,
 ) -> Result<usize, GenerateError> {
@@ -29,11 +29,6 @@ pub(super) fn accept(
     for d in row.by_position.iter_mut().take(drafts.len()) {
         d.0 += 1;
     }
-    let window = WindowTokens::new(
-        &logits.take_axis(Array::from_iter(0..=drafts.len() as i32, &[drafts.len() as i32 + 1]), 0)?,
-        &request.sampling,
-    )
-    .map_err(|e| GenerateError::sampling_at(step as usize, e))?;
     let mut accepted = 0;
     for i in 0..=drafts.len() {
         let draft = drafts.get(i).copied();
@@ -153,7 +148,8 @@ mod tests {
     fn run(request: &Request, proposal: &Proposal, logits: &Array) -> (Row, usize, Vec<u32>) {
         let mut row = Row::new(request, 4);
         let mut emitted = Vec::new();
-        let n = accept(&mut row, request, proposal, logits, Verify::Match, |t| {
+        let window = WindowTokens::new(logits, &request.sampling).unwrap();
+        let n = accept(&mut row, request, proposal, &window, Verify::Match, |t| {
             emitted.push(t);
             Flow::Continue
         })
@@ -215,6 +211,7 @@ mod tests {
         let proposal = Proposal { tokens: vec![0, 3, 6], probabilities: Some(probabilities(&p, 3)) };
         let window = Array::from_slice(&logits.repeat(4), &[4, V as i32]);
         let mut row = Row::new(&request, 4);
+        let window = WindowTokens::new(&window, &request.sampling).unwrap();
         let n = accept(&mut row, &request, &proposal, &window, Verify::Rejection, |_| Flow::Continue).unwrap();
         assert_eq!(n, 3);
         assert_eq!(row.tokens[..3], [0, 3, 6]);
@@ -234,6 +231,7 @@ mod tests {
             let proposal = Proposal { tokens: vec![2], probabilities: Some(probabilities(&q, 1)) };
             let window = Array::from_slice(&logits.repeat(2), &[2, V as i32]);
             let mut row = Row::new(&request, 4);
+            let window = WindowTokens::new(&window, &request.sampling).unwrap();
             let n = accept(&mut row, &request, &proposal, &window, Verify::Rejection, |_| Flow::Continue).unwrap();
             assert_eq!((n, row.tokens.clone()), (0, vec![5]), "seed {seed}");
         }

@@ -11,6 +11,7 @@ use super::slot::DrafterSlot;
 use super::{forward, Row, SpecConfig, Taps};
 use crate::generate::{Event, Flow, GenerateError, Request};
 use crate::model::{Gemma4, LayerCache};
+use crate::sampling::{SamplingParams, WindowTokens};
 use plugin_api::sdk::Proposal;
 
 /// The batch as the rounds see it: rows still generating, in the order of the caches and of
@@ -54,11 +55,13 @@ pub(super) fn round(
     )?;
     let logits = batch.model.logits_from_hidden(&hidden)?;
 
+    let params: Vec<&SamplingParams> = batch.active.iter().map(|&r| &batch.requests[r].sampling).collect();
+    let first_step = batch.active.iter().map(|&r| rows[r].tokens.len()).min().unwrap_or(0);
+    let targets = WindowTokens::rows(&logits, &params).map_err(|e| GenerateError::sampling_at(first_step, e))?;
     let mut accepted = Vec::with_capacity(batch.active.len());
-    for (b, (&r, proposal)) in batch.active.iter().zip(&proposals).enumerate() {
-        let row_logits = logits.take_axis(Array::from_int(b as i32), 0)?;
+    for ((&r, proposal), window) in batch.active.iter().zip(&proposals).zip(&targets) {
         let verify = batch.config.verify;
-        accepted.push(accept(&mut rows[r], &batch.requests[r], proposal, &row_logits, verify, |t| {
+        accepted.push(accept(&mut rows[r], &batch.requests[r], proposal, window, verify, |t| {
             on_event(r, Event::Token(t))
         })?);
     }

@@ -36,6 +36,24 @@ impl LayerContext {
         Ok(())
     }
 
+    /// Appends positions 0..count of row `row` of keys and values [B, Hkv, W, D] to `layer`.
+    pub fn push_row(
+        &mut self,
+        layer: usize,
+        keys: &Array,
+        values: &Array,
+        row: usize,
+        count: usize,
+    ) -> Result<(), Exception> {
+        use mlx_rs::ops::indexing::TryIndexOp;
+        let whole = keys.shape()[0] == 1 && keys.shape()[2] as usize == count;
+        let part = |a: &Array| match whole {
+            true => Ok(a.clone()),
+            false => a.try_index((row as i32..row as i32 + 1, .., ..count as i32)),
+        };
+        self.push(layer, part(keys)?, part(values)?)
+    }
+
     /// Layer `layer`'s keys and values followed by `keys`/`values` of a block, for attention.
     pub fn with_block(&self, layer: usize, keys: Array, values: Array) -> Result<(Array, Array), Exception> {
         match (self.keys.get(layer), self.values.get(layer)) {

@@ -4,6 +4,8 @@ use mlx_rs::error::Exception;
 use mlx_rs::fast::ScaledDotProductAttentionMask;
 use mlx_rs::{Array, Dtype};
 
+use super::kernels::{bits16, row_major};
+
 /// RMSNorm with a weight (multiplied as is, not 1 + w) or without one.
 pub fn rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Array, Exception> {
     if super::wide::on_cpu() {
@@ -20,7 +22,7 @@ pub fn rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Array, Ex
 /// microseconds of dispatch on the CPU and a small model meets eight norms per layer; the
 /// result is MLX's bit for bit (tested). `None` for what it does not cover.
 fn cpu_rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Option<Array>, Exception> {
-    use super::kernels::{round_to, rounded, row_major, with_floats};
+    use super::kernels::{round_to, rounded, with_floats};
     let dtype = x.dtype();
     let n = x.shape().last().copied().unwrap_or(0) as usize;
     let weight_fits = weight.is_none_or(|w| w.dtype() == dtype && w.shape() == [n as i32]);
@@ -216,6 +218,44 @@ pub fn attention(q: &Array, k: &Array, v: &Array, scale: f32, mask: &Mask) -> Re
     mlx_rs::fast::scaled_dot_product_attention(q, k, v, scale, mask, None)
 }
 
+/// One row's keys and values for [`attention_rows`]: pieces laid end to end along the key axis,
+/// and which keys the row's queries read (broadcastable to [1, Hq, L, S_row]).
+pub struct RowKeys<'a> {
+    pub pieces: Vec<KeyPiece<'a>>,
+    pub mask: Mask,
+}
+
+/// Row `row` of keys and values [B, Hkv, S, D].
+#[derive(Clone, Copy)]
+pub struct KeyPiece<'a> {
+    pub keys: &'a Array,
+    pub values: &'a Array,
+    pub row: usize,
+}
+
+/// Attention of row b of queries q [B, Hq, L, D] over row b's own keys and values, for rows
+/// whose key counts differ (a drafter's per-row contexts): each row gets, bit for bit, what
+/// [`attention`] gives it alone, in one call rather than one per row.
+pub fn attention_rows(q: &Array, rows: &[RowKeys], scale: f32) -> Result<Array, Exception> {
+    if matches!(q.dtype(), Dtype::Bfloat16 | Dtype::Float16) && super::wide::on_cpu() {
+        if let Some(out) = half_attention_rows(q, rows, scale)? {
+            return Ok(out);
+        }
+    }
+    let take = |a: &Array, r: usize| a.take_axis(Array::from_slice(&[r as i32], &[1]), 0);
+    let outs = rows
+        .iter()
+        .enumerate()
+        .map(|(b, row)| {
+            let keys = row.pieces.iter().map(|p| take(p.keys, p.row)).collect::<Result<Vec<_>, _>>()?;
+            let values = row.pieces.iter().map(|p| take(p.values, p.row)).collect::<Result<Vec<_>, _>>()?;
+            let (keys, values) = (mlx_rs::ops::concatenate(&keys, 2)?, mlx_rs::ops::concatenate(&values, 2)?);
+            attention(&take(q, b)?, &keys, &values, scale, &row.mask)
+        })
+        .collect::<Result<Vec<_>, Exception>>()?;
+    mlx_rs::ops::concatenate(&outs, 0)
+}
+
 /// MLX's CPU attention in half precision (its fallback in mlx/fast.cpp: scale q, q·kᵀ, mask with
 /// the dtype's lowest value, precise softmax, ·v, every step rounded to the dtype), with the two
 /// products through the host's loops instead of MLX's generic kernel: the same roundings, the
@@ -226,14 +266,93 @@ pub fn attention(q: &Array, k: &Array, v: &Array, scale: f32, mask: &Mask) -> Re
 /// a decode step of a small model is bound by the count of MLX ops, each costing microseconds
 /// of dispatch on the CPU.
 fn half_attention(q: &Array, k: &Array, v: &Array, scale: f32, mask: &Mask) -> Result<Option<Array>, Exception> {
-    use super::kernels::dot::{self, Weight};
-    use super::kernels::{bits16, rounded, row_major, with_floats};
     let dtype = q.dtype();
-    let (qs, ks) = (q.shape().to_vec(), k.shape().to_vec());
-    let (b, hq, l, d, hkv, s) = (qs[0], qs[1], qs[2], qs[3], ks[1], ks[2]);
-    if hkv == 0 || hq % hkv != 0 || k.dtype() != dtype || v.dtype() != dtype || v.shape() != ks {
+    let ks = k.shape().to_vec();
+    let (b, hkv, s) = (q.shape()[0], ks[1], ks[2] as usize);
+    if ks[0] != b || hkv == 0 || q.shape()[1] % hkv != 0 || k.dtype() != dtype || v.dtype() != dtype || v.shape() != ks
+    {
         return Ok(None);
     }
+    let (k, v) = (row_major(k)?, row_major(v)?);
+    let (Some(keys), Some(values)) = (bits16(&k), bits16(&v)) else { return Ok(None) };
+    let per_row = keys.len() / b.max(1) as usize;
+    let rows: Vec<RowData> = (0..b as usize)
+        .map(|r| RowData { keys: &keys[r * per_row..][..per_row], values: &values[r * per_row..][..per_row], s })
+        .collect();
+    half_attention_core(q, &rows, hkv as usize, scale, Masks::Shared(mask)).map(Some)
+}
+
+/// [`attention_rows`] through the host's loops: each row's pieces copied end to end per KV
+/// head, then [`half_attention_core`]. `None` where the loops do not apply.
+fn half_attention_rows(q: &Array, rows: &[RowKeys], scale: f32) -> Result<Option<Array>, Exception> {
+    let dtype = q.dtype();
+    let (hq, d) = (q.shape()[1], q.shape()[3]);
+    let Some(first) = rows.first().and_then(|r| r.pieces.first()) else { return Ok(None) };
+    let hkv = first.keys.shape()[1];
+    let fits = |p: &KeyPiece| {
+        let ks = p.keys.shape();
+        p.keys.dtype() == dtype
+            && p.values.dtype() == dtype
+            && p.values.shape() == ks
+            && ks.len() == 4
+            && ks[1] == hkv
+            && ks[3] == d
+            && (p.row as i32) < ks[0]
+    };
+    let all_fit = rows.iter().flat_map(|r| &r.pieces).all(fits);
+    if hkv == 0 || hq % hkv != 0 || rows.len() != q.shape()[0] as usize || !all_fit {
+        return Ok(None);
+    }
+    let (hkv, d) = (hkv as usize, d as usize);
+    // Each row's keys and values as [Hkv, S_row, D]; head g of a piece's row r starts at
+    // ((r·Hkv + g)·S_piece)·D.
+    let mut gathered: Vec<(Vec<u16>, Vec<u16>, usize)> = Vec::with_capacity(rows.len());
+    for row in rows {
+        let pieces: Vec<(Array, Array, usize)> = row
+            .pieces
+            .iter()
+            .map(|p| Ok((row_major(p.keys)?, row_major(p.values)?, p.row)))
+            .collect::<Result<_, Exception>>()?;
+        let s: usize = pieces.iter().map(|(k, _, _)| k.shape()[2] as usize).sum();
+        let (mut keys, mut values) = (Vec::with_capacity(hkv * s * d), Vec::with_capacity(hkv * s * d));
+        for g in 0..hkv {
+            for (k, v, r) in &pieces {
+                let (Some(k_bits), Some(v_bits)) = (bits16(k), bits16(v)) else { return Ok(None) };
+                let len = k.shape()[2] as usize * d;
+                let at = (r * hkv + g) * len;
+                keys.extend_from_slice(&k_bits[at..at + len]);
+                values.extend_from_slice(&v_bits[at..at + len]);
+            }
+        }
+        gathered.push((keys, values, s));
+    }
+    let data: Vec<RowData> = gathered.iter().map(|(keys, values, s)| RowData { keys, values, s: *s }).collect();
+    let masks: Vec<&Mask> = rows.iter().map(|r| &r.mask).collect();
+    half_attention_core(q, &data, hkv, scale, Masks::PerRow(&masks)).map(Some)
+}
+
+/// One row's keys and values, [Hkv, s, D] as half-precision bit patterns.
+struct RowData<'a> {
+    keys: &'a [u16],
+    values: &'a [u16],
+    s: usize,
+}
+
+/// One mask for every row (rows of equal length), or one per row.
+enum Masks<'a> {
+    Shared(&'a Mask),
+    PerRow(&'a [&'a Mask]),
+}
+
+/// The steps of [`half_attention`] for queries q [B, Hq, L, D] over each row's keys and values.
+/// q is scaled here as MLX's multiply does it (both in the dtype, the product rounded to it).
+/// The softmax is MLX's: one op over every row when they share a mask, else one per row,
+/// evaluated together.
+fn half_attention_core(q: &Array, rows: &[RowData], hkv: usize, scale: f32, masks: Masks) -> Result<Array, Exception> {
+    use super::kernels::dot::{self, Weight};
+    use super::kernels::{round_to, rounded, with_floats};
+    let dtype = q.dtype();
+    let (hq, l, d) = (q.shape()[1], q.shape()[2], q.shape()[3] as usize);
     fn weight(dtype: Dtype, bits: &[u16]) -> Weight<'_> {
         if dtype == Dtype::Bfloat16 {
             Weight::Bf16(bits)
@@ -242,49 +361,81 @@ fn half_attention(q: &Array, k: &Array, v: &Array, scale: f32, mask: &Mask) -> R
         }
     }
     // Each (row, KV head) block: the queries of the heads sharing that KV head, [rep·l, d].
-    let (rows, blocks) = (((hq / hkv) * l) as usize, (b * hkv) as usize);
-    let (d, s) = (d as usize, s as usize);
-
-    let q = row_major(&q.multiply(scalar(scale, dtype)?)?)?;
-    let (k, v) = (row_major(k)?, row_major(v)?);
-    let (Some(keys), Some(values)) = (bits16(&k), bits16(&v)) else { return Ok(None) };
-    let scores = with_floats(&q, |qs| {
-        let mut scores = vec![0f32; blocks * rows * s];
-        for (i, y) in scores.chunks_mut(rows * s).enumerate() {
-            let x = &qs[i * rows * d..(i + 1) * rows * d];
-            dot::product(x, rows, d, weight(dtype, &keys[i * s * d..(i + 1) * s * d]), 0..s, s, y);
+    // Scores and probabilities are laid out as [row, KV head, rep·l, s_row], rows end to end.
+    let block = (hq as usize / hkv) * l as usize;
+    let scale = round_to(dtype, scale);
+    let scores = with_floats(&row_major(q)?, |qs| {
+        let mut scores = Vec::with_capacity(hkv * block * rows.iter().map(|r| r.s).sum::<usize>());
+        let mut x = vec![0f32; block * d];
+        for (r, row) in rows.iter().enumerate() {
+            for g in 0..hkv {
+                let from = (r * hkv + g) * block * d;
+                for (x, &v) in x.iter_mut().zip(&qs[from..from + block * d]) {
+                    *x = round_to(dtype, v * scale);
+                }
+                let at = scores.len();
+                scores.resize(at + block * row.s, 0.0);
+                let keys = weight(dtype, &row.keys[g * row.s * d..(g + 1) * row.s * d]);
+                dot::product(&x, block, d, keys, 0..row.s, row.s, &mut scores[at..]);
+            }
         }
-        rounded(&scores, &[b, hq, l, s as i32], dtype)
+        scores
     })?;
 
     let lowest = scalar(f32::from_bits(if dtype == Dtype::Bfloat16 { 0xFF7F_0000 } else { 0xC77F_E000 }), dtype)?;
-    let scores = match mask {
-        Mask::All => scores,
-        Mask::Causal => {
-            let offset = (s as i32 - l).max(0);
-            let rows = Array::from_iter(offset..offset + l, &[l, 1]);
-            let cols = Array::from_iter(0..s as i32, &[1, s as i32]);
-            mlx_rs::ops::select(&rows.ge(&cols)?, &scores, &lowest)?
-        }
-        Mask::Array(m) if m.dtype() == Dtype::Bool => mlx_rs::ops::select(m, &scores, &lowest)?,
-        Mask::Array(m) => scores.add(m)?,
+    let softmax = |scores: &[f32], b: usize, s: usize, mask: &Mask| -> Result<Array, Exception> {
+        let scores = rounded(scores, &[b as i32, hq, l, s as i32], dtype);
+        let scores = match mask {
+            Mask::All => scores,
+            Mask::Causal => {
+                let offset = (s as i32 - l).max(0);
+                let rows = Array::from_iter(offset..offset + l, &[l, 1]);
+                let cols = Array::from_iter(0..s as i32, &[1, s as i32]);
+                mlx_rs::ops::select(&rows.ge(&cols)?, &scores, &lowest)?
+            }
+            Mask::Array(m) if m.dtype() == Dtype::Bool => mlx_rs::ops::select(m, &scores, &lowest)?,
+            Mask::Array(m) => scores.add(m)?,
+        };
+        mlx_rs::ops::softmax_axis(&scores, -1, true)
     };
-    let probs = row_major(&mlx_rs::ops::softmax_axis(&scores, -1, true)?)?;
-    let out = with_floats(&probs, |ps| {
-        let mut out = vec![0f32; blocks * rows * d];
-        let mut values_t = vec![0u16; d * s];
-        for (i, y) in out.chunks_mut(rows * d).enumerate() {
+    let probs: Vec<Array> = match masks {
+        Masks::Shared(mask) => vec![softmax(&scores, rows.len(), rows.first().map_or(0, |r| r.s), mask)?],
+        Masks::PerRow(masks) => {
+            let mut at = 0;
+            let mut per_row = Vec::with_capacity(rows.len());
+            for (row, mask) in rows.iter().zip(masks) {
+                let len = hkv * block * row.s;
+                per_row.push(softmax(&scores[at..at + len], 1, row.s, mask)?);
+                at += len;
+            }
+            per_row
+        }
+    };
+    mlx_rs::transforms::eval(&probs)?;
+    let mut ps = Vec::with_capacity(scores.len());
+    for p in &probs {
+        with_floats(&row_major(p)?, |p| ps.extend_from_slice(p))?;
+    }
+
+    let mut out = vec![0f32; rows.len() * hkv * block * d];
+    let mut values_t = Vec::new();
+    let mut at = 0;
+    for (r, row) in rows.iter().enumerate() {
+        let s = row.s;
+        values_t.resize(d * s, 0u16);
+        for g in 0..hkv {
             // This head's values as the weight's rows: [d, s].
-            for (t, value) in values[i * s * d..(i + 1) * s * d].chunks(d).enumerate() {
+            for (t, value) in row.values[g * s * d..(g + 1) * s * d].chunks(d).enumerate() {
                 for (j, &bits) in value.iter().enumerate() {
                     values_t[j * s + t] = bits;
                 }
             }
-            dot::product(&ps[i * rows * s..(i + 1) * rows * s], rows, s, weight(dtype, &values_t), 0..d, d, y);
+            let y = &mut out[(r * hkv + g) * block * d..][..block * d];
+            dot::product(&ps[at..at + block * s], block, s, weight(dtype, &values_t), 0..d, d, y);
+            at += block * s;
         }
-        rounded(&out, &[b, hq, l, d as i32], dtype)
-    })?;
-    Ok(Some(out))
+    }
+    Ok(rounded(&out, &[rows.len() as i32, hq, l, d as i32], dtype))
 }
 
 #[cfg(test)]
@@ -423,6 +574,47 @@ mod half_attention_tests {
             let last = q.try_index((.., .., 5..6)).unwrap();
             let alone = attention(&last, &k, &v, 0.17, &Mask::Causal).unwrap();
             assert_eq!(largest_difference(&alone, &window.try_index((.., .., 5..6)).unwrap()), 0.0, "{dtype:?}");
+        }
+    }
+
+    /// Rows of different key counts in one call, each key set in two pieces, give what each row
+    /// gives alone over its keys in one piece.
+    #[test]
+    fn rows_of_different_lengths_equal_each_row_alone_bit_for_bit() {
+        for dtype in [Dtype::Bfloat16, Dtype::Float16, Dtype::Float32] {
+            let q = normal(&[3, 4, 5, 32], 4, dtype);
+            let (block_k, block_v) = (normal(&[3, 2, 5, 32], 5, dtype), normal(&[3, 2, 5, 32], 6, dtype));
+            let contexts: Vec<(Array, Array)> = [7, 19, 12]
+                .iter()
+                .enumerate()
+                .map(|(r, &n)| {
+                    (normal(&[1, 2, n, 32], 10 + r as u64, dtype), normal(&[1, 2, n, 32], 20 + r as u64, dtype))
+                })
+                .collect();
+            let mask = |r: usize, n: i32| match r {
+                0 => Mask::All,
+                1 => Mask::Causal,
+                _ => Mask::Array(Array::from_iter((0..5 * (n + 5)).map(|i| (i * 7) % 5 != 0), &[1, 1, 5, n + 5])),
+            };
+            let rows: Vec<RowKeys> = contexts
+                .iter()
+                .enumerate()
+                .map(|(r, (k, v))| RowKeys {
+                    pieces: vec![
+                        KeyPiece { keys: k, values: v, row: 0 },
+                        KeyPiece { keys: &block_k, values: &block_v, row: r },
+                    ],
+                    mask: mask(r, k.shape()[2]),
+                })
+                .collect();
+            let together = attention_rows(&q, &rows, 0.17).unwrap();
+            for (r, (k, v)) in contexts.iter().enumerate() {
+                let take = |a: &Array| a.try_index(r as i32..r as i32 + 1).unwrap();
+                let keys = mlx_rs::ops::concatenate(&[k, &take(&block_k)], 2).unwrap();
+                let values = mlx_rs::ops::concatenate(&[v, &take(&block_v)], 2).unwrap();
+                let alone = attention(&take(&q), &keys, &values, 0.17, &mask(r, k.shape()[2])).unwrap();
+                assert_eq!(largest_difference(&take(&together), &alone), 0.0, "{dtype:?}, row {r}");
+            }
         }
     }
 }

@@ -67,7 +67,7 @@ pub trait GroupedDraftProvider: 'static {
 }
 
 mod source;
-pub use source::{taps, ContextDrafter, ContextRow, DraftSource, Snapshot, SourceRows};
+pub use source::{extend_each, taps, ContextDrafter, ContextRow, DraftSource, Snapshot, SourceRows};
 
 /// One row's proposal, in plain Rust.
 #[derive(Debug, Default)]

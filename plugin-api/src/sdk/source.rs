@@ -55,6 +55,23 @@ pub trait DraftSource: Clone + 'static {
     /// with their tapped hidden states [1, kept, F] when the drafter declared the `taps` port.
     fn commit(&mut self, shared: &Self::Shared, kept: &[u32], context: Option<&Array>) -> Result<(), PluginError>;
 
+    /// Every row's [`commit`](Self::commit): row r kept the first `kept[r]` tokens of its window
+    /// `window.row(r)`, with tapped hidden states [rows, window, F]. One row at a time by
+    /// default; override to commit rows in one pass.
+    fn commit_rows(
+        shared: &Self::Shared,
+        rows: &mut [Self],
+        window: TokenRows<'_>,
+        kept: &[usize],
+        context: Option<&Array>,
+    ) -> Result<(), PluginError> {
+        for (r, row) in rows.iter_mut().enumerate() {
+            let span = context.map(|c| row_span(c, r, 0, kept[r])).transpose()?;
+            row.commit(shared, &window.row(r)[..kept[r]], span.as_ref())?;
+        }
+        Ok(())
+    }
+
     fn snapshot(&self) -> Snapshot;
 
     fn restore(shared: &Self::Shared, snapshot: Snapshot) -> Result<Self, PluginError>;
@@ -124,20 +141,14 @@ impl<S: DraftSource> GroupedDraftProvider for SourceRows<S> {
         self.check_rows("commit", window.rows as usize)?;
         self.check_rows("commit's accepted counts", accepted.len())?;
         check_span("commit", &context, window.rows as usize, window.len as usize)?;
-        for (r, row) in self.rows.iter_mut().enumerate() {
-            let kept = accepted[r] as usize + 1;
-            let tokens = window.row(r);
-            if kept > tokens.len() {
-                return Err(PluginError::invalid_argument(format!(
-                    "row {r} accepted {} drafts of a window of {}",
-                    accepted[r],
-                    tokens.len()
-                )));
-            }
-            let span = context.as_ref().map(|c| row_span(c, r, 0, kept)).transpose()?;
-            row.commit(&self.shared, &tokens[..kept], span.as_ref())?;
+        let kept: Vec<usize> = accepted.iter().map(|&a| a as usize + 1).collect();
+        if let Some(r) = (0..kept.len()).find(|&r| kept[r] > window.len as usize) {
+            return Err(PluginError::invalid_argument(format!(
+                "row {r} accepted {} drafts of a window of {}",
+                accepted[r], window.len
+            )));
         }
-        Ok(())
+        S::commit_rows(&self.shared, &mut self.rows, window, &kept, context.as_ref())
     }
 
     fn filter_rows(&mut self, keep: &[u32]) -> Result<(), PluginError> {
@@ -186,8 +197,39 @@ impl<S: DraftSource> GroupedDraftProvider for SourceRows<S> {
 pub trait ContextDrafter: 'static {
     /// Appends the context of new positions from their tapped hidden states [1, N, F].
     fn extend(&self, context: &mut LayerContext, taps: &Array) -> Result<(), PluginError>;
+
+    /// Each row's [`extend`](Self::extend) by the first `kept[r]` positions of row r of `taps`
+    /// [rows, W, F]. One row at a time by default; override to extend the rows in one pass.
+    fn extend_rows(&self, contexts: &mut [&mut LayerContext], taps: &Array, kept: &[usize]) -> Result<(), PluginError> {
+        extend_each(self, contexts, taps, kept)
+    }
     /// Up to `depth` (≥ 1) tokens after `pending` from a non-empty context.
     fn draft(&self, context: &LayerContext, pending: u32, depth: usize, step: u64) -> Result<Proposal, PluginError>;
+
+    /// Each row's [`draft`](Self::draft), one row at a time by default. Override to draft the
+    /// rows in one pass: a small drafter's cost is its count of MLX ops, whatever the rows.
+    fn draft_rows(
+        &self,
+        contexts: &[&LayerContext],
+        pending: &[u32],
+        depth: usize,
+        steps: &[u64],
+    ) -> Result<Vec<Proposal>, PluginError> {
+        (0..contexts.len()).map(|r| self.draft(contexts[r], pending[r], depth, steps[r])).collect()
+    }
+}
+
+/// [`ContextDrafter::extend_rows`] one row at a time.
+pub fn extend_each<M: ContextDrafter + ?Sized>(
+    m: &M,
+    contexts: &mut [&mut LayerContext],
+    taps: &Array,
+    kept: &[usize],
+) -> Result<(), PluginError> {
+    for (r, context) in contexts.iter_mut().enumerate() {
+        m.extend(context, &row_span(taps, r, 0, kept[r])?)?;
+    }
+    Ok(())
 }
 
 /// The row of a [`ContextDrafter`]; `SourceRows<ContextRow<M>>` is its group.
@@ -219,8 +261,40 @@ impl<M: ContextDrafter> DraftSource for ContextRow<M> {
         m.draft(&self.0, pending, depth, step)
     }
 
+    fn draft_rows(
+        m: &M,
+        rows: &mut [Self],
+        pending: &[u32],
+        depth: usize,
+        steps: &[u64],
+    ) -> Result<Vec<Proposal>, PluginError> {
+        let mut proposals: Vec<Proposal> = rows.iter().map(|_| Proposal::default()).collect();
+        let drafting: Vec<usize> = (0..rows.len()).filter(|&r| depth > 0 && !rows[r].0.is_empty()).collect();
+        if drafting.is_empty() {
+            return Ok(proposals);
+        }
+        let contexts: Vec<&LayerContext> = drafting.iter().map(|&r| &rows[r].0).collect();
+        let pending: Vec<u32> = drafting.iter().map(|&r| pending[r]).collect();
+        let steps: Vec<u64> = drafting.iter().map(|&r| steps[r]).collect();
+        for (r, proposal) in drafting.into_iter().zip(m.draft_rows(&contexts, &pending, depth, &steps)?) {
+            proposals[r] = proposal;
+        }
+        Ok(proposals)
+    }
+
     fn commit(&mut self, m: &M, _kept: &[u32], context: Option<&Array>) -> Result<(), PluginError> {
         m.extend(&mut self.0, taps(context, "commit")?)
+    }
+
+    fn commit_rows(
+        m: &M,
+        rows: &mut [Self],
+        _window: TokenRows<'_>,
+        kept: &[usize],
+        context: Option<&Array>,
+    ) -> Result<(), PluginError> {
+        let mut contexts: Vec<&mut LayerContext> = rows.iter_mut().map(|r| &mut r.0).collect();
+        m.extend_rows(&mut contexts, taps(context, "commit")?, kept)
     }
 
     fn snapshot(&self) -> Snapshot {

@@ -228,38 +228,50 @@ impl Shared {
         Ok(Proposal { tokens: d.tokens, probabilities: d.probabilities })
     }
 
+    /// Every row's block in one pass: [pending, mask × depth] per row, the drafts read off
+    /// positions after the first.
     fn draft_zlab(
         &self,
         m: &Dflash,
-        context: &Context,
-        pending: u32,
+        contexts: &[&Context],
+        pending: &[u32],
         depth: usize,
-        step: u64,
-    ) -> Result<Proposal, PluginError> {
+        steps: &[u64],
+    ) -> Result<Vec<Proposal>, PluginError> {
         let c = &m.config;
-        let mut ids = vec![pending as i32];
-        ids.extend(std::iter::repeat_n(c.mask_token_id as i32, depth));
-        let embedded = self.target.embed(&Array::from_slice(&ids, &[1, ids.len() as i32]), true)?;
-        let hidden = m.block(context, &embedded)?;
-        let after_first: Vec<i32> = (1..ids.len() as i32).collect();
+        let (rows, width) = (contexts.len() as i32, depth as i32 + 1);
+        let ids: Vec<i32> = pending
+            .iter()
+            .flat_map(|&p| std::iter::once(p as i32).chain(std::iter::repeat_n(c.mask_token_id as i32, depth)))
+            .collect();
+        let embedded = self.target.embed(&Array::from_slice(&ids, &[rows, width]), true)?;
+        let hidden = m.block(contexts, &embedded)?;
+        let after_first: Vec<i32> = (1..width).collect();
         let hidden = hidden.take_axis(Array::from_slice(&after_first, &[depth as i32]), 1)?;
-        let logits = self.target.logits_from_hidden(&hidden)?.reshape(&[depth as i32, -1])?;
+        let logits = self.target.logits_from_hidden(&hidden)?.reshape(&[rows * depth as i32, -1])?;
         if !self.settings.sample_drafts {
             let tokens = plugin_api::mlx_rs::ops::indexing::argmax_axis(&logits, -1, None)?.as_dtype(Dtype::Int32)?;
-            return Ok(Proposal::tokens(tokens.as_slice::<i32>().iter().map(|&t| t as u32).collect()));
+            let tokens = tokens.as_slice::<i32>().chunks(depth);
+            return Ok(tokens.map(|row| Proposal::tokens(row.iter().map(|&t| t as u32).collect())).collect());
         }
         // Block positions are drafted independently, so position i's distribution is the
         // proposal distribution of its token whatever the drafts before it.
         let tempered = logits.as_dtype(Dtype::Float32)?.divide(Array::from_f32(self.settings.draft_temperature))?;
         let probabilities = plugin_api::mlx_rs::ops::softmax_axis(&tempered, -1, true)?;
-        let vocab = probabilities.shape()[1] as usize;
-        let tokens = probabilities
-            .as_slice::<f32>()
-            .chunks(vocab)
-            .enumerate()
-            .map(|(i, q)| draw(q, uniform(step + i as u64)))
-            .collect();
-        Ok(Proposal { tokens, probabilities: Some(probabilities) })
+        let vocab = probabilities.shape()[1];
+        let probabilities = probabilities.reshape(&[rows, depth as i32, vocab])?;
+        (0..rows as usize)
+            .map(|r| {
+                let q = probabilities.take_axis(Array::from_int(r as i32), 0)?;
+                let tokens = q
+                    .as_slice::<f32>()
+                    .chunks(vocab as usize)
+                    .enumerate()
+                    .map(|(i, q)| draw(q, uniform(steps[r] + i as u64)))
+                    .collect();
+                Ok(Proposal { tokens, probabilities: Some(q) })
+            })
+            .collect()
     }
 }
 
@@ -268,11 +280,30 @@ impl ContextDrafter for Shared {
         self.network.extend(context, taps)
     }
 
+    fn extend_rows(&self, contexts: &mut [&mut Context], taps: &Array, kept: &[usize]) -> Result<(), PluginError> {
+        match &*self.network {
+            Network::Zlab(m) => Ok(m.extend_rows(contexts, taps, kept)?),
+            Network::Dspark(_) => plugin_api::sdk::extend_each(self, contexts, taps, kept),
+        }
+    }
+
     fn draft(&self, context: &Context, pending: u32, depth: usize, step: u64) -> Result<Proposal, PluginError> {
+        self.draft_rows(&[context], &[pending], depth, &[step]).map(|mut rows| rows.remove(0))
+    }
+
+    fn draft_rows(
+        &self,
+        contexts: &[&Context],
+        pending: &[u32],
+        depth: usize,
+        steps: &[u64],
+    ) -> Result<Vec<Proposal>, PluginError> {
         let depth = depth.min(self.network.max_draft_tokens());
         match &*self.network {
-            Network::Zlab(m) => self.draft_zlab(m, context, pending, depth, step),
-            Network::Dspark(m) => self.draft_dspark(m, context, pending, depth, step),
+            Network::Zlab(m) => self.draft_zlab(m, contexts, pending, depth, steps),
+            Network::Dspark(m) => {
+                (0..contexts.len()).map(|r| self.draft_dspark(m, contexts[r], pending[r], depth, steps[r])).collect()
+            }
         }
     }
 }

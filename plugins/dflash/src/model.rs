@@ -8,7 +8,7 @@ use std::path::Path;
 
 use plugin_api::mlx_rs::error::Exception;
 use plugin_api::mlx_rs::Array;
-use plugin_api::nn::ops::{attention, rms_norm, Mask};
+use plugin_api::nn::ops::{attention_rows, rms_norm, KeyPiece, Mask, RowKeys};
 use plugin_api::nn::{Linear, Mlp, Rope, Weights};
 use plugin_api::PluginError;
 
@@ -85,52 +85,65 @@ impl Dflash {
     /// Appends context rows for tapped hidden states `taps` [1, S, taps·H] of the positions
     /// after those `context` holds.
     pub fn extend(&self, context: &mut Context, taps: &Array) -> Result<(), Exception> {
+        self.extend_rows(&mut [context], taps, &[taps.shape()[1] as usize])
+    }
+
+    /// Appends to `contexts[b]` the context rows of the first `kept[b]` positions of row b of
+    /// `taps` [B, W, taps·H], every row projected in one pass.
+    pub fn extend_rows(&self, contexts: &mut [&mut Context], taps: &Array, kept: &[usize]) -> Result<(), Exception> {
         let c = &self.config;
         let eps = c.rms_norm_eps;
-        let start = context.len() as i32;
-        let s = taps.shape()[1];
+        let (b, s) = (taps.shape()[0], taps.shape()[1]);
+        let starts: Vec<i32> = contexts.iter().map(|context| context.len() as i32).collect();
         let projected = rms_norm(&self.fc.forward(taps)?, Some(&self.hidden_norm), eps)?;
         for (i, layer) in self.layers.iter().enumerate() {
             let a = &layer.self_attn;
-            let k = a.k_proj.forward(&projected)?.reshape(&[1, s, c.num_key_value_heads, c.head_dim])?;
-            let k = self.rope.apply(&rms_norm(&k, Some(&a.k_norm), eps)?.transpose_axes(&[0, 2, 1, 3])?, start)?;
-            let v = a
-                .v_proj
-                .forward(&projected)?
-                .reshape(&[1, s, c.num_key_value_heads, c.head_dim])?
-                .transpose_axes(&[0, 2, 1, 3])?;
-            context.push(i, k, v)?;
+            let heads = |proj: &Linear| proj.forward(&projected)?.reshape(&[b, s, c.num_key_value_heads, c.head_dim]);
+            let k = rms_norm(&heads(&a.k_proj)?, Some(&a.k_norm), eps)?.transpose_axes(&[0, 2, 1, 3])?;
+            let k = self.rope.apply_rows(&k, &starts)?;
+            let v = heads(&a.v_proj)?.transpose_axes(&[0, 2, 1, 3])?;
+            for (row, context) in contexts.iter_mut().enumerate() {
+                context.push_row(i, &k, &v, row, kept[row])?;
+            }
         }
         Ok(())
     }
 
-    /// The final hidden states [1, L, H] of a block whose embeddings are `embedded` [1, L, H],
-    /// its first row at the position right after the context.
-    pub fn block(&self, context: &Context, embedded: &Array) -> Result<Array, Exception> {
+    /// The final hidden states [B, L, H] of blocks whose embeddings are `embedded` [B, L, H], row
+    /// b's first position right after `contexts[b]`. The rows share every projection and norm;
+    /// each attends to its own context, as it would alone.
+    pub fn block(&self, contexts: &[&Context], embedded: &Array) -> Result<Array, Exception> {
         let c = &self.config;
         let eps = c.rms_norm_eps;
-        let n = context.len();
-        let l = embedded.shape()[1];
+        let (b, l) = (embedded.shape()[0], embedded.shape()[1]);
+        let starts: Vec<i32> = contexts.iter().map(|context| context.len() as i32).collect();
         let mut h = embedded.clone();
         for (i, layer) in self.layers.iter().enumerate() {
             let a = &layer.self_attn;
             let r = rms_norm(&h, Some(&layer.input_layernorm), eps)?;
-            let heads = |proj: &Linear, count: i32| proj.forward(&r)?.reshape(&[1, l, count, c.head_dim]);
-            let q = self.rope.apply(
-                &rms_norm(&heads(&a.q_proj, c.num_attention_heads)?, Some(&a.q_norm), eps)?
-                    .transpose_axes(&[0, 2, 1, 3])?,
-                n as i32,
-            )?;
-            let k = self.rope.apply(
-                &rms_norm(&heads(&a.k_proj, c.num_key_value_heads)?, Some(&a.k_norm), eps)?
-                    .transpose_axes(&[0, 2, 1, 3])?,
-                n as i32,
-            )?;
+            let heads = |proj: &Linear, count: i32| proj.forward(&r)?.reshape(&[b, l, count, c.head_dim]);
+            let rotated = |proj: &Linear, count: i32, norm: &Array| -> Result<Array, Exception> {
+                let x = rms_norm(&heads(proj, count)?, Some(norm), eps)?.transpose_axes(&[0, 2, 1, 3])?;
+                self.rope.apply_rows(&x, &starts)
+            };
+            let q = rotated(&a.q_proj, c.num_attention_heads, &a.q_norm)?;
+            let k = rotated(&a.k_proj, c.num_key_value_heads, &a.k_norm)?;
             let v = heads(&a.v_proj, c.num_key_value_heads)?.transpose_axes(&[0, 2, 1, 3])?;
-            let (keys, values) = context.with_block(i, k, v)?;
-            let mask = block_mask(n, l as usize, layer.window);
-            let out = attention(&q, &keys, &values, (c.head_dim as f32).powf(-0.5), &mask)?;
-            let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[1, l, c.num_attention_heads * c.head_dim])?;
+            let rows: Vec<RowKeys> = contexts
+                .iter()
+                .enumerate()
+                .map(|(row, context)| {
+                    let held = context.keys.get(i).zip(context.values.get(i));
+                    let pieces = held
+                        .map(|(keys, values)| KeyPiece { keys, values, row: 0 })
+                        .into_iter()
+                        .chain([KeyPiece { keys: &k, values: &v, row }])
+                        .collect();
+                    RowKeys { pieces, mask: block_mask(context.len(), l as usize, layer.window) }
+                })
+                .collect();
+            let out = attention_rows(&q, &rows, (c.head_dim as f32).powf(-0.5))?;
+            let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, l, c.num_attention_heads * c.head_dim])?;
             h = h.add(a.o_proj.forward(&out)?)?;
             let f = rms_norm(&h, Some(&layer.post_attention_layernorm), eps)?;
             h = h.add(layer.mlp.swiglu(&f)?)?;

@@ -155,6 +155,7 @@ mod avx2 {
         let mut o = outputs.start;
         while o < outputs.end {
             let width = w_block.min(outputs.end - o);
+            prefetch_rows(w, k, o + width..(o + 2 * width).min(outputs.end));
             let rows_of_w = match w {
                 Weight::F32(w) if stride == k => &w[o * k..(o + width) * k],
                 _ => {
@@ -184,6 +185,24 @@ mod avx2 {
                 m0 += block;
             }
             o += width;
+        }
+    }
+
+    /// Asks for W's rows `rows` (the next block) to be brought into cache while the current
+    /// block is multiplied: each weight is read once per product, so it comes from memory, and
+    /// a block of a few hundred bytes per row is done before the hardware prefetcher catches
+    /// up. In verify rounds of the demo target (4 requests, 2 drafts each), alternated with and
+    /// without, three runs each: products of 4 rows ran at 13.6–17.4 GMAC/s against 11.9–15.2,
+    /// of 12 rows at 26.1–31.6 against 21.3–25.3.
+    #[inline(always)]
+    unsafe fn prefetch_rows(w: Weight, k: usize, rows: std::ops::Range<usize>) {
+        let (base, row_bytes) = match w {
+            Weight::F32(w) => (w.as_ptr() as *const u8, k * 4),
+            Weight::Bf16(w) | Weight::F16(w) => (w.as_ptr() as *const u8, k * 2),
+            Weight::Quantized { packed, bits, .. } => (packed.as_ptr() as *const u8, k * bits as usize / 8),
+        };
+        for at in (rows.start * row_bytes..rows.end * row_bytes).step_by(64) {
+            _mm_prefetch::<_MM_HINT_T0>(base.add(at) as *const i8);
         }
     }
 
