@@ -4,6 +4,7 @@
 use mlx_rs::error::Exception;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{Array, Dtype};
+use plugin_api::nn::layout::{add, index_axis_2, reshape, scale, swap_axes_1_2};
 use plugin_api::nn::ops::{attention, geglu, rms_norm, scalar, softcap, Mask};
 use plugin_api::nn::{Embedding, Linear, Rope};
 
@@ -258,7 +259,7 @@ impl DecoderLayer {
         let r = rms_norm(x, Some(&self.input_layernorm), eps)?;
         let (attn, kv) = self.self_attn.forward(&r, offsets, cache, shared, eps)?;
         let attn = sum_over_ranks(group, attn)?;
-        let h = x.add(rms_norm(&attn, Some(&self.post_attention_layernorm), eps)?)?;
+        let h = add(x, &rms_norm(&attn, Some(&self.post_attention_layernorm), eps)?)?;
 
         let ff = match &self.moe {
             None => {
@@ -280,16 +281,16 @@ impl DecoderLayer {
                 dense.add(rms_norm(&routed, Some(&moe.post_feedforward_layernorm_2), eps)?)?
             }
         };
-        let mut h = h.add(rms_norm(&ff, Some(&self.post_feedforward_layernorm), eps)?)?;
+        let mut h = add(&h, &rms_norm(&ff, Some(&self.post_feedforward_layernorm), eps)?)?;
 
         if let (Some(p), Some((inputs, i))) = (&self.per_layer, per_layer) {
-            let layer_input = inputs.take_axis(Array::from_int(i as i32), 2)?;
+            let layer_input = index_axis_2(inputs, i)?;
             let gate = geglu(&p.per_layer_input_gate.forward(&h)?, &layer_input)?;
             let gate = rms_norm(&p.per_layer_projection.forward(&gate)?, Some(&p.post_per_layer_input_norm), eps)?;
-            h = h.add(gate)?;
+            h = add(&h, &gate)?;
         }
         if let Some(s) = &self.layer_scalar {
-            h = h.multiply(s)?;
+            h = scale(&h, s)?;
         }
         Ok((h, kv))
     }
@@ -305,21 +306,20 @@ impl Attention {
         eps: f32,
     ) -> Result<(Array, SharedKv), ModelError> {
         let [b, l] = [x.shape()[0], x.shape()[1]];
-        let q = self.q_proj.forward(x)?.reshape(&[b, l, self.n_heads, self.head_dim])?;
-        let q = rms_norm(&q, Some(&self.q_norm), eps)?.transpose_axes(&[0, 2, 1, 3])?;
+        let q = reshape(&self.q_proj.forward(x)?, &[b, l, self.n_heads, self.head_dim])?;
+        let q = swap_axes_1_2(&rms_norm(&q, Some(&self.q_norm), eps)?)?;
         let q = self.rope.apply_rows(&q, offsets)?;
 
         let kv = match (shared, &self.k_proj, &self.k_norm) {
             (Some(kv), _, _) => kv,
             (None, Some(k_proj), Some(k_norm)) => {
-                let k = k_proj.forward(x)?.reshape(&[b, l, self.n_kv_heads, self.head_dim])?;
+                let k = reshape(&k_proj.forward(x)?, &[b, l, self.n_kv_heads, self.head_dim])?;
                 let v = match &self.v_proj {
-                    Some(v_proj) => v_proj.forward(x)?.reshape(&[b, l, self.n_kv_heads, self.head_dim])?,
+                    Some(v_proj) => reshape(&v_proj.forward(x)?, &[b, l, self.n_kv_heads, self.head_dim])?,
                     None => k.clone(),
                 };
-                let k =
-                    self.rope.apply_rows(&rms_norm(&k, Some(k_norm), eps)?.transpose_axes(&[0, 2, 1, 3])?, offsets)?;
-                let v = rms_norm(&v, None, eps)?.transpose_axes(&[0, 2, 1, 3])?;
+                let k = self.rope.apply_rows(&swap_axes_1_2(&rms_norm(&k, Some(k_norm), eps)?)?, offsets)?;
+                let v = swap_axes_1_2(&rms_norm(&v, None, eps)?)?;
                 match cache {
                     Some(cache) => {
                         let f = cache.write(&k, &v)?;
@@ -331,7 +331,7 @@ impl Attention {
             _ => return Err(ModelError::Internal("a KV-sharing layer ran before its donor".into())),
         };
         let out = attention(&q, &kv.keys, &kv.values, 1.0, &kv.mask)?;
-        let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, l, self.n_heads * self.head_dim])?;
+        let out = reshape(&swap_axes_1_2(&out)?, &[b, l, self.n_heads * self.head_dim])?;
         Ok((self.o_proj.forward(&out)?, kv))
     }
 }

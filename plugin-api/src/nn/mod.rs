@@ -7,6 +7,7 @@ pub mod cpus;
 mod header;
 pub mod helper;
 pub mod kernels;
+pub mod layout;
 pub mod linear;
 pub mod mlp;
 pub mod ops;

@@ -6,6 +6,7 @@ use std::path::Path;
 
 use plugin_api::mlx_rs::error::Exception;
 use plugin_api::mlx_rs::{Array, Dtype};
+use plugin_api::nn::layout::{add, reshape, scale, swap_axes_1_2};
 use plugin_api::nn::ops::{attention, rms_norm, Mask};
 use plugin_api::nn::{Embedding, Linear, Mlp, Rope, Weights};
 use plugin_api::target::DonorLayer;
@@ -149,12 +150,12 @@ impl Assistant {
             };
             let r = rms_norm(&h, Some(&layer.input_layernorm), eps)?;
             let attn = layer.attend(&r, positions, donors, &self.config, eps)?;
-            h = h.add(rms_norm(&attn, Some(&layer.post_attention_layernorm), eps)?)?;
+            h = add(&h, &rms_norm(&attn, Some(&layer.post_attention_layernorm), eps)?)?;
             let f = rms_norm(&h, Some(&layer.pre_feedforward_layernorm), eps)?;
             let f = layer.mlp.geglu(&f)?;
-            h = h.add(rms_norm(&f, Some(&layer.post_feedforward_layernorm), eps)?)?;
+            h = add(&h, &rms_norm(&f, Some(&layer.post_feedforward_layernorm), eps)?)?;
             if let Some(s) = &layer.layer_scalar {
-                h = h.multiply(s)?;
+                h = scale(&h, s)?;
             }
         }
         let h = rms_norm(&h, Some(&self.norm), eps)?;
@@ -204,8 +205,8 @@ impl Layer {
     ) -> Result<Array, Exception> {
         let b = r.shape()[0];
         let hd = self.head_dim;
-        let q = self.self_attn.q_proj.forward(r)?.reshape(&[b, 1, c.num_attention_heads, hd])?;
-        let q = rms_norm(&q, Some(&self.self_attn.q_norm), eps)?.transpose_axes(&[0, 2, 1, 3])?;
+        let q = reshape(&self.self_attn.q_proj.forward(r)?, &[b, 1, c.num_attention_heads, hd])?;
+        let q = swap_axes_1_2(&rms_norm(&q, Some(&self.self_attn.q_norm), eps)?)?;
         let q = self.rope.apply_rows(&q, positions)?;
         let keys = donors.keys.borrow().to_array();
         let values = donors.values.borrow().to_array();
@@ -216,7 +217,7 @@ impl Layer {
         let mask = donor_mask(&donors.slot_positions.borrow().to_array(), positions, window)?;
         // QK-norm replaces the 1/√d scale, as in the target.
         let out = attention(&q, &keys, &values, 1.0, &Mask::Array(mask))?;
-        let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, 1, c.num_attention_heads * hd])?;
+        let out = reshape(&swap_axes_1_2(&out)?, &[b, 1, c.num_attention_heads * hd])?;
         self.self_attn.o_proj.forward(&out)
     }
 }

@@ -7,6 +7,7 @@ use std::path::Path;
 
 use plugin_api::mlx_rs::error::Exception;
 use plugin_api::mlx_rs::{Array, Dtype};
+use plugin_api::nn::layout::{add, reshape, scale, swap_axes_1_2};
 use plugin_api::nn::ops::{attention, rms_norm, scalar, softcap, Mask};
 use plugin_api::nn::{Embedding, Linear, Mlp, Rope, Weights};
 use plugin_api::PluginError;
@@ -132,7 +133,7 @@ impl Deepspec {
 
     fn heads(&self, x: &Array, count: i32) -> Result<Array, Exception> {
         let l = x.shape()[1];
-        x.reshape(&[1, l, count, self.config.head_dim])
+        reshape(x, &[1, l, count, self.config.head_dim])
     }
 
     /// Keys (normed, roped at `start`..) and values (scale-less normed, no RoPE) of rows x.
@@ -144,10 +145,8 @@ impl Deepspec {
             Some(v_proj) => self.heads(&v_proj.forward(x)?, kv_heads)?,
             None => raw.clone(),
         };
-        let values = rms_norm(&raw_values, None, eps)?.transpose_axes(&[0, 2, 1, 3])?;
-        let keys = self
-            .rope
-            .apply(&rms_norm(&raw, Some(&layer.self_attn.k_norm), eps)?.transpose_axes(&[0, 2, 1, 3])?, start)?;
+        let values = swap_axes_1_2(&rms_norm(&raw_values, None, eps)?)?;
+        let keys = self.rope.apply(&swap_axes_1_2(&rms_norm(&raw, Some(&layer.self_attn.k_norm), eps)?)?, start)?;
         Ok((keys, values))
     }
 
@@ -183,17 +182,17 @@ impl Deepspec {
             let a = &layer.self_attn;
             let x = rms_norm(&h, Some(&layer.input_layernorm), eps)?;
             let q = self.heads(&a.q_proj.forward(&x)?, c.num_attention_heads)?;
-            let q = self.rope.apply(&rms_norm(&q, Some(&a.q_norm), eps)?.transpose_axes(&[0, 2, 1, 3])?, start)?;
+            let q = self.rope.apply(&swap_axes_1_2(&rms_norm(&q, Some(&a.q_norm), eps)?)?, start)?;
             let (kb, vb) = self.key_values(layer, &x, start)?;
             let (keys, values) = context.with_block(i, kb, vb)?;
             let out = attention(&q, &keys, &values, 1.0, &Mask::All)?;
-            let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[1, gamma, c.num_attention_heads * c.head_dim])?;
-            h = h.add(rms_norm(&a.o_proj.forward(&out)?, Some(&layer.post_attention_layernorm), eps)?)?;
+            let out = reshape(&swap_axes_1_2(&out)?, &[1, gamma, c.num_attention_heads * c.head_dim])?;
+            h = add(&h, &rms_norm(&a.o_proj.forward(&out)?, Some(&layer.post_attention_layernorm), eps)?)?;
             let f = rms_norm(&h, Some(&layer.pre_feedforward_layernorm), eps)?;
             let f = layer.mlp.geglu(&f)?;
-            h = h.add(rms_norm(&f, Some(&layer.post_feedforward_layernorm), eps)?)?;
+            h = add(&h, &rms_norm(&f, Some(&layer.post_feedforward_layernorm), eps)?)?;
             if let Some(s) = &layer.layer_scalar {
-                h = h.multiply(s)?;
+                h = scale(&h, s)?;
             }
         }
         let h = rms_norm(&h, Some(&self.norm), eps)?.reshape(&[gamma, c.hidden_size])?;

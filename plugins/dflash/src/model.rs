@@ -8,6 +8,7 @@ use std::path::Path;
 
 use plugin_api::mlx_rs::error::Exception;
 use plugin_api::mlx_rs::Array;
+use plugin_api::nn::layout::{add, reshape, swap_axes_1_2};
 use plugin_api::nn::ops::{attention_rows, rms_norm, KeyPiece, Mask, RowKeys};
 use plugin_api::nn::{Linear, Mlp, Rope, Weights};
 use plugin_api::PluginError;
@@ -98,10 +99,10 @@ impl Dflash {
         let projected = rms_norm(&self.fc.forward(taps)?, Some(&self.hidden_norm), eps)?;
         for (i, layer) in self.layers.iter().enumerate() {
             let a = &layer.self_attn;
-            let heads = |proj: &Linear| proj.forward(&projected)?.reshape(&[b, s, c.num_key_value_heads, c.head_dim]);
-            let k = rms_norm(&heads(&a.k_proj)?, Some(&a.k_norm), eps)?.transpose_axes(&[0, 2, 1, 3])?;
+            let heads = |proj: &Linear| reshape(&proj.forward(&projected)?, &[b, s, c.num_key_value_heads, c.head_dim]);
+            let k = swap_axes_1_2(&rms_norm(&heads(&a.k_proj)?, Some(&a.k_norm), eps)?)?;
             let k = self.rope.apply_rows(&k, &starts)?;
-            let v = heads(&a.v_proj)?.transpose_axes(&[0, 2, 1, 3])?;
+            let v = swap_axes_1_2(&heads(&a.v_proj)?)?;
             for (row, context) in contexts.iter_mut().enumerate() {
                 context.push_row(i, &k, &v, row, kept[row])?;
             }
@@ -121,14 +122,14 @@ impl Dflash {
         for (i, layer) in self.layers.iter().enumerate() {
             let a = &layer.self_attn;
             let r = rms_norm(&h, Some(&layer.input_layernorm), eps)?;
-            let heads = |proj: &Linear, count: i32| proj.forward(&r)?.reshape(&[b, l, count, c.head_dim]);
+            let heads = |proj: &Linear, count: i32| reshape(&proj.forward(&r)?, &[b, l, count, c.head_dim]);
             let rotated = |proj: &Linear, count: i32, norm: &Array| -> Result<Array, Exception> {
-                let x = rms_norm(&heads(proj, count)?, Some(norm), eps)?.transpose_axes(&[0, 2, 1, 3])?;
+                let x = swap_axes_1_2(&rms_norm(&heads(proj, count)?, Some(norm), eps)?)?;
                 self.rope.apply_rows(&x, &starts)
             };
             let q = rotated(&a.q_proj, c.num_attention_heads, &a.q_norm)?;
             let k = rotated(&a.k_proj, c.num_key_value_heads, &a.k_norm)?;
-            let v = heads(&a.v_proj, c.num_key_value_heads)?.transpose_axes(&[0, 2, 1, 3])?;
+            let v = swap_axes_1_2(&heads(&a.v_proj, c.num_key_value_heads)?)?;
             let rows: Vec<RowKeys> = contexts
                 .iter()
                 .enumerate()
@@ -143,10 +144,10 @@ impl Dflash {
                 })
                 .collect();
             let out = attention_rows(&q, &rows, (c.head_dim as f32).powf(-0.5))?;
-            let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, l, c.num_attention_heads * c.head_dim])?;
-            h = h.add(a.o_proj.forward(&out)?)?;
+            let out = reshape(&swap_axes_1_2(&out)?, &[b, l, c.num_attention_heads * c.head_dim])?;
+            h = add(&h, &a.o_proj.forward(&out)?)?;
             let f = rms_norm(&h, Some(&layer.post_attention_layernorm), eps)?;
-            h = h.add(layer.mlp.swiglu(&f)?)?;
+            h = add(&h, &layer.mlp.swiglu(&f)?)?;
         }
         rms_norm(&h, Some(&self.norm), eps)
     }
