@@ -26,7 +26,11 @@
 //!      the target accepted; `draft` proposes 0..=depth tokens and must not change the
 //!      committed state; `snapshot`/`restore` carry it to another group.
 //!      [`SourceRows`](crate::sdk::SourceRows) makes the group of B rows from it, with the row
-//!      counts, filtering, capture and append done once, in the SDK.
+//!      counts, filtering, capture and append done once, in the SDK. Its `draft_rows` and
+//!      `commit_rows` take the rows one at a time unless overridden; a small drafter's cost is
+//!      its count of MLX ops whatever the rows, so overriding them to run every row in one pass
+//!      pays under batching (DFlash does, through
+//!      [`ContextDrafter::draft_rows`](crate::sdk::ContextDrafter::draft_rows)/`extend_rows`).
 //!    - [`GroupedDraftProvider`](crate::sdk::GroupedDraftProvider), all B rows at once, for a
 //!      drafter whose rows cannot be handled apart.
 //!

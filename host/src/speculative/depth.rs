@@ -7,7 +7,9 @@
 //! Measured with `host bench --serving` on the demo target and its trained DFlash drafter
 //! (README, "Draft length under load"): the best γ was 3 for one request (1.43× plain), 2 for
 //! two (1.29×); γ = 2 lost at three (0.94×), and no γ from 1 to 4 beat plain decoding at four,
-//! eight or sixteen.
+//! eight or sixteen. Measured again once the drafter drafted every row in one pass: γ 2–4 gave
+//! 1.35–1.50× at one request and 1.11–1.19× at two, 0.98–1.02× at three and 0.90–1.06× at four
+//! (within the noise of plain decoding), 0.75–0.82× at eight.
 
 /// The most tokens a row drafts under "auto" (the caches' rollback room is sized for it).
 pub const AUTO_MOST: usize = 3;

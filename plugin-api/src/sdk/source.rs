@@ -203,6 +203,7 @@ pub trait ContextDrafter: 'static {
     fn extend_rows(&self, contexts: &mut [&mut LayerContext], taps: &Array, kept: &[usize]) -> Result<(), PluginError> {
         extend_each(self, contexts, taps, kept)
     }
+
     /// Up to `depth` (≥ 1) tokens after `pending` from a non-empty context.
     fn draft(&self, context: &LayerContext, pending: u32, depth: usize, step: u64) -> Result<Proposal, PluginError>;
 
