@@ -74,6 +74,13 @@ fn check_finite(logits: &[f32]) -> Result<(), SampleError> {
     }
 }
 
+/// `logits` as float32 on the host, widened there rather than by an MLX conversion: each MLX
+/// op costs a round trip to its stream thread, a large share of sampling a small vocabulary.
+fn host_floats(logits: &Array) -> Result<Vec<f32>, Exception> {
+    use plugin_api::nn::kernels::{row_major, with_floats};
+    with_floats(&row_major(logits)?, <[f32]>::to_vec)
+}
+
 /// The token for output position `step`, from that position's logits [V] (or [1, .., V]).
 pub fn sample(logits: &Array, params: &SamplingParams, step: u64) -> Result<u32, SampleError> {
     if params.is_greedy() {
@@ -82,9 +89,9 @@ pub fn sample(logits: &Array, params: &SamplingParams, step: u64) -> Result<u32,
         check_finite_on_device(&row, &best)?;
         return Ok(best.item_exact::<u32>());
     }
-    let row = logits.reshape(&[-1])?.as_dtype(mlx_rs::Dtype::Float32)?;
-    check_finite(row.as_slice::<f32>())?;
-    let logprobs = filtered_logprobs(row.as_slice::<f32>(), params);
+    let row = host_floats(logits)?;
+    check_finite(&row)?;
+    let logprobs = filtered_logprobs(&row, params);
     Ok(gumbel_argmax(&logprobs, params.temperature, params.seed, step))
 }
 
@@ -115,18 +122,19 @@ impl WindowTokens {
             false => None,
         };
         let host = match params.iter().any(|p| !p.is_greedy()) {
-            true => Some(logits.as_dtype(mlx_rs::Dtype::Float32)?),
+            true => Some(host_floats(logits)?),
             false => None,
         };
         match (&best, &host) {
             (Some(best), None) => check_finite_on_device(logits, best)?,
-            _ => {
-                mlx_rs::transforms::eval(best.iter().chain(&host))?;
-                check_finite(host.as_ref().expect("a sampled row").as_slice::<f32>())?;
+            (best, Some(host)) => {
+                best.iter().try_for_each(|b| b.eval())?;
+                check_finite(host)?;
             }
+            (None, None) => {}
         }
         let best = best.as_ref().map(|b| b.as_slice::<u32>());
-        let host = host.as_ref().map(|h| h.as_slice::<f32>());
+        let host = host.as_deref();
         Ok(params
             .iter()
             .enumerate()

@@ -135,7 +135,7 @@ fn outputs(
 }
 
 /// Calls `f` with the data of `a` (row-major, evaluated) as float32, widening half precision.
-pub(crate) fn with_floats<R>(a: &Array, f: impl FnOnce(&[f32]) -> R) -> Result<R, Exception> {
+pub fn with_floats<R>(a: &Array, f: impl FnOnce(&[f32]) -> R) -> Result<R, Exception> {
     match a.dtype() {
         Dtype::Float32 => Ok(f(slice::<f32>(a).ok_or_else(|| Exception::custom("float32 data"))?)),
         Dtype::Bfloat16 | Dtype::Float16 => {
@@ -173,7 +173,7 @@ pub(crate) fn rounded(values: &[f32], shape: &[i32], dtype: Dtype) -> Array {
 }
 
 /// `a` itself when its data is laid out row-major (evaluating it), else a row-major copy.
-pub(crate) fn row_major(a: &Array) -> Result<Array, Exception> {
+pub fn row_major(a: &Array) -> Result<Array, Exception> {
     a.eval()?;
     let mut contiguous = false;
     // SAFETY: `a` is a valid, evaluated array; the call writes one bool.
