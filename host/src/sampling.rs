@@ -74,8 +74,9 @@ fn check_finite(logits: &[f32]) -> Result<(), SampleError> {
     }
 }
 
-/// `logits` as float32 on the host, widened there rather than by an MLX conversion: each MLX
-/// op costs a round trip to its stream thread, a large share of sampling a small vocabulary.
+/// `logits` as float32 on the host, widened there rather than by an MLX conversion (as in
+/// [`sample`]): each MLX op costs a round trip to its stream thread, a large share of sampling
+/// a small vocabulary.
 fn host_floats(logits: &Array) -> Result<Vec<f32>, Exception> {
     use plugin_api::nn::kernels::{row_major, with_floats};
     with_floats(&row_major(logits)?, <[f32]>::to_vec)
@@ -89,10 +90,11 @@ pub fn sample(logits: &Array, params: &SamplingParams, step: u64) -> Result<u32,
         check_finite_on_device(&row, &best)?;
         return Ok(best.item_exact::<u32>());
     }
-    let row = host_floats(logits)?;
-    check_finite(&row)?;
-    let logprobs = filtered_logprobs(&row, params);
-    Ok(gumbel_argmax(&logprobs, params.temperature, params.seed, step))
+    let logits = plugin_api::nn::kernels::row_major(logits)?;
+    plugin_api::nn::kernels::with_floats(&logits, |row| {
+        check_finite(row)?;
+        Ok(gumbel_argmax(&filtered_logprobs(row, params), params.temperature, params.seed, step))
+    })?
 }
 
 /// The target's tokens over a verify window's logits [W, V], read back from MLX once. Position i
