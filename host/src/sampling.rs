@@ -74,14 +74,6 @@ fn check_finite(logits: &[f32]) -> Result<(), SampleError> {
     }
 }
 
-/// `logits` as float32 on the host, widened there rather than by an MLX conversion (as in
-/// [`sample`]): each MLX op costs a round trip to its stream thread, a large share of sampling
-/// a small vocabulary.
-fn host_floats(logits: &Array) -> Result<Vec<f32>, Exception> {
-    use plugin_api::nn::kernels::{row_major, with_floats};
-    with_floats(&row_major(logits)?, <[f32]>::to_vec)
-}
-
 /// The token for output position `step`, from that position's logits [V] (or [1, .., V]).
 pub fn sample(logits: &Array, params: &SamplingParams, step: u64) -> Result<u32, SampleError> {
     if params.is_greedy() {
@@ -107,7 +99,8 @@ pub enum WindowTokens {
 }
 
 impl WindowTokens {
-    /// One window's logits [W, V].
+    /// One window's logits [W, V] (the accept step's tests; rounds use [`Self::rows`]).
+    #[cfg(test)]
     pub fn new(logits: &Array, params: &SamplingParams) -> Result<WindowTokens, SampleError> {
         let shape = logits.shape();
         let rows = WindowTokens::rows(&logits.reshape(&[1, shape[0], shape[1]])?, &[params])?;
@@ -119,35 +112,38 @@ impl WindowTokens {
     /// MLX op and evaluation costs microseconds of dispatch.
     pub fn rows(logits: &Array, params: &[&SamplingParams]) -> Result<Vec<WindowTokens>, SampleError> {
         let (width, vocab) = (logits.shape()[1] as usize, logits.shape()[2] as usize);
+        let sampled = params.iter().any(|p| !p.is_greedy());
         let best = match params.iter().any(|p| p.is_greedy()) {
             true => Some(mlx_rs::ops::indexing::argmax_axis(logits, -1, None)?.as_dtype(mlx_rs::Dtype::Uint32)?),
             false => None,
         };
-        let host = match params.iter().any(|p| !p.is_greedy()) {
-            true => Some(host_floats(logits)?),
-            false => None,
-        };
-        match (&best, &host) {
-            (Some(best), None) => check_finite_on_device(logits, best)?,
-            (best, Some(host)) => {
-                best.iter().try_for_each(|b| b.eval())?;
-                check_finite(host)?;
-            }
-            (None, None) => {}
+        match &best {
+            Some(best) if !sampled => check_finite_on_device(logits, best)?,
+            Some(best) => best.eval()?,
+            None => {}
         }
         let best = best.as_ref().map(|b| b.as_slice::<u32>());
-        let host = host.as_deref();
-        Ok(params
-            .iter()
-            .enumerate()
-            .map(|(b, p)| match (p.is_greedy(), best, host) {
-                (true, Some(best), _) => WindowTokens::Greedy(best[b * width..(b + 1) * width].to_vec()),
-                (_, _, Some(host)) => {
-                    WindowTokens::Sampled { logits: host[b * width * vocab..(b + 1) * width * vocab].to_vec(), vocab }
-                }
-                _ => unreachable!("greedy rows have argmaxes, sampled rows logits"),
-            })
-            .collect())
+        // Sampled rows copy their logits from `all`, every row's, widened on the host.
+        let windows = |all: Option<&[f32]>| -> Vec<WindowTokens> {
+            let span = |b: usize, per: usize| b * width * per..(b + 1) * width * per;
+            (0..params.len())
+                .map(|b| match (best, all) {
+                    (Some(best), _) if params[b].is_greedy() => WindowTokens::Greedy(best[span(b, 1)].to_vec()),
+                    (_, Some(all)) => WindowTokens::Sampled { logits: all[span(b, vocab)].to_vec(), vocab },
+                    _ => unreachable!("greedy rows have argmaxes, sampled rows logits"),
+                })
+                .collect()
+        };
+        if !sampled {
+            return Ok(windows(None));
+        }
+        // Read and widened on the host rather than by an MLX conversion, whose round trip is a
+        // large share of sampling a small vocabulary.
+        let logits = plugin_api::nn::kernels::row_major(logits)?;
+        plugin_api::nn::kernels::with_floats(&logits, |all| {
+            check_finite(all)?;
+            Ok(windows(Some(all)))
+        })?
     }
 
     /// The logits of position `i` (sampled windows only).

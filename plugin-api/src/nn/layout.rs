@@ -4,13 +4,14 @@
 //! reshapes, transposes or adds costs a round trip to MLX's stream thread when the next kernel
 //! evaluates its input: 10–30 µs on the development machine, against well under a microsecond
 //! to copy a decode step's few kilobytes. A layer meets about ten of them. Each function here
-//! gives what the MLX op gives, bit for bit (a sum rounded once to the dtype, as MLX's binary
-//! ops round), and leaves larger arrays, other dtypes and other devices to MLX.
+//! gives what the MLX op gives, bit for bit (a sum or product of the widened values rounded
+//! once to the dtype, as MLX's binary ops round), and leaves larger arrays, other dtypes and
+//! other devices to MLX.
 
 use mlx_rs::error::Exception;
-use mlx_rs::{Array, ArrayElement, Dtype};
+use mlx_rs::{Array, Dtype};
 
-use super::kernels::row_major;
+use super::kernels::{rounded, row_major, with_floats};
 
 /// Elements up to which copying on the host costs less than an MLX op's round trip.
 const HOST_ELEMENTS: usize = 1 << 18;
@@ -96,21 +97,8 @@ pub fn add(a: &Array, b: &Array) -> Result<Array, Exception> {
         return a.add(b);
     }
     let (a, b) = (row_major(a)?, row_major(b)?);
-    let shape = a.shape();
-    Ok(match a.dtype() {
-        Dtype::Float32 => Array::from_slice(&pairwise(a.as_slice::<f32>(), b.as_slice(), |x, y| x + y), shape),
-        Dtype::Bfloat16 => {
-            let sums = pairwise(a.as_slice::<half::bf16>(), b.as_slice(), |x, y| {
-                half::bf16::from_f32(x.to_f32() + y.to_f32())
-            });
-            Array::from_slice(&sums, shape)
-        }
-        _ => {
-            let sums =
-                pairwise(a.as_slice::<half::f16>(), b.as_slice(), |x, y| half::f16::from_f32(x.to_f32() + y.to_f32()));
-            Array::from_slice(&sums, shape)
-        }
-    })
+    let sums = with_floats(&a, |x| with_floats(&b, |y| x.iter().zip(y).map(|(x, y)| x + y).collect::<Vec<_>>()))??;
+    Ok(rounded(&sums, a.shape(), a.dtype()))
 }
 
 /// `x · s` for a single-element `s` of x's dtype, rounded once to it.
@@ -119,29 +107,9 @@ pub fn scale(x: &Array, s: &Array) -> Result<Array, Exception> {
         return x.multiply(s);
     }
     let (x, s) = (row_major(x)?, row_major(s)?);
-    let shape = x.shape();
-    Ok(match x.dtype() {
-        Dtype::Float32 => {
-            let s = s.as_slice::<f32>()[0];
-            Array::from_slice(&x.as_slice::<f32>().iter().map(|&v| v * s).collect::<Vec<_>>(), shape)
-        }
-        Dtype::Bfloat16 => {
-            let s = s.as_slice::<half::bf16>()[0].to_f32();
-            let scaled: Vec<_> =
-                x.as_slice::<half::bf16>().iter().map(|v| half::bf16::from_f32(v.to_f32() * s)).collect();
-            Array::from_slice(&scaled, shape)
-        }
-        _ => {
-            let s = s.as_slice::<half::f16>()[0].to_f32();
-            let scaled: Vec<_> =
-                x.as_slice::<half::f16>().iter().map(|v| half::f16::from_f32(v.to_f32() * s)).collect();
-            Array::from_slice(&scaled, shape)
-        }
-    })
-}
-
-fn pairwise<T: ArrayElement + Copy>(a: &[T], b: &[T], op: impl Fn(T, T) -> T) -> Vec<T> {
-    a.iter().zip(b).map(|(&x, &y)| op(x, y)).collect()
+    let s = with_floats(&s, |s| s[0])?;
+    let scaled = with_floats(&x, |x| x.iter().map(|v| v * s).collect::<Vec<_>>())?;
+    Ok(rounded(&scaled, x.shape(), x.dtype()))
 }
 
 #[cfg(test)]

@@ -256,10 +256,8 @@ impl<M: ContextDrafter> DraftSource for ContextRow<M> {
     }
 
     fn draft(&mut self, m: &M, _row: usize, pending: u32, depth: usize, step: u64) -> Result<Proposal, PluginError> {
-        if depth == 0 || self.0.is_empty() {
-            return Ok(Proposal::default());
-        }
-        m.draft(&self.0, pending, depth, step)
+        let mut proposals = Self::draft_rows(m, std::slice::from_mut(self), &[pending], depth, &[step])?;
+        Ok(proposals.remove(0))
     }
 
     fn draft_rows(
@@ -269,6 +267,7 @@ impl<M: ContextDrafter> DraftSource for ContextRow<M> {
         depth: usize,
         steps: &[u64],
     ) -> Result<Vec<Proposal>, PluginError> {
+        // Nothing to draft from an empty context, nor at depth 0.
         let mut proposals: Vec<Proposal> = rows.iter().map(|_| Proposal::default()).collect();
         let drafting: Vec<usize> = (0..rows.len()).filter(|&r| depth > 0 && !rows[r].0.is_empty()).collect();
         if drafting.is_empty() {

@@ -259,19 +259,17 @@ impl Shared {
         let tempered = logits.as_dtype(Dtype::Float32)?.divide(Array::from_f32(self.settings.draft_temperature))?;
         let probabilities = plugin_api::mlx_rs::ops::softmax_axis(&tempered, -1, true)?;
         let vocab = probabilities.shape()[1];
-        let probabilities = probabilities.reshape(&[rows, depth as i32, vocab])?;
-        (0..rows as usize)
-            .map(|r| {
-                let q = probabilities.take_axis(Array::from_int(r as i32), 0)?;
-                let tokens = q
-                    .as_slice::<f32>()
-                    .chunks(vocab as usize)
-                    .enumerate()
-                    .map(|(i, q)| draw(q, uniform(steps[r] + i as u64)))
-                    .collect();
-                Ok(Proposal { tokens, probabilities: Some(q) })
+        // Each row's [depth, V] read off the host data, not sliced by MLX ops (one per row).
+        let per_row = probabilities.as_slice::<f32>().chunks(depth * vocab as usize);
+        let proposals = per_row
+            .zip(steps)
+            .map(|(q, &step)| {
+                let tokens =
+                    q.chunks(vocab as usize).enumerate().map(|(i, q)| draw(q, uniform(step + i as u64))).collect();
+                Proposal { tokens, probabilities: Some(Array::from_slice(q, &[depth as i32, vocab])) }
             })
-            .collect()
+            .collect();
+        Ok(proposals)
     }
 }
 
