@@ -91,6 +91,43 @@ pub fn index_axis_2(x: &Array, i: usize) -> Result<Array, Exception> {
     }))
 }
 
+/// Rows `range` of the first axis of x [N, …], as [range.len(), …].
+pub fn rows(x: &Array, range: std::ops::Range<usize>) -> Result<Array, Exception> {
+    let mut shape = x.shape().to_vec();
+    if !on_host(x) || shape.is_empty() {
+        let index = Array::from_iter(range.start as i32..range.end as i32, &[range.len() as i32]);
+        return x.take_axis(index, 0);
+    }
+    let x = row_major(x)?;
+    let per_row = x.size() / shape[0].max(1) as usize;
+    shape[0] = range.len() as i32;
+    Ok(with_elements!(x, |data| Array::from_slice(&data[range.start * per_row..range.end * per_row], &shape)))
+}
+
+/// Arrays of one dtype and of equal shapes past the first axis, end to end along it.
+pub fn concat_rows(parts: &[&Array]) -> Result<Array, Exception> {
+    let Some(first) = parts.first() else { return mlx_rs::ops::concatenate(parts, 0) };
+    let fits =
+        |p: &&Array| p.dtype() == first.dtype() && p.ndim() == first.ndim() && p.shape()[1..] == first.shape()[1..];
+    if first.ndim() == 0 || !parts.iter().all(|p| on_host(p) && fits(p)) {
+        return mlx_rs::ops::concatenate(parts, 0);
+    }
+    let parts = parts.iter().map(|p| row_major(p)).collect::<Result<Vec<_>, _>>()?;
+    let mut shape = first.shape().to_vec();
+    shape[0] = parts.iter().map(|p| p.shape()[0]).sum();
+    let size = parts.iter().map(|p| p.size()).sum();
+    let head = &parts[0];
+    Ok(with_elements!(head, |elements| {
+        // Typed after the first part's elements.
+        let mut data = elements[..0].to_vec();
+        data.reserve(size);
+        for p in &parts {
+            data.extend_from_slice(p.as_slice());
+        }
+        Array::from_slice(&data, &shape)
+    }))
+}
+
 /// `a + b` for arrays of one shape and dtype; anything else (broadcasting) is MLX's.
 pub fn add(a: &Array, b: &Array) -> Result<Array, Exception> {
     if !on_host(a) || a.shape() != b.shape() || a.dtype() != b.dtype() {
@@ -141,6 +178,11 @@ mod tests {
             assert!(identical(&add(&x, &y).unwrap(), &x.add(&y).unwrap()), "{dtype:?}");
             let third = x.take_axis(Array::from_int(2), 2).unwrap();
             assert!(identical(&index_axis_2(&x, 2).unwrap(), &third), "{dtype:?}");
+            let z = normal(&[4, 3, 4, 8], 3, dtype);
+            let rows_1_3 = z.take_axis(Array::from_slice(&[1, 2], &[2]), 0).unwrap();
+            assert!(identical(&rows(&z, 1..3).unwrap(), &rows_1_3), "{dtype:?}");
+            let joined = mlx_rs::ops::concatenate(&[&x, &z, &rows_1_3], 0).unwrap();
+            assert!(identical(&concat_rows(&[&x, &z, &rows_1_3]).unwrap(), &joined), "{dtype:?}");
             let s = Array::from_f32(0.37).as_dtype(dtype).unwrap().reshape(&[1]).unwrap();
             assert!(identical(&scale(&x, &s).unwrap(), &x.multiply(&s).unwrap()), "{dtype:?}");
         }

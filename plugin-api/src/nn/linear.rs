@@ -38,6 +38,14 @@ impl Linear {
         Ok(Linear { weight, scales, biases, quantization: q })
     }
 
+    /// A plain weight stored [in, out] and used as x·W (the DSpark format's layout), held as
+    /// [out, in] like every other weight, so that its products take the host's loops.
+    pub fn from_in_out(w: &Array) -> Result<Linear, Exception> {
+        let weight = kernels::row_major(&w.t())?;
+        weight.eval()?;
+        Ok(Linear { weight, scales: None, biases: None, quantization: None })
+    }
+
     pub fn forward(&self, x: &Array) -> Result<Array, Exception> {
         times_transposed(x, &self.weight, self.scales.as_ref(), self.biases.as_ref(), self.quantization)
     }

@@ -139,24 +139,14 @@ impl Shared {
     fn draft_block(&self, context: &Context, anchor: u32, depth: usize, step: u64) -> Result<Proposal, PluginError> {
         let draw = |k: usize, q: &[f32]| draw(q, uniform(step + k as u64));
         let sampler: Option<plugin_api::sdk::Draw<'_>> = if self.sample { Some(&draw) } else { None };
-        let block = self.model.block(context, anchor, sampler, self.temperature)?;
-        let cut = if self.threshold > 0.0 {
-            block.confidences.iter().position(|&c| c < self.threshold).unwrap_or(block.tokens.len())
-        } else {
-            block.tokens.len()
-        };
-        let keep = cut.min(depth);
-        let probabilities = if self.sample && keep > 0 {
-            let logits = block
-                .logits
-                .take_axis(Array::from_iter(0..keep as i32, &[keep as i32]), 0)?
-                .as_dtype(Dtype::Float32)?
-                .divide(Array::from_f32(self.temperature))?;
+        let block = self.model.block(context, anchor, depth, self.threshold, sampler, self.temperature)?;
+        let probabilities = if self.sample && !block.tokens.is_empty() {
+            let logits = block.logits.as_dtype(Dtype::Float32)?.divide(Array::from_f32(self.temperature))?;
             Some(plugin_api::mlx_rs::ops::softmax_axis(&logits, -1, true)?)
         } else {
             None
         };
-        Ok(Proposal { tokens: block.tokens[..keep].to_vec(), probabilities })
+        Ok(Proposal { tokens: block.tokens, probabilities })
     }
 }
 
@@ -221,7 +211,7 @@ mod conformance {
             model.extend(&mut context, &taps).unwrap();
             let ids = get("input_ids").as_dtype(Dtype::Int32).unwrap();
             let anchor = *ids.as_slice::<i32>().last().unwrap() as u32;
-            let block = model.block(&context, anchor, None, 1.0).unwrap();
+            let block = model.block(&context, anchor, usize::MAX, 0.0, None, 1.0).unwrap();
             let expected_tokens: Vec<u32> = get("draft_tokens")
                 .as_dtype(Dtype::Int32)
                 .unwrap()
@@ -289,7 +279,7 @@ mod conformance {
             let draft = |model: &crate::Deepspec| {
                 let mut context = crate::Context::default();
                 model.extend(&mut context, &taps).unwrap();
-                model.block(&context, anchor, None, 1.0).unwrap()
+                model.block(&context, anchor, usize::MAX, 0.0, None, 1.0).unwrap()
             };
             let (p, e) = (draft(&packed), draft(&exact));
             let row0 = |l: &Array| l.take_axis(Array::from_int(0), 0).unwrap();

@@ -4,10 +4,12 @@
 //! follow the checkpoint's tensor names.
 
 use std::path::Path;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use plugin_api::mlx_rs::error::Exception;
 use plugin_api::mlx_rs::{Array, Dtype};
-use plugin_api::nn::layout::{add, reshape, scale, swap_axes_1_2};
+use plugin_api::nn::kernels::{rounded, with_floats};
+use plugin_api::nn::layout::{add, concat_rows, reshape, rows, scale, swap_axes_1_2};
 use plugin_api::nn::ops::{attention, rms_norm, scalar, softcap, Mask};
 use plugin_api::nn::{Embedding, Linear, Mlp, Rope, Weights};
 use plugin_api::PluginError;
@@ -59,7 +61,8 @@ pub struct Deepspec {
 
 pub use plugin_api::nn::LayerContext as Context;
 
-/// A drafted block: tokens, their confidences, and the Markov-corrected logits [γ, V].
+/// A drafted block, as far as it went: tokens, their confidences, and the Markov-corrected
+/// logits [tokens, V].
 pub struct Block {
     pub tokens: Vec<u32>,
     pub confidences: Vec<f32>,
@@ -162,17 +165,33 @@ impl Deepspec {
     }
 
     /// The block after `anchor` (at the position right after the context): greedy tokens
-    /// with the Markov correction, or drawn by `draw(k, probabilities)`, and confidences.
+    /// with the Markov correction, or drawn by `draw(k, probabilities)`, and confidences; at
+    /// most `limit` of them, ending before the first whose confidence is under `threshold`.
+    ///
+    /// Only the positions the chain can reach go through the head, and the chain runs on the
+    /// host's copy of their logits: one MLX round trip per position would cost more than the
+    /// position's arithmetic.
     pub fn block(
         &self,
         context: &Context,
         anchor: u32,
+        limit: usize,
+        threshold: f32,
         draw: Option<plugin_api::sdk::Draw<'_>>,
         temperature: f32,
     ) -> Result<Block, Exception> {
         let c = &self.config;
         let eps = c.rms_norm_eps;
         let gamma = c.block_size as i32;
+        let limit = limit.min(c.block_size);
+        let mut block = Block {
+            tokens: Vec::new(),
+            confidences: Vec::new(),
+            logits: Array::from_slice::<f32>(&[], &[0, c.vocab_size]),
+        };
+        if limit == 0 {
+            return Ok(block);
+        }
         let start = context.len() as i32;
         let mut ids = vec![anchor as i32];
         ids.extend(std::iter::repeat_n(c.mask_token_id as i32, c.block_size - 1));
@@ -195,29 +214,29 @@ impl Deepspec {
                 h = scale(&h, s)?;
             }
         }
-        let h = rms_norm(&h, Some(&self.norm), eps)?.reshape(&[gamma, c.hidden_size])?;
+        let h = rows(&reshape(&rms_norm(&h, Some(&self.norm), eps)?, &[gamma, c.hidden_size])?, 0..limit)?;
         let mut base = self.lm_head.forward(&h)?;
         if let Some(cap) = c.final_logit_softcapping {
             base = softcap(&base, cap)?;
         }
 
-        let mut tokens = Vec::with_capacity(c.block_size);
-        let mut confidences = Vec::with_capacity(c.block_size);
-        let mut corrected = Vec::with_capacity(c.block_size);
+        let mut corrected = Vec::with_capacity(limit);
         let mut previous = anchor;
-        for k in 0..c.block_size {
+        for k in 0..limit {
             let prev = self.markov_head.markov_w1.embed(&Array::from_slice(&[previous as i32], &[1]))?; // [1, r]
-            let row = base.take_axis(Array::from_slice(&[k as i32], &[1]), 0)?;
-            let logits = row.add(self.markov_head.markov_w2.forward(&prev)?)?;
+            let logits = add(&rows(&base, k..k + 1)?, &self.markov_head.markov_w2.forward(&prev)?)?;
             if let (Some(head), Some(bias)) = (&self.confidence_head, &self.confidence_bias) {
-                let hk = h.take_axis(Array::from_slice(&[k as i32], &[1]), 0)?;
-                let features = plugin_api::mlx_rs::ops::concatenate(&[hk, prev], -1)?;
-                let conf = plugin_api::mlx_rs::ops::sigmoid(&head.forward(&features)?.add(bias)?)?;
-                confidences.push(conf.as_dtype(Dtype::Float32)?.item_exact::<f32>());
+                let features = with_floats(&rows(&h, k..k + 1)?, |x| with_floats(&prev, |p| [x, p].concat()))??;
+                let features = rounded(&features, &[1, features.len() as i32], h.dtype());
+                let score = add(&head.forward(&features)?, &reshape(bias, &[1, 1])?)?;
+                let confidence = sigmoid(&score)?;
+                if confidence < threshold {
+                    break;
+                }
+                block.confidences.push(confidence);
             }
             let token = match draw {
-                None => plugin_api::mlx_rs::ops::indexing::argmax_axis(&logits.reshape(&[-1])?, 0, None)?
-                    .item_exact::<u32>(),
+                None => with_floats(&logits, first_max)?,
                 Some(draw) => {
                     let q = plugin_api::mlx_rs::ops::softmax_axis(
                         &logits.reshape(&[-1])?.as_dtype(Dtype::Float32)?.divide(Array::from_f32(temperature))?,
@@ -227,10 +246,79 @@ impl Deepspec {
                     draw(k, q.as_slice::<f32>())
                 }
             };
-            tokens.push(token);
+            block.tokens.push(token);
             corrected.push(logits);
             previous = token;
         }
-        Ok(Block { tokens, confidences, logits: plugin_api::mlx_rs::ops::concatenate(&corrected, 0)? })
+        if !corrected.is_empty() {
+            block.logits = concat_rows(&corrected.iter().collect::<Vec<_>>())?;
+        }
+        Ok(block)
+    }
+}
+
+/// The index of the largest value, the first among equals (as MLX's argmax).
+fn first_max(values: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in values.iter().enumerate() {
+        if x > values[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// MLX's sigmoid of a one-element score. Half-precision scores read a table of MLX's own
+/// results for every value of their dtype, made once: the op's roundings come with it, and a
+/// lookup costs nothing next to an MLX round trip per drafted position.
+fn sigmoid(score: &Array) -> Result<f32, Exception> {
+    static TABLES: OnceLock<Mutex<Vec<(Dtype, Arc<Vec<f32>>)>>> = OnceLock::new();
+    let dtype = score.dtype();
+    let Some(bits) = (match dtype {
+        Dtype::Bfloat16 | Dtype::Float16 => with_floats(score, |s| s[0])
+            .map(|s| {
+                if dtype == Dtype::Bfloat16 {
+                    half::bf16::from_f32(s).to_bits()
+                } else {
+                    half::f16::from_f32(s).to_bits()
+                }
+            })
+            .ok(),
+        _ => None,
+    }) else {
+        return Ok(plugin_api::mlx_rs::ops::sigmoid(score)?.as_dtype(Dtype::Float32)?.item_exact::<f32>());
+    };
+    let mut tables = TABLES.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+    let table = match tables.iter().find(|(d, _)| *d == dtype) {
+        Some((_, table)) => table.clone(),
+        None => {
+            let every = 0..=u16::MAX;
+            let values = match dtype {
+                Dtype::Bfloat16 => Array::from_slice(&every.map(half::bf16::from_bits).collect::<Vec<_>>(), &[1 << 16]),
+                _ => Array::from_slice(&every.map(half::f16::from_bits).collect::<Vec<_>>(), &[1 << 16]),
+            };
+            let table = Arc::new(
+                plugin_api::mlx_rs::ops::sigmoid(&values)?.as_dtype(Dtype::Float32)?.as_slice::<f32>().to_vec(),
+            );
+            tables.push((dtype, table.clone()));
+            table
+        }
+    };
+    Ok(table[bits as usize])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_sigmoid_table_gives_mlxs_op_on_one_element() {
+        for dtype in [Dtype::Bfloat16, Dtype::Float16] {
+            for i in -400..400 {
+                let score = Array::from_f32(i as f32 * 0.037).as_dtype(dtype).unwrap().reshape(&[1, 1]).unwrap();
+                let op = plugin_api::mlx_rs::ops::sigmoid(&score).unwrap().as_dtype(Dtype::Float32).unwrap();
+                assert_eq!(sigmoid(&score).unwrap(), op.item_exact::<f32>(), "{dtype:?} at {}", i as f32 * 0.037);
+            }
+        }
     }
 }

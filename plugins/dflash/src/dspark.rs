@@ -1,6 +1,7 @@
 //! The seeds' DSpark checkpoints (`dspark.json`): a DFlash backbone without RoPE over a
 //! projected context, then a Markov head chained on the drafted tokens and a confidence head
-//! that can cut a draft short. Tensors are stored [in, out] and used as x·W; fields follow
+//! that can cut a draft short. Tensors are stored [in, out] and used as x·W; the matrices are
+//! held transposed, [out, in], so that their products take the host's loops. Fields follow
 //! their names.
 
 use std::path::Path;
@@ -8,8 +9,10 @@ use std::path::Path;
 use plugin_api::config::ConfigFile;
 use plugin_api::mlx_rs::error::Exception;
 use plugin_api::mlx_rs::{Array, Dtype};
+use plugin_api::nn::kernels::{row_major, with_floats};
+use plugin_api::nn::layout::{add, concat_rows, reshape, rows, swap_axes_1_2};
 use plugin_api::nn::ops::{attention, geglu, rms_norm, Mask};
-use plugin_api::nn::Weights;
+use plugin_api::nn::{Linear, Weights};
 use plugin_api::sdk::{Draw, Target};
 use plugin_api::PluginError;
 
@@ -32,30 +35,35 @@ pub struct DsparkConfig {
 
 pub struct BackboneLayer {
     pub attn_norm: Array,
-    pub q: Array,
-    pub k: Array,
-    pub v: Array,
-    pub o: Array,
+    pub q: Linear,
+    pub k: Linear,
+    pub v: Linear,
+    pub o: Linear,
     pub ff_norm: Array,
-    pub gate: Array,
-    pub up: Array,
-    pub down: Array,
+    pub gate: Linear,
+    pub up: Linear,
+    pub down: Linear,
 }
 
 pub struct Dspark {
     pub config: DsparkConfig,
     pub bb: Vec<BackboneLayer>,
-    pub w_c: Array,
+    pub w_c: Linear,
     pub ctx_norm: Array,
-    pub tok_proj: Array,
+    pub tok_proj: Linear,
     pub mask_emb: Array,
     pub block_pos: Array,
     pub out_norm: Array,
-    pub out_proj: Array,
+    pub out_proj: Linear,
+    /// [V, r], float32: row t is the Markov feature of previous token t.
     pub markov_w1: Array,
-    pub markov_w2: Array,
+    pub markov_w2: Linear,
+    /// [d + r], float32.
     pub conf_w: Array,
-    pub conf_b: Array,
+    pub conf_b: f32,
+    /// The block's rows after the first, the same in every draft: mask_emb[k − 1] +
+    /// block_pos[k] for k = 1..γ, [γ − 1, d].
+    mask_rows: Array,
     pub weight_bytes: usize,
 }
 
@@ -116,54 +124,67 @@ impl Dspark {
         let c = &config;
         let (d, h, v, r, f) = (c.d_draft, c.hidden_size, c.vocab_size, c.markov_rank, c.ff_mult * c.d_draft);
         let t = |name: &str, shape: &[i32]| w.shaped(name, shape);
+        let lin =
+            |name: &str, shape: &[i32]| -> Result<Linear, PluginError> { Ok(Linear::from_in_out(&t(name, shape)?)?) };
+        let float32 = |name: &str, shape: &[i32]| -> Result<Array, PluginError> {
+            let a = t(name, shape)?.as_dtype(Dtype::Float32)?;
+            a.eval()?;
+            Ok(a)
+        };
         let bb = (0..c.n_layers)
             .map(|i| {
                 let n = |x: &str| format!("bb.{i}.{x}");
                 Ok(BackboneLayer {
                     attn_norm: t(&n("attn_norm"), &[d])?,
-                    q: t(&n("q"), &[d, d])?,
-                    k: t(&n("k"), &[d, d])?,
-                    v: t(&n("v"), &[d, d])?,
-                    o: t(&n("o"), &[d, d])?,
+                    q: lin(&n("q"), &[d, d])?,
+                    k: lin(&n("k"), &[d, d])?,
+                    v: lin(&n("v"), &[d, d])?,
+                    o: lin(&n("o"), &[d, d])?,
                     ff_norm: t(&n("ff_norm"), &[d])?,
-                    gate: t(&n("gate"), &[d, f])?,
-                    up: t(&n("up"), &[d, f])?,
-                    down: t(&n("down"), &[f, d])?,
+                    gate: lin(&n("gate"), &[d, f])?,
+                    up: lin(&n("up"), &[d, f])?,
+                    down: lin(&n("down"), &[f, d])?,
                 })
             })
             .collect::<Result<Vec<_>, PluginError>>()?;
         let gamma = c.gamma as i32;
+        let (mask_emb, block_pos) = (t("mask_emb", &[gamma - 1, d])?, t("block_pos", &[gamma, d])?);
+        let mask_rows = mask_emb.add(rows(&block_pos, 1..c.gamma)?)?;
+        mask_rows.eval()?;
+        let conf_b = float32("conf.b", &[1])?.as_slice::<f32>()[0];
         Ok(Dspark {
             bb,
-            w_c: t("W_c", &[c.tap_layers.len() as i32 * h, d])?,
+            w_c: lin("W_c", &[c.tap_layers.len() as i32 * h, d])?,
             ctx_norm: t("ctx_norm", &[d])?,
-            tok_proj: t("tok_proj", &[h, d])?,
-            mask_emb: t("mask_emb", &[gamma - 1, d])?,
-            block_pos: t("block_pos", &[gamma, d])?,
+            tok_proj: lin("tok_proj", &[h, d])?,
+            mask_emb,
+            block_pos,
             out_norm: t("out_norm", &[d])?,
-            out_proj: t("out_proj", &[d, h])?,
-            markov_w1: t("markov.w1", &[v, r])?,
-            markov_w2: t("markov.w2", &[r, v])?,
-            conf_w: t("conf.w", &[d + r, 1])?,
-            conf_b: t("conf.b", &[1])?,
+            out_proj: lin("out_proj", &[d, h])?,
+            markov_w1: float32("markov.w1", &[v, r])?,
+            markov_w2: lin("markov.w2", &[r, v])?,
+            conf_w: float32("conf.w", &[d + r, 1])?,
+            conf_b,
+            mask_rows,
             weight_bytes: w.nbytes(),
             config,
         })
     }
 
+    /// x [1, n, d] (or [n, d]) as heads [1, heads, n, d / heads].
     fn heads(&self, x: &Array) -> Result<Array, Exception> {
-        let (n, heads) = (x.shape()[1], self.config.n_heads);
-        x.reshape(&[1, n, heads, self.config.d_draft / heads])?.transpose_axes(&[0, 2, 1, 3])
+        let (n, heads) = (x.shape()[x.ndim() - 2], self.config.n_heads);
+        swap_axes_1_2(&reshape(x, &[1, n, heads, self.config.d_draft / heads])?)
     }
 
     /// Appends projected context rows for tapped hidden states `taps` [1, S, m·H]: per layer,
     /// the keys and values of RMSNorm(attn_norm)(H_ctx).
     pub fn extend(&self, context: &mut Context, taps: &Array) -> Result<(), Exception> {
         let eps = self.config.eps;
-        let h_ctx = rms_norm(&taps.matmul(&self.w_c)?, Some(&self.ctx_norm), eps)?;
+        let h_ctx = rms_norm(&self.w_c.forward(taps)?, Some(&self.ctx_norm), eps)?;
         for (i, layer) in self.bb.iter().enumerate() {
             let n = rms_norm(&h_ctx, Some(&layer.attn_norm), eps)?;
-            let (k, v) = (self.heads(&n.matmul(&layer.k)?)?, self.heads(&n.matmul(&layer.v)?)?);
+            let (k, v) = (self.heads(&layer.k.forward(&n)?)?, self.heads(&layer.v.forward(&n)?)?);
             context.push(i, k, v)?;
         }
         Ok(())
@@ -173,6 +194,10 @@ impl Dspark {
     /// the first position k ≥ 1 whose confidence is under `thresholds[k]`, and at `depth`.
     /// When sampling, `(draw, temperature)`: `draw(k, q)` picks position k's token from its
     /// probabilities at that temperature.
+    ///
+    /// Only the positions the chain can reach go through the head, and the chain runs on the
+    /// host's copy of their logits: one MLX round trip per position would cost more than the
+    /// position's arithmetic.
     pub fn draft(
         &self,
         context: &Context,
@@ -183,67 +208,80 @@ impl Dspark {
         sampling: Option<(Draw<'_>, f32)>,
     ) -> Result<DsparkDraft, PluginError> {
         let c = &self.config;
-        let eps = c.eps;
-        let gamma = c.gamma as i32;
-        let embedded = target.embed(&Array::from_slice(&[anchor as i32], &[1, 1]), false)?.as_dtype(Dtype::Float32)?;
-        let first = embedded.reshape(&[1, c.hidden_size])?.matmul(&self.tok_proj)?;
-        let pos = |k: i32| self.block_pos.take_axis(Array::from_slice(&[k], &[1]), 0);
-        let mut rows = vec![first.add(pos(0)?)?];
-        for k in 1..gamma {
-            rows.push(self.mask_emb.take_axis(Array::from_slice(&[k - 1], &[1]), 0)?.add(pos(k)?)?);
+        let (eps, gamma, d) = (c.eps, c.gamma as i32, c.d_draft);
+        let mut draft = DsparkDraft { tokens: Vec::new(), confidences: Vec::new(), probabilities: None };
+        let depth = depth.min(c.gamma);
+        if depth == 0 {
+            return Ok(draft);
         }
-        let mut h = plugin_api::mlx_rs::ops::concatenate(&rows, 0)?.reshape(&[1, gamma, c.d_draft])?;
-        let scale = ((c.d_draft / c.n_heads) as f32).powf(-0.5);
+        let embedded = row_major(&target.embed(&Array::from_slice(&[anchor as i32], &[1, 1]), false)?)?;
+        let embedded = with_floats(&embedded, |e| Array::from_slice(e, &[1, c.hidden_size]))?;
+        let first = add(&self.tok_proj.forward(&embedded)?, &rows(&self.block_pos, 0..1)?)?;
+        let mut h = concat_rows(&[&first, &self.mask_rows])?; // [γ, d]
+        let scale = ((d / c.n_heads) as f32).powf(-0.5);
         for (i, layer) in self.bb.iter().enumerate() {
             let n = rms_norm(&h, Some(&layer.attn_norm), eps)?;
             let (q, kb, vb) = (
-                self.heads(&n.matmul(&layer.q)?)?,
-                self.heads(&n.matmul(&layer.k)?)?,
-                self.heads(&n.matmul(&layer.v)?)?,
+                self.heads(&layer.q.forward(&n)?)?,
+                self.heads(&layer.k.forward(&n)?)?,
+                self.heads(&layer.v.forward(&n)?)?,
             );
             let (keys, values) = context.with_block(i, kb, vb)?;
             let out = attention(&q, &keys, &values, scale, &Mask::All)?;
-            let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[1, gamma, c.d_draft])?;
-            h = h.add(out.matmul(&layer.o)?)?;
+            let out = reshape(&swap_axes_1_2(&out)?, &[gamma, d])?;
+            h = add(&h, &layer.o.forward(&out)?)?;
             let f = rms_norm(&h, Some(&layer.ff_norm), eps)?;
-            h = h.add(geglu(&f.matmul(&layer.gate)?, &f.matmul(&layer.up)?)?.matmul(&layer.down)?)?;
+            h = add(&h, &layer.down.forward(&geglu(&layer.gate.forward(&f)?, &layer.up.forward(&f)?)?)?)?;
         }
-        let h = rms_norm(&h, Some(&self.out_norm), eps)?.reshape(&[gamma, c.d_draft])?;
-        let base = target.logits_from_hidden(&h.matmul(&self.out_proj)?.reshape(&[1, gamma, c.hidden_size])?)?;
-        let base = base.as_dtype(Dtype::Float32)?.reshape(&[gamma, c.vocab_size])?;
+        let h = rows(&rms_norm(&h, Some(&self.out_norm), eps)?, 0..depth)?; // [depth, d]
+        let base =
+            target.logits_from_hidden(&reshape(&self.out_proj.forward(&h)?, &[1, depth as i32, c.hidden_size])?)?;
+        let base = with_floats(&row_major(&base)?, <[f32]>::to_vec)?; // [depth, V]
+        let h = with_floats(&row_major(&h)?, <[f32]>::to_vec)?;
+        let (v, r, d) = (c.vocab_size as usize, c.markov_rank as usize, d as usize);
+        let (w1, conf_w) = (self.markov_w1.as_slice::<f32>(), self.conf_w.as_slice::<f32>());
 
-        let mut draft = DsparkDraft { tokens: Vec::new(), confidences: Vec::new(), probabilities: None };
         let mut probabilities = Vec::new();
-        let mut previous = anchor;
-        for k in 0..(depth.min(c.gamma)) {
-            let markov = self.markov_w1.take_axis(Array::from_slice(&[previous as i32], &[1]), 0)?; // [1, r]
-            let logits =
-                base.take_axis(Array::from_slice(&[k as i32], &[1]), 0)?.add(markov.matmul(&self.markov_w2)?)?;
-            let hk = h.take_axis(Array::from_slice(&[k as i32], &[1]), 0)?;
-            let features = plugin_api::mlx_rs::ops::concatenate(&[hk, markov], -1)?;
-            let confidence = plugin_api::mlx_rs::ops::sigmoid(&features.matmul(&self.conf_w)?.add(&self.conf_b)?)?
-                .item_exact::<f32>();
+        let mut previous = anchor as usize;
+        for k in 0..depth {
+            let markov = &w1[previous * r..(previous + 1) * r];
+            let correction = self.markov_w2.forward(&Array::from_slice(markov, &[1, r as i32]))?;
+            let logits: Vec<f32> =
+                with_floats(&correction, |m| base[k * v..(k + 1) * v].iter().zip(m).map(|(b, m)| b + m).collect())?;
+            let features = h[k * d..(k + 1) * d].iter().chain(markov);
+            let score = features.zip(conf_w).fold(0f32, |sum, (x, w)| sum + x * w) + self.conf_b;
+            let confidence = 1.0 / (1.0 + (-score).exp());
             if k >= 1 && confidence < thresholds.get(k).copied().unwrap_or(0.0) {
                 break;
             }
             let token = match sampling {
-                None => plugin_api::mlx_rs::ops::indexing::argmax_axis(&logits.reshape(&[-1])?, 0, None)?
-                    .item_exact::<u32>(),
+                None => first_max(&logits),
                 Some((draw, temperature)) => {
-                    let tempered = logits.reshape(&[-1])?.divide(Array::from_f32(temperature))?;
+                    let tempered = Array::from_slice(&logits, &[v as i32]).divide(Array::from_f32(temperature))?;
                     let q = plugin_api::mlx_rs::ops::softmax_axis(&tempered, -1, true)?;
                     let token = draw(k, q.as_slice::<f32>());
-                    probabilities.push(q);
+                    probabilities.extend_from_slice(q.as_slice::<f32>());
                     token
                 }
             };
             draft.tokens.push(token);
             draft.confidences.push(confidence);
-            previous = token;
+            previous = token as usize;
         }
-        if sampling.is_some() && !probabilities.is_empty() {
-            draft.probabilities = Some(plugin_api::mlx_rs::ops::stack(&probabilities, 0)?);
+        if sampling.is_some() && !draft.tokens.is_empty() {
+            draft.probabilities = Some(Array::from_slice(&probabilities, &[draft.tokens.len() as i32, v as i32]));
         }
         Ok(draft)
     }
+}
+
+/// The index of the largest value, the first among equals (as MLX's argmax).
+fn first_max(values: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in values.iter().enumerate() {
+        if x > values[best] {
+            best = i;
+        }
+    }
+    best as u32
 }

@@ -162,7 +162,7 @@ pub(crate) fn round_to(dtype: Dtype, v: f32) -> f32 {
 }
 
 /// An array of `shape` holding `values` rounded to `dtype` (float32, bfloat16 or float16).
-pub(crate) fn rounded(values: &[f32], shape: &[i32], dtype: Dtype) -> Array {
+pub fn rounded(values: &[f32], shape: &[i32], dtype: Dtype) -> Array {
     match dtype {
         Dtype::Bfloat16 => {
             Array::from_slice(&values.iter().map(|&v| half::bf16::from_f32(v)).collect::<Vec<_>>(), shape)
