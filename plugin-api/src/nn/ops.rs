@@ -376,7 +376,7 @@ fn half_attention_core(q: &Array, rows: &[RowData], hkv: usize, scale: f32, mask
                 let at = scores.len();
                 scores.resize(at + block * row.s, 0.0);
                 let keys = weight(dtype, &row.keys[g * row.s * d..(g + 1) * row.s * d]);
-                dot::product(&x, block, d, keys, 0..row.s, row.s, &mut scores[at..]);
+                dot::product(&x, dtype, block, d, keys, 0..row.s, row.s, &mut scores[at..]);
             }
         }
         scores
@@ -431,7 +431,7 @@ fn half_attention_core(q: &Array, rows: &[RowData], hkv: usize, scale: f32, mask
                 }
             }
             let y = &mut out[(r * hkv + g) * block * d..][..block * d];
-            dot::product(&ps[at..at + block * s], block, s, weight(dtype, &values_t), 0..d, d, y);
+            dot::product(&ps[at..at + block * s], dtype, block, s, weight(dtype, &values_t), 0..d, d, y);
             at += block * s;
         }
     }

@@ -99,7 +99,8 @@ pub fn small_product(
         _ => return Ok(None),
     };
     let split = (rows * n * k >= SPLIT_WORK && n >= 2).then_some(n / 2);
-    outputs(x, n, split, |xs, range, y| dot::product(xs, rows, k, weight, range, n, y)).map(Some)
+    let x_dtype = x.dtype();
+    outputs(x, n, split, |xs, range, y| dot::product(xs, x_dtype, rows, k, weight, range, n, y)).map(Some)
 }
 
 /// The `n` outputs of every row of `x` as an array of x's dtype: `run(x, outputs, y)` fills
@@ -243,7 +244,16 @@ mod tests {
                         let (n, kk) = (72, k as usize);
                         let xs = x.as_slice::<f32>();
                         let mut y = vec![0f32; rows as usize * n];
-                        dot::product(xs, rows as usize, kk, Weight::F32(w.as_slice::<f32>()), 0..n, n, &mut y);
+                        dot::product(
+                            xs,
+                            Dtype::Float32,
+                            rows as usize,
+                            kk,
+                            Weight::F32(w.as_slice::<f32>()),
+                            0..n,
+                            n,
+                            &mut y,
+                        );
                         Array::from_slice(&y, &[1, rows, n as i32])
                     }
                     None => panic!("{dtype:?}: the loops apply"),
@@ -251,6 +261,35 @@ mod tests {
                 let mlx = x.matmul(w.as_dtype(Dtype::Float32).unwrap().t()).unwrap();
                 let d = relative_difference(&ours, &mlx);
                 assert!(d <= 1e-5, "{dtype:?}, k {k}, {rows} rows: {d}");
+            }
+        }
+    }
+
+    /// bfloat16 rows times bfloat16 weights (the AVX-512 BF16 loops where the CPU has them)
+    /// give MLX's float32 product of the same values up to summation order.
+    #[test]
+    fn bfloat16_rows_equal_mlxs_float32_product_of_their_values() {
+        for k in [264, 36, 1000] {
+            let w = normal(&[72, k], 1).as_dtype(Dtype::Bfloat16).unwrap();
+            for rows in ROWS {
+                let x = normal(&[rows, k], 2 + rows as u64).as_dtype(Dtype::Bfloat16).unwrap();
+                let widened = x.as_dtype(Dtype::Float32).unwrap();
+                let mut y = vec![0f32; rows as usize * 72];
+                let w_bits = bits16(&w).unwrap();
+                dot::product(
+                    widened.as_slice::<f32>(),
+                    Dtype::Bfloat16,
+                    rows as usize,
+                    k as usize,
+                    Weight::Bf16(w_bits),
+                    0..72,
+                    72,
+                    &mut y,
+                );
+                let ours = Array::from_slice(&y, &[rows, 72]);
+                let mlx = widened.matmul(w.as_dtype(Dtype::Float32).unwrap().t()).unwrap();
+                let d = relative_difference(&ours, &mlx);
+                assert!(d <= 1e-5, "k {k}, {rows} rows: {d}");
             }
         }
     }
@@ -331,11 +370,15 @@ mod tests {
     fn sums_ignore_appended_zeros_and_the_rows_beside_them() {
         let (rows, n) = (7, 10);
         let value = |i: usize, salt: usize| (((i * 2654435761 + salt) % 1009) as f32 - 504.0) / 97.0;
-        for k in [13, 21, 29, 37] {
-            let x: Vec<f32> = (0..rows * k).map(|i| value(i, 1)).collect();
+        // Lengths on both sides of the AVX-512 loops' 32 lanes, x of any float32 value or of
+        // bfloat16 values (which the AVX-512 BF16 loops take where the CPU has them).
+        for (k, x_dtype) in
+            [13, 21, 29, 37, 45, 70].into_iter().flat_map(|k| [(k, Dtype::Float32), (k, Dtype::Bfloat16)])
+        {
+            let x: Vec<f32> = (0..rows * k).map(|i| value(i, 1)).map(|v| round_to(x_dtype, v)).collect();
             let wf: Vec<f32> = (0..n * k).map(|i| value(i, 2)).collect();
             let wb: Vec<u16> = wf.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
-            for extra in [1, 3, 11] {
+            for extra in [1, 3, 11, 40] {
                 let pad = |a: &[f32], r: usize| -> Vec<f32> {
                     a.chunks(k)
                         .take(r)
@@ -346,13 +389,13 @@ mod tests {
                 let wbp: Vec<u16> = wfp.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
                 for (w, wp) in [(Weight::F32(&wf), Weight::F32(&wfp)), (Weight::Bf16(&wb), Weight::Bf16(&wbp))] {
                     let (mut y, mut yp) = (vec![0f32; rows * n], vec![0f32; rows * n]);
-                    dot::product(&x, rows, k, w, 0..n, n, &mut y);
-                    dot::product(&xp, rows, k + extra, wp, 0..n, n, &mut yp);
-                    assert_eq!(y, yp, "k {k} + {extra} zeros");
+                    dot::product(&x, x_dtype, rows, k, w, 0..n, n, &mut y);
+                    dot::product(&xp, x_dtype, rows, k + extra, wp, 0..n, n, &mut yp);
+                    assert_eq!(y, yp, "{x_dtype:?}, k {k} + {extra} zeros");
                     // The last row alone gives what it gave as the fourth of a block of four.
                     let mut alone = vec![0f32; n];
-                    dot::product(&x[(rows - 1) * k..], 1, k, w, 0..n, n, &mut alone);
-                    assert_eq!(alone, y[(rows - 1) * n..], "k {k}, last row alone");
+                    dot::product(&x[(rows - 1) * k..], x_dtype, 1, k, w, 0..n, n, &mut alone);
+                    assert_eq!(alone, y[(rows - 1) * n..], "{x_dtype:?}, k {k}, last row alone");
                 }
             }
         }
@@ -374,9 +417,11 @@ mod tests {
             bits,
             group: 32,
         };
-        for w in [Weight::F32(&wf), Weight::Bf16(&wb), quantized(4), quantized(8)] {
+        let xb: Vec<f32> = x.iter().map(|&v| round_to(Dtype::Bfloat16, v)).collect();
+        let cases = [Weight::F32(&wf), Weight::Bf16(&wb), quantized(4), quantized(8)].map(|w| (w, Dtype::Float32, &x));
+        for (w, x_dtype, x) in cases.into_iter().chain([(Weight::Bf16(&wb), Dtype::Bfloat16, &xb)]) {
             let (mut simd, mut portable) = (vec![0f32; rows * n], vec![0f32; rows * n]);
-            dot::product(&x, rows, k, w, 0..n, n, &mut simd);
+            dot::product(&x, x_dtype, rows, k, w, 0..n, n, &mut simd);
             dot::portable::product(&x, rows, k, w, 0..n, n, &mut portable);
             let scale = portable.iter().fold(0f32, |a, v| a.max(v.abs()));
             let worst = simd.iter().zip(&portable).fold(0f32, |a, (s, p)| a.max((s - p).abs()));
