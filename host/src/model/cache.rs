@@ -6,6 +6,7 @@
 use mlx_rs::error::Exception;
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::Array;
+use plugin_api::nn::kernels::dot::SUM_PERIOD;
 use plugin_api::nn::ops::Mask;
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -314,12 +315,15 @@ impl LayerCache {
     }
 }
 
+/// The period of the products' sums (`plugin_api::nn::kernels::dot::SUM_PERIOD`).
+const PERIOD: i32 = SUM_PERIOD as i32;
+
 /// Keys and values [B, H, S, D] whose slot s of row r holds position `positions[r][s]` (-1:
 /// empty), rearranged so that slot j of row r holds position base_r + j, base_r a multiple
-/// of 8 (empty positions are zeros), with the positions each slot now holds.
+/// of [`PERIOD`] (empty positions are zeros), with the positions each slot now holds.
 ///
-/// Attention sums over the slots, eight lanes at a time (slot j in lane j mod 8, see
-/// `plugin_api::nn::kernels::dot`). In this order a key's lane and its place among the keys
+/// Attention sums over the slots, where each term goes depending on its slot modulo
+/// [`PERIOD`] (see `plugin_api::nn::kernels::dot`). In this order a key's lane and its place among the keys
 /// it is summed with depend on positions alone, not on where a ring of some capacity happened
 /// to store it, nor on how many masked slots surround it. So a query gets the same result
 /// bit for bit in a decode step, in a verify window of any length, and in a prefill: the
@@ -330,8 +334,10 @@ fn in_position_order(
     positions: &[Vec<i32>],
 ) -> Result<(Array, Array, Vec<Vec<i32>>), Exception> {
     let slots = positions.first().map_or(0, Vec::len);
-    let bases: Vec<i32> =
-        positions.iter().map(|row| row.iter().copied().filter(|&p| p >= 0).min().map_or(0, |p| p - p % 8)).collect();
+    let bases: Vec<i32> = positions
+        .iter()
+        .map(|row| row.iter().copied().filter(|&p| p >= 0).min().map_or(0, |p| p - p % PERIOD))
+        .collect();
     let len = positions
         .iter()
         .zip(&bases)
@@ -441,7 +447,7 @@ mod tests {
     }
 
     /// Attention reads keys in position order, each in the lane of its position (slot j holds
-    /// a position ≡ j mod 8), whatever the ring's capacity: see [`super::in_position_order`].
+    /// a position ≡ j mod PERIOD), whatever the ring's capacity: see [`super::in_position_order`].
     fn in_position_order(keys: &[f32]) {
         let held: Vec<(usize, i32)> =
             keys.chunks(2).map(|k| k[0] as i32 - 1).enumerate().filter(|&(_, p)| p >= 0).collect();
@@ -449,7 +455,7 @@ mod tests {
             assert!(pair[0].1 < pair[1].1, "positions out of order: {held:?}");
         }
         for &(slot, p) in &held {
-            assert_eq!(slot % 8, p as usize % 8, "position {p} in slot {slot}: {held:?}");
+            assert_eq!(slot % SUM_PERIOD, p as usize % SUM_PERIOD, "position {p} in slot {slot}: {held:?}");
         }
     }
 

@@ -23,6 +23,12 @@
 
 use mlx_rs::Dtype;
 
+/// Where a sum's terms go depends on their index modulo this (the AVX-512 BF16 loops' 32
+/// elements per vector; the AVX2 loops' 8 divides it). Terms laid out from an index that is a
+/// multiple of it are summed alike, so keys placed by position modulo it give a query the same
+/// attention whatever the slots before them held (see the host's KV cache).
+pub const SUM_PERIOD: usize = 32;
+
 /// The most rows one call handles for weights MLX reads faster at many rows (quantized weights of
 /// float32 activations, which go through BLAS); half-precision weights take these loops at any
 /// row count (see `kernels`).
