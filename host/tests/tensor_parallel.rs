@@ -228,11 +228,22 @@ fn a_rank_that_dies_ends_the_others_with_a_message() {
     let mut launcher = Command::new(env!("CARGO_BIN_EXE_host"))
         .args(["launch", "-n", "2", "--", "run", "--model", model.to_str().unwrap()])
         .args(["--prompt-ids", "1,2", "--max-tokens", "100000", "--temperature", "0"])
-        .stdout(Stdio::null())
+        .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    // Both ranks are decoding once rank 1 has mapped the weights in and run for a moment.
+    // Both ranks are decoding once the first token is out. The run is short (it meets <eos>
+    // after a few hundred tokens, about a second here), so rank 1 dies right then.
+    let mut stdout = launcher.stdout.take().unwrap();
+    let (first_token, decoding) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut byte = [0u8; 1];
+        if std::io::Read::read(&mut stdout, &mut byte).unwrap_or(0) > 0 {
+            let _ = first_token.send(());
+        }
+        let _ = std::io::copy(&mut stdout, &mut std::io::sink());
+    });
+    decoding.recv_timeout(Duration::from_secs(30)).expect("no token within 30 s");
     let children = |pid: u32| -> Vec<u32> {
         let text = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
         text.split_whitespace().map(|p| p.parse().unwrap()).collect()
@@ -246,7 +257,6 @@ fn a_rank_that_dies_ends_the_others_with_a_message() {
         assert!(start.elapsed() < Duration::from_secs(30), "the ranks did not start");
         std::thread::sleep(Duration::from_millis(20));
     };
-    std::thread::sleep(Duration::from_secs(3));
     // SAFETY: kill sends SIGKILL to rank 1, a child of the launcher this test started.
     unsafe { libc::kill(ranks[1] as libc::pid_t, libc::SIGKILL) };
     let deadline = Instant::now() + Duration::from_secs(30);

@@ -331,11 +331,91 @@ fn half_attention_rows(q: &Array, rows: &[RowKeys], scale: f32) -> Result<Option
     half_attention_core(q, &data, hkv, scale, Masks::PerRow(&masks)).map(Some)
 }
 
+/// MLX's CPU softmax (precise) of one row of `dtype` values, in place: as MLX 0.32's x86
+/// build runs it, one element at a time: the maximum, exp(x − max) by MLX's own polynomial,
+/// the float32 sum of those in order, its reciprocal, then each exponential times the
+/// reciprocal, rounded once to `dtype`. Bit for bit MLX's op (tested), without its round trip.
+fn softmax_row(dtype: Dtype, row: &mut [f32]) {
+    let maximum = row.iter().fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m });
+    let normalizer = 1.0 / row.iter().fold(0f32, |sum, &x| sum + mlx_exp(x - maximum));
+    for x in row.iter_mut() {
+        *x = super::kernels::round_to(dtype, mlx_exp(*x - maximum) * normalizer);
+    }
+}
+
+/// MLX's CPU exp (`simd::exp` in mlx/backend/cpu/simd/math.h): 2^(x·log₂e) as a power of two
+/// times a degree-6 polynomial of the fractional part, with fused multiply-adds.
+fn mlx_exp(x0: f32) -> f32 {
+    if x0.is_nan() {
+        return x0;
+    }
+    if x0 > 88.0 {
+        return f32::INFINITY;
+    }
+    if x0 < -88.0 {
+        return 0.0;
+    }
+    let x = x0 * 1.442695f32;
+    let whole = (x + 0.5).floor();
+    let fraction = x - whole;
+    let mut p = 1.535336188319500e-4f32;
+    for c in [
+        1.339887440266574e-3f32,
+        9.618437357674640e-3,
+        5.550332471162809e-2,
+        2.402264791363012e-1,
+        6.931472028550421e-1,
+        1.0,
+    ] {
+        p = p.mul_add(fraction, c);
+    }
+    f32::from_bits(((whole as i32 + 127) << 23) as u32) * p
+}
+
 /// One row's keys and values, [Hkv, s, D] as half-precision bit patterns.
 struct RowData<'a> {
     keys: &'a [u16],
     values: &'a [u16],
     s: usize,
+}
+
+/// Which keys a row's queries read, worked out on the host: every key, the last L of S keys
+/// causally, or a boolean mask broadcast to [B, Hq, L, S] read off its data.
+enum Visible {
+    All,
+    Causal,
+    Bool { data: Vec<bool>, shape: [usize; 4] },
+}
+
+impl Visible {
+    /// `None` for an additive mask, which stays with MLX's ops.
+    fn of(mask: &Mask) -> Result<Option<Visible>, Exception> {
+        Ok(Some(match mask {
+            Mask::All => Visible::All,
+            Mask::Causal => Visible::Causal,
+            Mask::Array(m) if m.dtype() == Dtype::Bool && m.ndim() <= 4 => {
+                let m = row_major(m)?;
+                let mut shape = [1usize; 4];
+                for (to, &d) in shape.iter_mut().rev().zip(m.shape().iter().rev()) {
+                    *to = d as usize;
+                }
+                Visible::Bool { data: m.as_slice::<bool>().to_vec(), shape }
+            }
+            Mask::Array(_) => return Ok(None),
+        }))
+    }
+
+    /// Whether query `i` of head `h` in batch entry `b` reads key `j` of `s` (`l` queries).
+    fn at(&self, [b, h, i, j]: [usize; 4], l: usize, s: usize) -> bool {
+        match self {
+            Visible::All => true,
+            Visible::Causal => j <= s.saturating_sub(l) + i,
+            Visible::Bool { data, shape } => {
+                let index = [b, h, i, j].iter().zip(shape).fold(0, |at, (&c, &d)| at * d + if d == 1 { 0 } else { c });
+                data[index]
+            }
+        }
+    }
 }
 
 /// One mask for every row (rows of equal length), or one per row.
@@ -346,8 +426,8 @@ enum Masks<'a> {
 
 /// The steps of [`half_attention`] for queries q [B, Hq, L, D] over each row's keys and values.
 /// q is scaled here as MLX's multiply does it (both in the dtype, the product rounded to it).
-/// The softmax is MLX's: one op over every row when they share a mask, else one per row,
-/// evaluated together.
+/// The softmax is MLX's, computed on the host ([`softmax_row`]) for every mask but an additive
+/// one.
 fn half_attention_core(q: &Array, rows: &[RowData], hkv: usize, scale: f32, masks: Masks) -> Result<Array, Exception> {
     use super::kernels::dot::{self, Weight};
     use super::kernels::{round_to, rounded, with_floats};
@@ -382,40 +462,78 @@ fn half_attention_core(q: &Array, rows: &[RowData], hkv: usize, scale: f32, mask
         scores
     })?;
 
-    let lowest = scalar(f32::from_bits(if dtype == Dtype::Bfloat16 { 0xFF7F_0000 } else { 0xC77F_E000 }), dtype)?;
-    let softmax = |scores: &[f32], b: usize, s: usize, mask: &Mask| -> Result<Array, Exception> {
-        let scores = rounded(scores, &[b as i32, hq, l, s as i32], dtype);
-        let scores = match mask {
-            Mask::All => scores,
-            Mask::Causal => {
-                let offset = (s as i32 - l).max(0);
-                let rows = Array::from_iter(offset..offset + l, &[l, 1]);
-                let cols = Array::from_iter(0..s as i32, &[1, s as i32]);
-                mlx_rs::ops::select(&rows.ge(&cols)?, &scores, &lowest)?
-            }
-            Mask::Array(m) if m.dtype() == Dtype::Bool => mlx_rs::ops::select(m, &scores, &lowest)?,
-            Mask::Array(m) => scores.add(m)?,
-        };
-        mlx_rs::ops::softmax_axis(&scores, -1, true)
+    let lowest_bits = if dtype == Dtype::Bfloat16 { 0xFF7F_0000 } else { 0xC77F_E000 };
+    // Per row: which keys its queries read, and which batch entry of its mask it is.
+    let (shared, per_row) = match masks {
+        Masks::Shared(mask) => (Visible::of(mask)?, None),
+        Masks::PerRow(masks) => (None, masks.iter().map(|m| Visible::of(m)).collect::<Result<Option<Vec<_>>, _>>()?),
     };
-    let probs: Vec<Array> = match masks {
-        Masks::Shared(mask) => vec![softmax(&scores, rows.len(), rows.first().map_or(0, |r| r.s), mask)?],
-        Masks::PerRow(masks) => {
+    let visibility: Option<Vec<(&Visible, usize)>> = match (&shared, &per_row) {
+        (Some(v), _) => Some((0..rows.len()).map(|r| (v, r)).collect()),
+        (_, Some(per_row)) => Some(per_row.iter().map(|v| (v, 0)).collect()),
+        _ => None,
+    };
+    let ps = match visibility {
+        // Masked as MLX masks (the dtype's lowest value), then MLX's softmax, on the host.
+        Some(visibility) => {
+            let mut ps = scores;
+            let lowest = f32::from_bits(lowest_bits);
             let mut at = 0;
-            let mut per_row = Vec::with_capacity(rows.len());
-            for (row, mask) in rows.iter().zip(masks) {
-                let len = hkv * block * row.s;
-                per_row.push(softmax(&scores[at..at + len], 1, row.s, mask)?);
-                at += len;
+            for (row, &(visible, b)) in rows.iter().zip(&visibility) {
+                for h in 0..hq as usize {
+                    for i in 0..l as usize {
+                        let scores = &mut ps[at..at + row.s];
+                        for (j, v) in scores.iter_mut().enumerate() {
+                            let seen = visible.at([b, h, i, j], l as usize, row.s);
+                            *v = if seen { round_to(dtype, *v) } else { lowest };
+                        }
+                        softmax_row(dtype, scores);
+                        at += row.s;
+                    }
+                }
             }
-            per_row
+            ps
+        }
+        // An additive mask: MLX's ops, one over every row when they share a mask, else one per
+        // row, evaluated together.
+        None => {
+            let lowest = scalar(f32::from_bits(lowest_bits), dtype)?;
+            let softmax = |scores: &[f32], b: usize, s: usize, mask: &Mask| -> Result<Array, Exception> {
+                let scores = rounded(scores, &[b as i32, hq, l, s as i32], dtype);
+                let scores = match mask {
+                    Mask::All => scores,
+                    Mask::Causal => {
+                        let offset = (s as i32 - l).max(0);
+                        let rows = Array::from_iter(offset..offset + l, &[l, 1]);
+                        let cols = Array::from_iter(0..s as i32, &[1, s as i32]);
+                        mlx_rs::ops::select(&rows.ge(&cols)?, &scores, &lowest)?
+                    }
+                    Mask::Array(m) if m.dtype() == Dtype::Bool => mlx_rs::ops::select(m, &scores, &lowest)?,
+                    Mask::Array(m) => scores.add(m)?,
+                };
+                mlx_rs::ops::softmax_axis(&scores, -1, true)
+            };
+            let probs: Vec<Array> = match masks {
+                Masks::Shared(mask) => vec![softmax(&scores, rows.len(), rows.first().map_or(0, |r| r.s), mask)?],
+                Masks::PerRow(masks) => {
+                    let mut at = 0;
+                    let mut per_row = Vec::with_capacity(rows.len());
+                    for (row, mask) in rows.iter().zip(masks) {
+                        let len = hkv * block * row.s;
+                        per_row.push(softmax(&scores[at..at + len], 1, row.s, mask)?);
+                        at += len;
+                    }
+                    per_row
+                }
+            };
+            mlx_rs::transforms::eval(&probs)?;
+            let mut ps = Vec::with_capacity(scores.len());
+            for p in &probs {
+                with_floats(&row_major(p)?, |p| ps.extend_from_slice(p))?;
+            }
+            ps
         }
     };
-    mlx_rs::transforms::eval(&probs)?;
-    let mut ps = Vec::with_capacity(scores.len());
-    for p in &probs {
-        with_floats(&row_major(p)?, |p| ps.extend_from_slice(p))?;
-    }
 
     let mut out = vec![0f32; rows.len() * hkv * block * d];
     let mut values_t = Vec::new();
@@ -547,6 +665,30 @@ mod half_attention_tests {
     fn largest_difference(a: &Array, b: &Array) -> f32 {
         let (a, b) = (a.as_dtype(Dtype::Float32).unwrap(), b.as_dtype(Dtype::Float32).unwrap());
         a.subtract(&b).unwrap().abs().unwrap().max(None).unwrap().item_exact::<f32>()
+    }
+
+    #[test]
+    fn the_host_softmax_is_mlxs_bit_for_bit() {
+        for dtype in [Dtype::Bfloat16, Dtype::Float16, Dtype::Float32] {
+            // The lowest value of the dtype, as the attention masks with it.
+            let lowest = match dtype {
+                Dtype::Bfloat16 => f32::from_bits(0xFF7F_0000),
+                Dtype::Float16 => -65504.0,
+                _ => f32::MIN,
+            };
+            for (len, seed) in [(1, 1), (7, 2), (40, 3), (129, 4), (300, 5), (2048, 6)] {
+                let x = normal(&[3, len], seed, Dtype::Float32).multiply(Array::from_f32(4.0)).unwrap();
+                let keep = Array::from_iter((0..3 * len).map(|i| i % 7 != 3 || len == 1), &[3, len]);
+                let x = mlx_rs::ops::select(&keep, &x, Array::from_f32(lowest)).unwrap().as_dtype(dtype).unwrap();
+                let mlx = mlx_rs::ops::softmax_axis(&x, -1, true).unwrap().as_dtype(Dtype::Float32).unwrap();
+                let mut ours = x.as_dtype(Dtype::Float32).unwrap().as_slice::<f32>().to_vec();
+                for row in ours.chunks_mut(len as usize) {
+                    softmax_row(dtype, row);
+                }
+                let differ = ours.iter().zip(mlx.as_slice::<f32>()).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+                assert_eq!(differ, 0, "{dtype:?}, length {len}: {differ} of {} differ", ours.len());
+            }
+        }
     }
 
     #[test]
