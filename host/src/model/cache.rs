@@ -7,6 +7,7 @@ use mlx_rs::error::Exception;
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::Array;
 use plugin_api::nn::kernels::dot::SUM_PERIOD;
+use plugin_api::nn::layout::{first_slots, put_slots, take_slots};
 use plugin_api::nn::ops::Mask;
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -193,8 +194,8 @@ impl LayerCache {
         }
         // Keys are in position order: attention reads the slots up to the furthest row (a
         // slice, which MLX takes without copying).
-        let fetched_k = self.keys.as_ref().unwrap().try_index((.., .., ..end as i32))?;
-        let fetched_v = self.values.as_ref().unwrap().try_index((.., .., ..end as i32))?;
+        let fetched_k = first_slots(self.keys.as_ref().unwrap(), end)?;
+        let fetched_v = first_slots(self.values.as_ref().unwrap(), end)?;
         // One row's keys are exactly positions 0..end: the usual causal mask.
         let mask = match (self.rows(), new) {
             (1, 1) => Mask::All,
@@ -276,11 +277,8 @@ impl LayerCache {
 
     /// Scatters rows [B, H, n, D] into slots[r] of row r.
     fn store(&mut self, keys: &Array, values: &Array, slots: &[Vec<usize>]) -> Result<(), Exception> {
-        let n = slots.first().map_or(0, Vec::len) as i32;
-        let flat: Vec<i32> = slots.iter().flatten().map(|&s| s as i32).collect();
-        let index = Array::from_slice(&flat, &[slots.len() as i32, 1, n, 1]);
-        self.keys = Some(self.keys.take().unwrap().put_along_axis(&index, keys, 2)?);
-        self.values = Some(self.values.take().unwrap().put_along_axis(&index, values, 2)?);
+        self.keys = Some(put_slots(&self.keys.take().unwrap(), keys, slots)?);
+        self.values = Some(put_slots(&self.values.take().unwrap(), values, slots)?);
         Ok(())
     }
 
@@ -358,14 +356,7 @@ fn in_position_order(
     if identity {
         return Ok((keys, values, ordered));
     }
-    let index = Array::from_slice(&index, &[positions.len() as i32, 1, len as i32, 1]);
-    let gather = |a: Array| -> Result<Array, Exception> {
-        let padded = pad_slots(&a, 1)?;
-        let s = padded.shape().to_vec();
-        let index = mlx_rs::ops::broadcast_to(&index, &[s[0], s[1], len as i32, s[3]])?;
-        padded.take_along_axis(&index, 2)
-    };
-    Ok((gather(keys)?, gather(values)?, ordered))
+    Ok((take_slots(&keys, &index, len)?, take_slots(&values, &index, len)?, ordered))
 }
 
 /// `a` [B, H, S, D] with `extra` empty slots appended.

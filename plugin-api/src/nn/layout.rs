@@ -1,4 +1,5 @@
-//! Reshapes, head transposes and sums of small activations, done on the host on the CPU device.
+//! Reshapes, head transposes, sums and KV-cache slot moves of small arrays, done on the host on
+//! the CPU device.
 //!
 //! Between the host's own kernels (products, norms, rope, attention), each MLX op that
 //! reshapes, transposes or adds costs a round trip to MLX's stream thread when the next kernel
@@ -128,6 +129,81 @@ pub fn concat_rows(parts: &[&Array]) -> Result<Array, Exception> {
     }))
 }
 
+/// x [B, H, S, D] with row r's new slots (`new` [B, H, n, D]) written into slots `slots[r]`
+/// (a KV cache's write).
+pub fn put_slots(x: &Array, new: &Array, slots: &[Vec<usize>]) -> Result<Array, Exception> {
+    let n = slots.first().map_or(0, Vec::len);
+    if !on_host(x) || x.ndim() != 4 || new.dtype() != x.dtype() || new.ndim() != 4 {
+        let flat: Vec<i32> = slots.iter().flatten().map(|&s| s as i32).collect();
+        let index = Array::from_slice(&flat, &[slots.len() as i32, 1, n as i32, 1]);
+        return x.put_along_axis(&index, new, 2);
+    }
+    let (x, new) = (row_major(x)?, row_major(new)?);
+    let s = x.shape().to_vec();
+    let (heads, total, d) = (s[1] as usize, s[2] as usize, s[3] as usize);
+    Ok(with_elements!(x, |data| {
+        let mut out = data.to_vec();
+        let added = new.as_slice();
+        for (r, row) in slots.iter().enumerate() {
+            for h in 0..heads {
+                for (t, &slot) in row.iter().enumerate() {
+                    let from = ((r * heads + h) * n + t) * d;
+                    let to = ((r * heads + h) * total + slot) * d;
+                    out[to..to + d].copy_from_slice(&added[from..from + d]);
+                }
+            }
+        }
+        Array::from_slice(&out, &s)
+    }))
+}
+
+/// Slots 0..end of x [B, H, S, D].
+pub fn first_slots(x: &Array, end: usize) -> Result<Array, Exception> {
+    if !on_host(x) || x.ndim() != 4 {
+        use mlx_rs::ops::indexing::TryIndexOp;
+        return x.try_index((.., .., ..end as i32));
+    }
+    let x = row_major(x)?;
+    let mut s = x.shape().to_vec();
+    let (total, d) = (s[2] as usize, s[3] as usize);
+    s[2] = end as i32;
+    Ok(with_elements!(x, |data| {
+        let kept: Vec<_> = data.chunks(total * d).flat_map(|head| &head[..end * d]).copied().collect();
+        Array::from_slice(&kept, &s)
+    }))
+}
+
+/// [B, H, len, D] from x [B, H, S, D]: place j of row r holds slot `index[r·len + j]`, or zeros
+/// where that is S (one past the last slot).
+pub fn take_slots(x: &Array, index: &[i32], len: usize) -> Result<Array, Exception> {
+    let s = x.shape().to_vec();
+    if !on_host(x) || x.ndim() != 4 {
+        let index = Array::from_slice(index, &[s[0], 1, len as i32, 1]);
+        let zeros = Array::zeros::<f32>(&[s[0], s[1], 1, s[3]])?.as_dtype(x.dtype())?;
+        let padded = mlx_rs::ops::concatenate(&[x, &zeros], 2)?;
+        let index = mlx_rs::ops::broadcast_to(&index, &[s[0], s[1], len as i32, s[3]])?;
+        return padded.take_along_axis(&index, 2);
+    }
+    let x = row_major(x)?;
+    let (rows, heads, total, d) = (s[0] as usize, s[1] as usize, s[2] as usize, s[3] as usize);
+    Ok(with_elements!(x, |data| {
+        let mut out = vec![Default::default(); rows * heads * len * d];
+        for r in 0..rows {
+            for h in 0..heads {
+                for j in 0..len {
+                    let slot = index[r * len + j] as usize;
+                    if slot < total {
+                        let from = ((r * heads + h) * total + slot) * d;
+                        let to = ((r * heads + h) * len + j) * d;
+                        out[to..to + d].copy_from_slice(&data[from..from + d]);
+                    }
+                }
+            }
+        }
+        Array::from_slice(&out, &[s[0], s[1], len as i32, s[3]])
+    }))
+}
+
 /// `a + b` for arrays of one shape and dtype; anything else (broadcasting) is MLX's.
 pub fn add(a: &Array, b: &Array) -> Result<Array, Exception> {
     if !on_host(a) || a.shape() != b.shape() || a.dtype() != b.dtype() {
@@ -183,6 +259,20 @@ mod tests {
             assert!(identical(&rows(&z, 1..3).unwrap(), &rows_1_3), "{dtype:?}");
             let joined = mlx_rs::ops::concatenate(&[&x, &z, &rows_1_3], 0).unwrap();
             assert!(identical(&concat_rows(&[&x, &z, &rows_1_3]).unwrap(), &joined), "{dtype:?}");
+            // Slots: written, cut and gathered as MLX's ops do it.
+            let cache = normal(&[2, 3, 6, 8], 4, dtype);
+            let new = normal(&[2, 3, 2, 8], 5, dtype);
+            let index = Array::from_slice(&[4, 1, 0, 5], &[2, 1, 2, 1]);
+            let written = cache.put_along_axis(&index, &new, 2).unwrap();
+            assert!(identical(&put_slots(&cache, &new, &[vec![4, 1], vec![0, 5]]).unwrap(), &written), "{dtype:?}");
+            let cut = cache.take_axis(Array::from_slice(&[0, 1, 2], &[3]), 2).unwrap();
+            assert!(identical(&first_slots(&cache, 3).unwrap(), &cut), "{dtype:?}");
+            let order = [5, 6, 0, 2, 6, 1];
+            let zeros = Array::zeros::<f32>(&[2, 3, 1, 8]).unwrap().as_dtype(dtype).unwrap();
+            let padded = mlx_rs::ops::concatenate(&[&cache, &zeros], 2).unwrap();
+            let at = mlx_rs::ops::broadcast_to(Array::from_slice(&order, &[2, 1, 3, 1]), &[2, 3, 3, 8]).unwrap();
+            let gathered = padded.take_along_axis(&at, 2).unwrap();
+            assert!(identical(&take_slots(&cache, &order, 3).unwrap(), &gathered), "{dtype:?}");
             let s = Array::from_f32(0.37).as_dtype(dtype).unwrap().reshape(&[1]).unwrap();
             assert!(identical(&scale(&x, &s).unwrap(), &x.multiply(&s).unwrap()), "{dtype:?}");
         }

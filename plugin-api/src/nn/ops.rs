@@ -337,9 +337,15 @@ fn half_attention_rows(q: &Array, rows: &[RowKeys], scale: f32) -> Result<Option
 /// reciprocal, rounded once to `dtype`. Bit for bit MLX's op (tested), without its round trip.
 fn softmax_row(dtype: Dtype, row: &mut [f32]) {
     let maximum = row.iter().fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m });
-    let normalizer = 1.0 / row.iter().fold(0f32, |sum, &x| sum + mlx_exp(x - maximum));
+    // MLX computes each exponential twice; they are equal, so once is enough here.
+    let mut sum = 0f32;
     for x in row.iter_mut() {
-        *x = super::kernels::round_to(dtype, mlx_exp(*x - maximum) * normalizer);
+        *x = mlx_exp(*x - maximum);
+        sum += *x;
+    }
+    let normalizer = 1.0 / sum;
+    for x in row.iter_mut() {
+        *x = super::kernels::round_to(dtype, *x * normalizer);
     }
 }
 
