@@ -158,7 +158,7 @@ impl Gemma4 {
         if !scaled {
             return Ok(h);
         }
-        h.multiply(scalar((self.config.hidden_size as f32).sqrt(), h.dtype())?)
+        scale(&h, &scalar((self.config.hidden_size as f32).sqrt(), h.dtype())?)
     }
 
     /// Logits [B, L, V] from final hidden states: the (tied) head, then the softcap.
@@ -235,13 +235,16 @@ impl Gemma4 {
         let [b, l] = [ids.shape()[0], ids.shape()[1]];
         let tokens = p.embed_tokens_per_layer.embed(ids)?;
         let tokens =
-            tokens.multiply(scalar((width as f32).sqrt(), tokens.dtype())?)?.reshape(&[b, l, layers, width])?;
+            reshape(&scale(&tokens, &scalar((width as f32).sqrt(), tokens.dtype())?)?, &[b, l, layers, width])?;
         let projected = p.per_layer_model_projection.forward(h)?;
-        let projected = projected.multiply(scalar((c.hidden_size as f32).powf(-0.5), projected.dtype())?)?;
-        let projected =
-            rms_norm(&projected.reshape(&[b, l, layers, width])?, Some(&p.per_layer_projection_norm), c.rms_norm_eps)?;
-        let combined = projected.add(&tokens)?;
-        Ok(Some(combined.multiply(scalar(0.5f32.sqrt(), combined.dtype())?)?))
+        let projected = scale(&projected, &scalar((c.hidden_size as f32).powf(-0.5), projected.dtype())?)?;
+        let projected = rms_norm(
+            &reshape(&projected, &[b, l, layers, width])?,
+            Some(&p.per_layer_projection_norm),
+            c.rms_norm_eps,
+        )?;
+        let combined = add(&projected, &tokens)?;
+        Ok(Some(scale(&combined, &scalar(0.5f32.sqrt(), combined.dtype())?)?))
     }
 }
 

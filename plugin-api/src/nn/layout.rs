@@ -204,6 +204,35 @@ pub fn take_slots(x: &Array, index: &[i32], len: usize) -> Result<Array, Excepti
     }))
 }
 
+/// Rows `ids` (integers, any shape) of a table [N, D], as [ids' shape…, D]: an embedding
+/// lookup, copied on the host when the rows are few. Ids outside the table are left to MLX.
+pub fn take_rows(table: &Array, ids: &Array) -> Result<Array, Exception> {
+    let fits = table.ndim() == 2
+        && matches!(table.dtype(), Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16)
+        && matches!(ids.dtype(), Dtype::Int32 | Dtype::Uint32)
+        && ids.size() * table.shape()[1] as usize <= HOST_ELEMENTS
+        && super::wide::on_cpu();
+    if !fits {
+        return table.take_axis(ids, 0);
+    }
+    let ids = row_major(ids)?;
+    let picked: Vec<usize> = match ids.dtype() {
+        Dtype::Int32 => ids.as_slice::<i32>().iter().map(|&i| i as usize).collect(),
+        _ => ids.as_slice::<u32>().iter().map(|&i| i as usize).collect(),
+    };
+    let (n, d) = (table.shape()[0] as usize, table.shape()[1] as usize);
+    if picked.iter().any(|&i| i >= n) {
+        return table.take_axis(&ids, 0);
+    }
+    let table = row_major(table)?;
+    let mut shape = ids.shape().to_vec();
+    shape.push(d as i32);
+    Ok(with_elements!(table, |data| {
+        let rows: Vec<_> = picked.iter().flat_map(|&i| &data[i * d..(i + 1) * d]).copied().collect();
+        Array::from_slice(&rows, &shape)
+    }))
+}
+
 /// `a + b` for arrays of one shape and dtype; anything else (broadcasting) is MLX's.
 pub fn add(a: &Array, b: &Array) -> Result<Array, Exception> {
     if !on_host(a) || a.shape() != b.shape() || a.dtype() != b.dtype() {
@@ -273,6 +302,9 @@ mod tests {
             let at = mlx_rs::ops::broadcast_to(Array::from_slice(&order, &[2, 1, 3, 1]), &[2, 3, 3, 8]).unwrap();
             let gathered = padded.take_along_axis(&at, 2).unwrap();
             assert!(identical(&take_slots(&cache, &order, 3).unwrap(), &gathered), "{dtype:?}");
+            let ids = Array::from_slice(&[3i32, 0, 5, 3], &[2, 2]);
+            let table = normal(&[6, 8], 6, dtype);
+            assert!(identical(&take_rows(&table, &ids).unwrap(), &table.take_axis(&ids, 0).unwrap()), "{dtype:?}");
             let s = Array::from_f32(0.37).as_dtype(dtype).unwrap().reshape(&[1]).unwrap();
             assert!(identical(&scale(&x, &s).unwrap(), &x.multiply(&s).unwrap()), "{dtype:?}");
         }

@@ -78,7 +78,10 @@ impl Embedding {
 
     /// Rows of the table for `ids` (any shape), dequantized when needed.
     pub fn embed(&self, ids: &Array) -> Result<Array, Exception> {
-        let rows = self.weight.take_axis(ids, 0)?;
+        let rows = match self.scales {
+            None => super::layout::take_rows(&self.weight, ids)?,
+            Some(_) => self.weight.take_axis(ids, 0)?,
+        };
         match (&self.scales, self.quantization) {
             (Some(scales), Some(q)) => {
                 let s = scales.take_axis(ids, 0)?;
