@@ -336,6 +336,24 @@ fn half_attention_rows(q: &Array, rows: &[RowKeys], scale: f32) -> Result<Option
 /// the float32 sum of those in order, its reciprocal, then each exponential times the
 /// reciprocal, rounded once to `dtype`. Bit for bit MLX's op (tested), without its round trip.
 fn softmax_row(dtype: Dtype, row: &mut [f32]) {
+    // With FMA and SSE4.1 enabled the fused multiply-adds and floors are instructions rather
+    // than calls into the runtime's software fallbacks; the results are the same.
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("fma") && std::is_x86_feature_detected!("sse4.1") {
+        // SAFETY: the CPU has FMA and SSE4.1 (checked above).
+        return unsafe { softmax_row_fma(dtype, row) };
+    }
+    softmax_row_body(dtype, row)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma,sse4.1")]
+unsafe fn softmax_row_fma(dtype: Dtype, row: &mut [f32]) {
+    softmax_row_body(dtype, row)
+}
+
+#[inline(always)]
+fn softmax_row_body(dtype: Dtype, row: &mut [f32]) {
     let maximum = row.iter().fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m });
     // MLX computes each exponential twice; they are equal, so once is enough here.
     let mut sum = 0f32;
@@ -351,6 +369,7 @@ fn softmax_row(dtype: Dtype, row: &mut [f32]) {
 
 /// MLX's CPU exp (`simd::exp` in mlx/backend/cpu/simd/math.h): 2^(x·log₂e) as a power of two
 /// times a degree-6 polynomial of the fractional part, with fused multiply-adds.
+#[inline(always)]
 fn mlx_exp(x0: f32) -> f32 {
     if x0.is_nan() {
         return x0;
