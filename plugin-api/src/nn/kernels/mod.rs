@@ -70,8 +70,8 @@ pub fn small_product(
                 let half = if x.dtype() == Dtype::Bfloat16 { Half::Bf16 } else { Half::F16 };
                 let w = half_quantized::Quantized { packed, scales, biases, bits, group };
                 // Splitting pays from fewer weights here: every weight costs several operations;
-                // the halves stay whole groups of eight lanes.
-                let split = (rows * n * k >= SPLIT_WORK / 4 && n >= 16).then_some(n / 16 * 8);
+                // the halves stay whole blocks of 32 lanes.
+                let split = (rows * n * k >= SPLIT_WORK / 4 && n >= 64).then_some(n / 64 * 32);
                 return outputs(x, n, split, |xs, range, y| half_quantized::product(xs, rows, k, w, half, range, n, y))
                     .map(Some);
             }
