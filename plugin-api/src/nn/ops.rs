@@ -390,8 +390,10 @@ pub fn mlx_exp(x0: f32) -> f32 {
     f32::from_bits(((whole as i32 + 127) << 23) as u32) * p
 }
 
+#[allow(clippy::approx_constant, reason = "MLX's literal, which its results follow")]
 const LOG2_E: f32 = 1.442695;
 /// 2^f for f in [-½, ½], highest power first.
+#[allow(clippy::excessive_precision, reason = "MLX's coefficients as MLX writes them")]
 const EXP_POLYNOMIAL: [f32; 7] = [
     1.535336188319500e-4,
     1.339887440266574e-3,

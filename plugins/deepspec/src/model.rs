@@ -268,11 +268,14 @@ fn first_max(values: &[f32]) -> u32 {
     best as u32
 }
 
+/// MLX's sigmoid of every value of a half-precision dtype, indexed by bit pattern.
+type SigmoidTable = Arc<Vec<f32>>;
+
 /// MLX's sigmoid of a one-element score. Half-precision scores read a table of MLX's own
 /// results for every value of their dtype, made once: the op's roundings come with it, and a
 /// lookup costs nothing next to an MLX round trip per drafted position.
 fn sigmoid(score: &Array) -> Result<f32, Exception> {
-    static TABLES: OnceLock<Mutex<Vec<(Dtype, Arc<Vec<f32>>)>>> = OnceLock::new();
+    static TABLES: OnceLock<Mutex<Vec<(Dtype, SigmoidTable)>>> = OnceLock::new();
     let dtype = score.dtype();
     let Some(bits) = (match dtype {
         Dtype::Bfloat16 | Dtype::Float16 => with_floats(score, |s| s[0])

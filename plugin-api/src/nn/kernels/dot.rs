@@ -74,6 +74,7 @@ pub enum Weight<'a> {
 /// Computes y[m, o] for outputs `outputs` (a range of rows of W) and every row m of x [rows, k];
 /// y is [rows, n] and only its `outputs` columns are written. `x_dtype` is the dtype x's values
 /// were widened from (bfloat16 values take the AVX-512 BF16 loops where the CPU has them).
+#[allow(clippy::too_many_arguments)]
 pub fn product(
     x: &[f32],
     x_dtype: Dtype,

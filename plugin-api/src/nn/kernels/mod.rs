@@ -421,8 +421,8 @@ mod tests {
         let cases = [Weight::F32(&wf), Weight::Bf16(&wb), quantized(4), quantized(8)].map(|w| (w, Dtype::Float32, &x));
         for (w, x_dtype, x) in cases.into_iter().chain([(Weight::Bf16(&wb), Dtype::Bfloat16, &xb)]) {
             let (mut simd, mut portable) = (vec![0f32; rows * n], vec![0f32; rows * n]);
-            dot::product(&x, x_dtype, rows, k, w, 0..n, n, &mut simd);
-            dot::portable::product(&x, rows, k, w, 0..n, n, &mut portable);
+            dot::product(x, x_dtype, rows, k, w, 0..n, n, &mut simd);
+            dot::portable::product(x, rows, k, w, 0..n, n, &mut portable);
             let scale = portable.iter().fold(0f32, |a, v| a.max(v.abs()));
             let worst = simd.iter().zip(&portable).fold(0f32, |a, (s, p)| a.max((s - p).abs()));
             assert!(worst <= 1e-5 * scale, "{worst} of {scale}");
