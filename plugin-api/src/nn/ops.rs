@@ -367,6 +367,17 @@ fn softmax_row_body(dtype: Dtype, row: &mut [f32]) {
     }
 }
 
+/// The index of the largest value, the first among equals (as MLX's argmax).
+pub fn first_max(values: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in values.iter().enumerate() {
+        if x > values[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
 /// MLX's CPU exp (`simd::exp` in mlx/backend/cpu/simd/math.h): 2^(x·log₂e) as a power of two
 /// times a degree-6 polynomial of the fractional part, with fused multiply-adds.
 #[inline(always)]

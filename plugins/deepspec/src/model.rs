@@ -10,7 +10,7 @@ use plugin_api::mlx_rs::error::Exception;
 use plugin_api::mlx_rs::{Array, Dtype};
 use plugin_api::nn::kernels::{rounded, with_floats};
 use plugin_api::nn::layout::{add, concat_rows, reshape, rows, scale, swap_axes_1_2};
-use plugin_api::nn::ops::{attention, rms_norm, scalar, softcap, Mask};
+use plugin_api::nn::ops::{attention, first_max, rms_norm, scalar, softcap, Mask};
 use plugin_api::nn::{Embedding, Linear, Mlp, Rope, Weights};
 use plugin_api::PluginError;
 
@@ -255,17 +255,6 @@ impl Deepspec {
         }
         Ok(block)
     }
-}
-
-/// The index of the largest value, the first among equals (as MLX's argmax).
-fn first_max(values: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in values.iter().enumerate() {
-        if x > values[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 /// MLX's sigmoid of every value of a half-precision dtype, indexed by bit pattern.

@@ -11,7 +11,7 @@ use plugin_api::mlx_rs::error::Exception;
 use plugin_api::mlx_rs::{Array, Dtype};
 use plugin_api::nn::kernels::{row_major, with_floats};
 use plugin_api::nn::layout::{add, concat_rows, reshape, rows, swap_axes_1_2};
-use plugin_api::nn::ops::{attention, geglu, rms_norm, Mask};
+use plugin_api::nn::ops::{attention, first_max, geglu, rms_norm, Mask};
 use plugin_api::nn::{Linear, Weights};
 use plugin_api::sdk::{Draw, Target};
 use plugin_api::PluginError;
@@ -273,15 +273,4 @@ impl Dspark {
         }
         Ok(draft)
     }
-}
-
-/// The index of the largest value, the first among equals (as MLX's argmax).
-fn first_max(values: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in values.iter().enumerate() {
-        if x > values[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
