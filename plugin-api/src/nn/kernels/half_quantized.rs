@@ -83,6 +83,17 @@ pub fn one_output(x: &[f32], k: usize, w: Quantized, half: Half, o: usize) -> f3
     sum
 }
 
+/// Group g's scale or bias of rows o..o + N of W, one per lane.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn group_parameters<const N: usize>(params: Params, o: usize, groups: usize, g: usize) -> [f32; N] {
+    let mut lanes = [0f32; N];
+    for (j, lane) in lanes.iter_mut().enumerate() {
+        *lane = params.get((o + j) * groups + g);
+    }
+    lanes
+}
+
 fn round(half: Half, v: f32) -> f32 {
     match half {
         Half::Bf16 => {
@@ -165,11 +176,7 @@ mod avx2 {
     /// Group g's parameter of rows o..o+8, one per lane.
     #[target_feature(enable = "avx2,f16c")]
     unsafe fn per_lane(params: Params, o: usize, groups: usize, g: usize) -> __m256 {
-        let mut lanes = [0f32; 8];
-        for (j, lane) in lanes.iter_mut().enumerate() {
-            *lane = params.get((o + j) * groups + g);
-        }
-        _mm256_loadu_ps(lanes.as_ptr())
+        _mm256_loadu_ps(group_parameters::<8>(params, o, groups, g).as_ptr())
     }
 
     /// Rounds each lane to the nearest bfloat16 or float16 (ties to even), kept as float32.
@@ -316,11 +323,7 @@ mod avx512 {
     /// Group g's parameter of rows o..o + 16, one per lane.
     #[target_feature(enable = "avx512f")]
     unsafe fn per_lane(params: Params, o: usize, groups: usize, g: usize) -> __m512 {
-        let mut lanes = [0f32; LANES];
-        for (j, lane) in lanes.iter_mut().enumerate() {
-            *lane = params.get((o + j) * groups + g);
-        }
-        _mm512_loadu_ps(lanes.as_ptr())
+        _mm512_loadu_ps(group_parameters::<LANES>(params, o, groups, g).as_ptr())
     }
 
     /// Rounds each lane to the nearest bfloat16 (BF16) or float16 (ties to even), kept as
