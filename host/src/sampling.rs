@@ -66,6 +66,22 @@ fn check_finite_on_device(logits: &Array, result: &Array) -> Result<(), SampleEr
     }
 }
 
+/// The first largest logit of each row of `logits` [.., V], found on the host when MLX runs on
+/// the CPU (its arrays then live in host memory), after the same finiteness check; `None` on
+/// other devices. MLX's argmax there is four ops and a round trip to its stream thread, several
+/// times the scan itself over a small vocabulary.
+fn greedy_on_host(logits: &Array) -> Result<Option<Vec<u32>>, SampleError> {
+    if !plugin_api::nn::wide::on_cpu() {
+        return Ok(None);
+    }
+    let vocab = logits.shape().last().map_or(1, |&v| v.max(1) as usize);
+    let logits = plugin_api::nn::kernels::row_major(logits)?;
+    plugin_api::nn::kernels::with_floats(&logits, |all| {
+        check_finite(all)?;
+        Ok(Some(all.chunks(vocab).map(plugin_api::nn::ops::first_max).collect()))
+    })?
+}
+
 fn check_finite(logits: &[f32]) -> Result<(), SampleError> {
     if logits.iter().all(|x| x.is_finite()) {
         Ok(())
@@ -77,6 +93,9 @@ fn check_finite(logits: &[f32]) -> Result<(), SampleError> {
 /// The token for output position `step`, from that position's logits [V] (or [1, .., V]).
 pub fn sample(logits: &Array, params: &SamplingParams, step: u64) -> Result<u32, SampleError> {
     if params.is_greedy() {
+        if let Some(best) = greedy_on_host(logits)? {
+            return Ok(best[0]);
+        }
         let row = logits.reshape(&[-1])?;
         let best = mlx_rs::ops::indexing::argmax_axis(&row, 0, None)?;
         check_finite_on_device(&row, &best)?;
@@ -113,16 +132,20 @@ impl WindowTokens {
     pub fn rows(logits: &Array, params: &[&SamplingParams]) -> Result<Vec<WindowTokens>, SampleError> {
         let (width, vocab) = (logits.shape()[1] as usize, logits.shape()[2] as usize);
         let sampled = params.iter().any(|p| !p.is_greedy());
-        let best = match params.iter().any(|p| p.is_greedy()) {
+        let on_host = match sampled {
+            false => greedy_on_host(logits)?,
+            true => None,
+        };
+        let on_device = match params.iter().any(|p| p.is_greedy()) && on_host.is_none() {
             true => Some(mlx_rs::ops::indexing::argmax_axis(logits, -1, None)?.as_dtype(mlx_rs::Dtype::Uint32)?),
             false => None,
         };
-        match &best {
+        match &on_device {
             Some(best) if !sampled => check_finite_on_device(logits, best)?,
             Some(best) => best.eval()?,
             None => {}
         }
-        let best = best.as_ref().map(|b| b.as_slice::<u32>());
+        let best = on_host.as_deref().or(on_device.as_ref().map(|b| b.as_slice::<u32>()));
         // Sampled rows copy their logits from `all`, every row's, widened on the host.
         let windows = |all: Option<&[f32]>| -> Vec<WindowTokens> {
             let span = |b: usize, per: usize| b * width * per..(b + 1) * width * per;

@@ -4,7 +4,7 @@ use mlx_rs::error::Exception;
 use mlx_rs::fast::ScaledDotProductAttentionMask;
 use mlx_rs::{Array, Dtype};
 
-use super::kernels::{bits16, row_major};
+use super::kernels::{bits16, row_major, Round};
 
 /// RMSNorm with a weight (multiplied as is, not 1 + w) or without one.
 pub fn rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Array, Exception> {
@@ -22,7 +22,7 @@ pub fn rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Array, Ex
 /// microseconds of dispatch on the CPU and a small model meets eight norms per layer; the
 /// result is MLX's bit for bit (tested). `None` for what it does not cover.
 fn cpu_rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Option<Array>, Exception> {
-    use super::kernels::{round_to, rounded, with_floats};
+    use super::kernels::{rounded, with_floats, with_round};
     let dtype = x.dtype();
     let n = x.shape().last().copied().unwrap_or(0) as usize;
     let weight_fits = weight.is_none_or(|w| w.dtype() == dtype && w.shape() == [n as i32]);
@@ -31,24 +31,38 @@ fn cpu_rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Option<Ar
     }
     let weight = weight.map(|w| row_major(w).and_then(|w| with_floats(&w, <[f32]>::to_vec))).transpose()?;
     let x = row_major(x)?;
-    let round = |v| round_to(dtype, v);
     let inverse_n = (1.0 / n as f64) as f32;
     let y = with_floats(&x, |xs| {
-        let mut y = Vec::with_capacity(xs.len());
-        for row in xs.chunks(n) {
+        let mut y = vec![0f32; xs.len()];
+        for (row, out) in xs.chunks(n).zip(y.chunks_mut(n)) {
             let mut sum = 0f32;
             for &v in row {
                 sum += v * v;
             }
             let scale = 1.0 / (sum * inverse_n + eps).sqrt();
-            match &weight {
-                Some(w) => y.extend(row.iter().zip(w).map(|(&v, &w)| round(round(v * scale) * w))),
-                None => y.extend(row.iter().map(|&v| round(v * scale))),
-            }
+            with_round!(dtype, |r| normalized(r, row, scale, weight.as_deref(), out));
         }
         rounded(&y, x.shape(), dtype)
     })?;
     Ok(Some(y))
+}
+
+/// One row of [`cpu_rms_norm`] after its sum: x times the scale, rounded, times the weight,
+/// rounded again.
+#[inline(always)]
+fn normalized(r: impl super::kernels::Round, row: &[f32], scale: f32, weight: Option<&[f32]>, out: &mut [f32]) {
+    match weight {
+        Some(w) => {
+            for ((y, &v), &w) in out.iter_mut().zip(row).zip(w) {
+                *y = r.round(r.round(v * scale) * w);
+            }
+        }
+        None => {
+            for (y, &v) in out.iter_mut().zip(row) {
+                *y = r.round(v * scale);
+            }
+        }
+    }
 }
 
 /// `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`, mlx's `gelu_approx`.
@@ -89,18 +103,25 @@ fn cpu_geglu(gate: &Array, up: &Array) -> Result<Option<Array>, Exception> {
     let ups = with_floats(&up, <[f32]>::to_vec)?;
     let table = half_gelu_table(dtype);
     let y = with_floats(&gate, |xs| {
-        let index = half_index(dtype);
-        let y: Vec<f32> = xs
-            .iter()
-            .zip(&ups)
-            .map(|(&x, &u)| {
-                let g = match table {
-                    Some(table) => table[index(x)],
-                    None => gelu(dtype, x),
-                };
-                super::kernels::round_to(dtype, g * u)
-            })
-            .collect();
+        let y: Vec<f32> = match (table, dtype) {
+            (Some(table), Dtype::Bfloat16) => {
+                let r = super::kernels::ToBf16;
+                xs.iter().zip(&ups).map(|(&x, &u)| r.round(table[(x.to_bits() >> 16) as usize] * u)).collect()
+            }
+            _ => {
+                let index = half_index(dtype);
+                xs.iter()
+                    .zip(&ups)
+                    .map(|(&x, &u)| {
+                        let g = match table {
+                            Some(table) => table[index(x)],
+                            None => gelu(dtype, x),
+                        };
+                        super::kernels::round_to(dtype, g * u)
+                    })
+                    .collect()
+            }
+        };
         rounded(&y, gate.shape(), dtype)
     })?;
     Ok(Some(y))
@@ -362,9 +383,11 @@ fn softmax_row_body(dtype: Dtype, row: &mut [f32]) {
         sum += *x;
     }
     let normalizer = 1.0 / sum;
-    for x in row.iter_mut() {
-        *x = super::kernels::round_to(dtype, *x * normalizer);
-    }
+    super::kernels::with_round!(dtype, |r| {
+        for x in row.iter_mut() {
+            *x = r.round(*x * normalizer);
+        }
+    });
 }
 
 /// The index of the largest value, the first among equals (as MLX's argmax).
@@ -496,7 +519,7 @@ enum Masks<'a> {
 /// one.
 fn half_attention_core(q: &Array, rows: &[RowData], hkv: usize, scale: f32, masks: Masks) -> Result<Array, Exception> {
     use super::kernels::dot::{self, Weight};
-    use super::kernels::{round_to, rounded, with_floats};
+    use super::kernels::{round_to, rounded, with_floats, with_round};
     let dtype = q.dtype();
     let (hq, l, d) = (q.shape()[1], q.shape()[2], q.shape()[3] as usize);
     fn weight(dtype: Dtype, bits: &[u16]) -> Weight<'_> {
@@ -516,9 +539,11 @@ fn half_attention_core(q: &Array, rows: &[RowData], hkv: usize, scale: f32, mask
         for (r, row) in rows.iter().enumerate() {
             for g in 0..hkv {
                 let from = (r * hkv + g) * block * d;
-                for (x, &v) in x.iter_mut().zip(&qs[from..from + block * d]) {
-                    *x = round_to(dtype, v * scale);
-                }
+                with_round!(dtype, |r| {
+                    for (x, &v) in x.iter_mut().zip(&qs[from..from + block * d]) {
+                        *x = r.round(v * scale);
+                    }
+                });
                 let at = scores.len();
                 scores.resize(at + block * row.s, 0.0);
                 let keys = weight(dtype, &row.keys[g * row.s * d..(g + 1) * row.s * d]);
@@ -549,10 +574,12 @@ fn half_attention_core(q: &Array, rows: &[RowData], hkv: usize, scale: f32, mask
                 for h in 0..hq as usize {
                     for i in 0..l as usize {
                         let scores = &mut ps[at..at + row.s];
-                        for (j, v) in scores.iter_mut().enumerate() {
-                            let seen = visible.at([b, h, i, j], l as usize, row.s);
-                            *v = if seen { round_to(dtype, *v) } else { lowest };
-                        }
+                        with_round!(dtype, |r| {
+                            for (j, v) in scores.iter_mut().enumerate() {
+                                let seen = visible.at([b, h, i, j], l as usize, row.s);
+                                *v = if seen { r.round(*v) } else { lowest };
+                            }
+                        });
                         softmax_row(dtype, scores);
                         at += row.s;
                     }

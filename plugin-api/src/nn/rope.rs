@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype};
 
-use super::kernels::{round_to, rounded, row_major, with_floats};
+use super::kernels::{rounded, row_major, with_floats, with_round, Round};
 
 #[derive(Clone)]
 pub enum Rope {
@@ -83,7 +83,6 @@ impl Rope {
         let (heads, length, d) = (shape[1] as usize, shape[2] as usize, shape[3] as usize);
         let end = offsets.iter().map(|&o| o as usize + length).max().unwrap_or(0);
         let table = self.table(dtype, end)?;
-        let round = |v| round_to(dtype, v);
         let half = dims / 2;
         let x = row_major(x)?;
         let y = with_floats(&x, |xs| {
@@ -91,12 +90,8 @@ impl Rope {
             for (i, (v, out)) in xs.chunks(d).zip(y.chunks_mut(d)).enumerate() {
                 let (b, l) = (i / (heads * length), i % length);
                 let position = offsets[b] as usize + l;
-                let (cos, sin) = (&table.cos[position * half..], &table.sin[position * half..]);
-                for j in 0..half {
-                    let (x1, x2) = (v[j], v[j + half]);
-                    out[j] = round(round(x1 * cos[j]) - round(x2 * sin[j]));
-                    out[j + half] = round(round(x1 * sin[j]) + round(x2 * cos[j]));
-                }
+                let (cos, sin) = (&table.cos[position * half..][..half], &table.sin[position * half..][..half]);
+                with_round!(dtype, |r| rotated(r, &v[..dims], cos, sin, &mut out[..dims]));
             }
             rounded(&y, &shape, dtype)
         })?;
@@ -124,6 +119,19 @@ impl Rope {
         let table = Arc::new(Table::of(self, dtype, positions)?);
         tables.insert(key, table.clone());
         Ok(table)
+    }
+}
+
+/// One head of one position rotated: x₁·cos − x₂·sin and x₁·sin + x₂·cos over the two halves
+/// of `x`, each product and sum rounded by `r`.
+#[inline(always)]
+fn rotated(r: impl Round, x: &[f32], cos: &[f32], sin: &[f32], out: &mut [f32]) {
+    let half = cos.len();
+    let (x1, x2) = x.split_at(half);
+    let (out1, out2) = out.split_at_mut(half);
+    for j in 0..half {
+        out1[j] = r.round(r.round(x1[j] * cos[j]) - r.round(x2[j] * sin[j]));
+        out2[j] = r.round(r.round(x1[j] * sin[j]) + r.round(x2[j] * cos[j]));
     }
 }
 

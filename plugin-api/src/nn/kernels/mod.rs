@@ -151,22 +151,87 @@ pub fn with_floats<R>(a: &Array, f: impl FnOnce(&[f32]) -> R) -> Result<R, Excep
     }
 }
 
+/// Rounding to a dtype as a type of its own. A loop over elements written against `impl Round`
+/// compiles once per dtype, to vector code; one that tests the dtype at every element stays
+/// scalar, and in a verify window's elementwise ops that cost as much as the products.
+pub(crate) trait Round: Copy {
+    /// `v` rounded as [`round_to`] rounds it.
+    fn round(self, v: f32) -> f32;
+}
+
+#[derive(Clone, Copy)]
+pub(crate) struct ToBf16;
+#[derive(Clone, Copy)]
+pub(crate) struct ToF16;
+#[derive(Clone, Copy)]
+pub(crate) struct Exact;
+
+impl Round for ToBf16 {
+    #[inline(always)]
+    fn round(self, v: f32) -> f32 {
+        f32::from_bits((bf16_bits(v) as u32) << 16)
+    }
+}
+
+impl Round for ToF16 {
+    #[inline(always)]
+    fn round(self, v: f32) -> f32 {
+        half::f16::from_f32(v).to_f32()
+    }
+}
+
+impl Round for Exact {
+    #[inline(always)]
+    fn round(self, v: f32) -> f32 {
+        v
+    }
+}
+
+/// `$body` with `$r` bound to the [`Round`] of `$dtype` (float32's for any other dtype).
+macro_rules! with_round {
+    ($dtype:expr, |$r:ident| $body:expr) => {
+        match $dtype {
+            mlx_rs::Dtype::Bfloat16 => {
+                let $r = $crate::nn::kernels::ToBf16;
+                $body
+            }
+            mlx_rs::Dtype::Float16 => {
+                let $r = $crate::nn::kernels::ToF16;
+                $body
+            }
+            _ => {
+                let $r = $crate::nn::kernels::Exact;
+                $body
+            }
+        }
+    };
+}
+pub(crate) use with_round;
+
 /// `v` rounded to `dtype` (to nearest, ties to even, as MLX converts), kept as float32: what an
 /// MLX op of that dtype does to each result.
 #[inline(always)]
 pub(crate) fn round_to(dtype: Dtype, v: f32) -> f32 {
-    match dtype {
-        Dtype::Bfloat16 => half::bf16::from_f32(v).to_f32(),
-        Dtype::Float16 => half::f16::from_f32(v).to_f32(),
-        _ => v,
-    }
+    with_round!(dtype, |r| r.round(v))
+}
+
+/// The bfloat16 nearest `v` (ties to even; a NaN stays a quiet NaN), as `half::bf16::from_f32`
+/// rounds, without its branches: loops over elements that round through it compile to vector
+/// code, where `half`'s conversion left the elementwise ops of a verify window scalar.
+#[inline(always)]
+pub(crate) fn bf16_bits(v: f32) -> u16 {
+    let x = v.to_bits();
+    let nearest = x.wrapping_add(0x7FFF + ((x >> 16) & 1)) >> 16;
+    let quiet_nan = (x >> 16) | 0x0040;
+    (if x & 0x7FFF_FFFF > 0x7F80_0000 { quiet_nan } else { nearest }) as u16
 }
 
 /// An array of `shape` holding `values` rounded to `dtype` (float32, bfloat16 or float16).
 pub fn rounded(values: &[f32], shape: &[i32], dtype: Dtype) -> Array {
     match dtype {
         Dtype::Bfloat16 => {
-            Array::from_slice(&values.iter().map(|&v| half::bf16::from_f32(v)).collect::<Vec<_>>(), shape)
+            let bits: Vec<half::bf16> = values.iter().map(|&v| half::bf16::from_bits(bf16_bits(v))).collect();
+            Array::from_slice(&bits, shape)
         }
         Dtype::Float16 => Array::from_slice(&values.iter().map(|&v| half::f16::from_f32(v)).collect::<Vec<_>>(), shape),
         _ => Array::from_slice(values, shape),
@@ -216,6 +281,15 @@ mod tests {
     use mlx_rs::random;
 
     use super::*;
+
+    #[test]
+    fn bfloat16_rounding_is_the_half_crates() {
+        let specials = [0.0f32, -0.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, f32::MAX, f32::MIN_POSITIVE];
+        let patterns = (0..=u32::MAX).step_by(97).map(f32::from_bits).chain(specials);
+        for v in patterns {
+            assert_eq!(bf16_bits(v), half::bf16::from_f32(v).to_bits(), "{v:e} ({:#010x})", v.to_bits());
+        }
+    }
 
     fn normal(shape: &[i32], seed: u64) -> Array {
         random::normal::<f32>(shape, None, None, &random::key(seed).unwrap()).unwrap()
