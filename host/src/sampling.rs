@@ -74,12 +74,9 @@ fn greedy_on_host(logits: &Array) -> Result<Option<Vec<u32>>, SampleError> {
     if !plugin_api::nn::wide::on_cpu() {
         return Ok(None);
     }
-    let vocab = logits.shape().last().map_or(1, |&v| v.max(1) as usize);
     let logits = plugin_api::nn::kernels::row_major(logits)?;
-    plugin_api::nn::kernels::with_floats(&logits, |all| {
-        check_finite(all)?;
-        Ok(Some(all.chunks(vocab).map(plugin_api::nn::ops::first_max).collect()))
-    })?
+    plugin_api::nn::kernels::with_floats(&logits, check_finite)??;
+    Ok(Some(plugin_api::nn::ops::argmax_rows(&logits)?))
 }
 
 fn check_finite(logits: &[f32]) -> Result<(), SampleError> {

@@ -4,7 +4,7 @@ use mlx_rs::error::Exception;
 use mlx_rs::Array;
 
 use super::linear::Linear;
-use super::ops::geglu;
+use super::ops::{geglu, swiglu};
 use super::view::WeightsView;
 use super::weights::WeightsError;
 
@@ -32,9 +32,7 @@ impl Mlp {
 
     /// `down(silu(gate(x)) · up(x))`, Qwen's.
     pub fn swiglu(&self, x: &Array) -> Result<Array, Exception> {
-        let gate = self.gate_proj.forward(x)?;
-        let silu = gate.multiply(mlx_rs::ops::sigmoid(&gate)?)?;
-        self.down_proj.forward(&silu.multiply(self.up_proj.forward(x)?)?)
+        self.down_proj.forward(&swiglu(&self.gate_proj.forward(x)?, &self.up_proj.forward(x)?)?)
     }
 
     pub fn nbytes(&self) -> usize {

@@ -87,6 +87,41 @@ pub fn geglu(gate: &Array, up: &Array) -> Result<Array, Exception> {
     gelu_approx(gate)?.multiply(up)
 }
 
+/// SwiGLU: `silu(gate) ⊙ up`, silu being `gate · sigmoid(gate)` (Qwen's MLP, as mlx-lm writes
+/// it).
+pub fn swiglu(gate: &Array, up: &Array) -> Result<Array, Exception> {
+    if super::wide::on_cpu() {
+        if let Some(y) = cpu_swiglu(gate, up)? {
+            return Ok(y);
+        }
+    }
+    gate.multiply(mlx_rs::ops::sigmoid(gate)?)?.multiply(up)
+}
+
+/// [`swiglu`]'s three MLX ops in one pass for half-precision values: silu read from a table of
+/// MLX's own results at every value of the dtype (so its exponential and roundings are MLX's),
+/// times up, rounded. `None` for other dtypes or shapes.
+fn cpu_swiglu(gate: &Array, up: &Array) -> Result<Option<Array>, Exception> {
+    use super::kernels::{rounded, row_major, with_floats};
+    let dtype = gate.dtype();
+    if up.dtype() != dtype || up.shape() != gate.shape() {
+        return Ok(None);
+    }
+    let Some(table) = half_table_of_mlx(dtype, "silu", |x| x.multiply(mlx_rs::ops::sigmoid(x)?))? else {
+        return Ok(None);
+    };
+    let (gate, up) = (row_major(gate)?, row_major(up)?);
+    let ups = with_floats(&up, <[f32]>::to_vec)?;
+    let index = half_index(dtype);
+    let y = with_floats(&gate, |xs| {
+        let y: Vec<f32> = super::kernels::with_round!(dtype, |r| {
+            xs.iter().zip(&ups).map(|(&x, &u)| r.round(table[index(x)] * u)).collect()
+        });
+        rounded(&y, gate.shape(), dtype)
+    })?;
+    Ok(Some(y))
+}
+
 /// [`geglu`]'s nine MLX ops in one pass, each step rounded to the dtype as MLX rounds it, with
 /// the C library's `powf` and `tanhf` that MLX's CPU ops call: MLX's result bit for bit
 /// (tested), without nine dispatches of microseconds each. `None` for what it does not cover.
@@ -142,21 +177,50 @@ fn gelu(dtype: Dtype, x: f32) -> f32 {
 /// per op (`what` and its `param`) and dtype, kept for the life of the process; `None` for
 /// other dtypes.
 fn half_table(dtype: Dtype, what: &'static str, param: f32, f: impl Fn(f32) -> f32) -> Option<&'static [f32]> {
+    half_table_made(dtype, what, param, |widen| Ok((0..=u16::MAX).map(|b| f(widen(b))).collect())).ok().flatten()
+}
+
+/// [`half_table`] made whole by `make` (given the dtype's widening of a bit pattern), the first
+/// time it is asked for.
+fn half_table_made(
+    dtype: Dtype,
+    what: &'static str,
+    param: f32,
+    make: impl FnOnce(fn(u16) -> f32) -> Result<Vec<f32>, Exception>,
+) -> Result<Option<&'static [f32]>, Exception> {
     type Key = (&'static str, bool, u32);
     static TABLES: std::sync::Mutex<Vec<(Key, &'static [f32])>> = std::sync::Mutex::new(Vec::new());
     let widen: fn(u16) -> f32 = match dtype {
         Dtype::Bfloat16 => |b| f32::from_bits((b as u32) << 16),
         Dtype::Float16 => |b| half::f16::from_bits(b).to_f32(),
-        _ => return None,
+        _ => return Ok(None),
     };
     let key = (what, dtype == Dtype::Bfloat16, param.to_bits());
     let mut tables = TABLES.lock().unwrap_or_else(|e| e.into_inner());
     if let Some((_, table)) = tables.iter().find(|(k, _)| *k == key) {
-        return Some(table);
+        return Ok(Some(table));
     }
-    let table: &'static [f32] = Box::leak((0..=u16::MAX).map(|b| f(widen(b))).collect());
+    let table: &'static [f32] = Box::leak(make(widen)?.into_boxed_slice());
     tables.push((key, table));
-    Some(table)
+    Ok(Some(table))
+}
+
+/// [`half_table`] of an elementwise MLX op, run once over every value of the dtype: its results
+/// are the op's own, whatever its arithmetic.
+fn half_table_of_mlx(
+    dtype: Dtype,
+    what: &'static str,
+    op: impl Fn(&Array) -> Result<Array, Exception>,
+) -> Result<Option<&'static [f32]>, Exception> {
+    half_table_made(dtype, what, 0.0, |_| {
+        let every = match dtype {
+            Dtype::Bfloat16 => {
+                Array::from_slice(&(0..=u16::MAX).map(half::bf16::from_bits).collect::<Vec<_>>(), &[1 << 16])
+            }
+            _ => Array::from_slice(&(0..=u16::MAX).map(half::f16::from_bits).collect::<Vec<_>>(), &[1 << 16]),
+        };
+        super::kernels::with_floats(&op(&every)?, <[f32]>::to_vec)
+    })
 }
 
 /// gelu's table: a lookup instead of a `powf` and a `tanhf` per element (15% of a batched
@@ -388,6 +452,19 @@ fn softmax_row_body(dtype: Dtype, row: &mut [f32]) {
             *x = r.round(*x * normalizer);
         }
     });
+}
+
+/// The first largest value's index in each row of `x` [.., V], as MLX's argmax over the last
+/// axis gives it. Read on the host when MLX runs on the CPU, where its arrays live in host
+/// memory: the op, its conversion and their round trip to MLX's stream thread cost several
+/// times the scan over a small vocabulary. MLX's op elsewhere.
+pub fn argmax_rows(x: &Array) -> Result<Vec<u32>, Exception> {
+    if super::wide::on_cpu() {
+        let width = x.shape().last().map_or(1, |&v| v.max(1) as usize);
+        return super::kernels::with_floats(&row_major(x)?, |all| all.chunks(width).map(first_max).collect());
+    }
+    let best = mlx_rs::ops::indexing::argmax_axis(x, -1, None)?.as_dtype(Dtype::Uint32)?;
+    Ok(best.as_slice::<u32>().to_vec())
 }
 
 /// The index of the largest value, the first among equals (as MLX's argmax).
@@ -746,6 +823,21 @@ mod elementwise_tests {
                 let differing = ours.ne(&mlx).unwrap().sum(None).unwrap().item_cast::<u32>();
                 assert_eq!(differing, 0, "{dtype:?}, cap {cap}");
             }
+        }
+    }
+
+    #[test]
+    fn swiglu_equals_mlxs_at_every_finite_half_precision_gate() {
+        for gate in [every_finite(Dtype::Bfloat16), every_finite(Dtype::Float16)] {
+            let n = gate.shape()[0];
+            let up = random::normal::<f32>(&[n], None, None, &random::key(6).unwrap())
+                .unwrap()
+                .as_dtype(gate.dtype())
+                .unwrap();
+            let ours = cpu_swiglu(&gate, &up).unwrap().expect("covered");
+            let mlx = gate.multiply(mlx_rs::ops::sigmoid(&gate).unwrap()).unwrap().multiply(&up).unwrap();
+            let differing = ours.ne(&mlx).unwrap().sum(None).unwrap().item_cast::<u32>();
+            assert_eq!(differing, 0, "{:?}", gate.dtype());
         }
     }
 

@@ -168,7 +168,7 @@ impl Assistant {
         match &self.masked_embedding {
             None => {
                 let logits = self.embed_tokens.as_linear(h)?.reshape(&[b, -1])?;
-                plugin_api::mlx_rs::ops::indexing::argmax_axis(&logits, -1, None)
+                Ok(Array::from_slice(&plugin_api::nn::ops::argmax_rows(&logits)?, &[b]))
             }
             Some(m) => {
                 let c = &self.config;

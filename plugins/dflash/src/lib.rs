@@ -250,9 +250,8 @@ impl Shared {
         let hidden = hidden.take_axis(Array::from_slice(&after_first, &[depth as i32]), 1)?;
         let logits = self.target.logits_from_hidden(&hidden)?.reshape(&[rows * depth as i32, -1])?;
         if !self.settings.sample_drafts {
-            let tokens = plugin_api::mlx_rs::ops::indexing::argmax_axis(&logits, -1, None)?.as_dtype(Dtype::Int32)?;
-            let tokens = tokens.as_slice::<i32>().chunks(depth);
-            return Ok(tokens.map(|row| Proposal::tokens(row.iter().map(|&t| t as u32).collect())).collect());
+            let tokens = plugin_api::nn::ops::argmax_rows(&logits)?;
+            return Ok(tokens.chunks(depth).map(|row| Proposal::tokens(row.to_vec())).collect());
         }
         // Block positions are drafted independently, so position i's distribution is the
         // proposal distribution of its token whatever the drafts before it.
