@@ -108,7 +108,7 @@ pub fn sample(logits: &Array, params: &SamplingParams, step: u64) -> Result<u32,
 /// The target's tokens over a verify window's logits [W, V], read back from MLX once. Position i
 /// is output step `first_step + i`; its token is what [`sample`] would give there.
 pub enum WindowTokens {
-    /// Greedy: every position's argmax, computed on the device.
+    /// Greedy: every position's argmax.
     Greedy(Vec<u32>),
     /// Sampled: the logits on the host, each position drawn when asked.
     Sampled { logits: Vec<f32>, vocab: usize },

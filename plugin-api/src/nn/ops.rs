@@ -50,7 +50,7 @@ fn cpu_rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Option<Ar
 /// One row of [`cpu_rms_norm`] after its sum: x times the scale, rounded, times the weight,
 /// rounded again.
 #[inline(always)]
-fn normalized(r: impl super::kernels::Round, row: &[f32], scale: f32, weight: Option<&[f32]>, out: &mut [f32]) {
+fn normalized(r: impl Round, row: &[f32], scale: f32, weight: Option<&[f32]>, out: &mut [f32]) {
     match weight {
         Some(w) => {
             for ((y, &v), &w) in out.iter_mut().zip(row).zip(w) {
@@ -112,14 +112,20 @@ fn cpu_swiglu(gate: &Array, up: &Array) -> Result<Option<Array>, Exception> {
     };
     let (gate, up) = (row_major(gate)?, row_major(up)?);
     let ups = with_floats(&up, <[f32]>::to_vec)?;
-    let index = half_index(dtype);
-    let y = with_floats(&gate, |xs| {
-        let y: Vec<f32> = super::kernels::with_round!(dtype, |r| {
-            xs.iter().zip(&ups).map(|(&x, &u)| r.round(table[index(x)] * u)).collect()
-        });
-        rounded(&y, gate.shape(), dtype)
-    })?;
+    let y = with_floats(&gate, |xs| rounded(&times_looked_up(dtype, table, xs, &ups), gate.shape(), dtype))?;
     Ok(Some(y))
+}
+
+/// `table[x] · u` rounded to the half-precision `dtype`, element by element: the last step of
+/// GeGLU and SwiGLU once their activation is a table lookup ([`half_table`]). A bfloat16
+/// value's index is its upper sixteen bits, taken inline.
+fn times_looked_up(dtype: Dtype, table: &[f32], xs: &[f32], ups: &[f32]) -> Vec<f32> {
+    use super::kernels::{round_to, ToBf16};
+    if dtype == Dtype::Bfloat16 {
+        return xs.iter().zip(ups).map(|(&x, &u)| ToBf16.round(table[(x.to_bits() >> 16) as usize] * u)).collect();
+    }
+    let index = half_index(dtype);
+    xs.iter().zip(ups).map(|(&x, &u)| round_to(dtype, table[index(x)] * u)).collect()
 }
 
 /// [`geglu`]'s nine MLX ops in one pass, each step rounded to the dtype as MLX rounds it, with
@@ -138,24 +144,9 @@ fn cpu_geglu(gate: &Array, up: &Array) -> Result<Option<Array>, Exception> {
     let ups = with_floats(&up, <[f32]>::to_vec)?;
     let table = half_gelu_table(dtype);
     let y = with_floats(&gate, |xs| {
-        let y: Vec<f32> = match (table, dtype) {
-            (Some(table), Dtype::Bfloat16) => {
-                let r = super::kernels::ToBf16;
-                xs.iter().zip(&ups).map(|(&x, &u)| r.round(table[(x.to_bits() >> 16) as usize] * u)).collect()
-            }
-            _ => {
-                let index = half_index(dtype);
-                xs.iter()
-                    .zip(&ups)
-                    .map(|(&x, &u)| {
-                        let g = match table {
-                            Some(table) => table[index(x)],
-                            None => gelu(dtype, x),
-                        };
-                        super::kernels::round_to(dtype, g * u)
-                    })
-                    .collect()
-            }
+        let y = match table {
+            Some(table) => times_looked_up(dtype, table, xs, &ups),
+            None => xs.iter().zip(&ups).map(|(&x, &u)| super::kernels::round_to(dtype, gelu(dtype, x) * u)).collect(),
         };
         rounded(&y, gate.shape(), dtype)
     })?;
