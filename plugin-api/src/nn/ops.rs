@@ -704,17 +704,28 @@ fn half_attention_core(q: &Array, rows: &[RowData], hkv: usize, scale: f32, mask
         values_t.resize(d * s, 0u16);
         for g in 0..hkv {
             // This head's values as the weight's rows: [d, s].
-            for (t, value) in row.values[g * s * d..(g + 1) * s * d].chunks(d).enumerate() {
-                for (j, &bits) in value.iter().enumerate() {
-                    values_t[j * s + t] = bits;
-                }
-            }
+            transpose(&row.values[g * s * d..(g + 1) * s * d], s, d, &mut values_t);
             let y = &mut out[(r * hkv + g) * block * d..][..block * d];
             dot::product(&ps[at..at + block * s], dtype, block, s, weight(dtype, &values_t), 0..d, d, y);
             at += block * s;
         }
     }
     Ok(rounded(&out, &[rows.len() as i32, hq, l, d as i32], dtype))
+}
+
+/// `to` [cols, rows] ← `from` [rows, cols], sixteen rows at a time: the stores of a whole row of
+/// `from` land `rows` apart, and a head's values (a few hundred positions of 64–256 values)
+/// outgrow the L1 cache, so taken a row at a time each store would miss it.
+fn transpose(from: &[u16], rows: usize, cols: usize, to: &mut [u16]) {
+    const BLOCK: usize = 16;
+    for r0 in (0..rows).step_by(BLOCK) {
+        let r1 = (r0 + BLOCK).min(rows);
+        for c in 0..cols {
+            for r in r0..r1 {
+                to[c * rows + r] = from[r * cols + c];
+            }
+        }
+    }
 }
 
 #[cfg(all(test, target_arch = "x86_64"))]
