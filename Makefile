@@ -24,8 +24,7 @@ fixtures: setup
 	$(FIXTURES)
 
 # Generates text with the embedded default manifest (the trained demo target, models/kjv-gemma4,
-# with its trained DFlash drafter, greedy), then decodes it again plainly to say how much faster
-# it ran.
+# drafted by prompt lookup, greedy), then decodes it again plainly to say how much faster it ran.
 run: build
 	./target/release/host run --manifest manifests/default.toml --compare-plain
 
