@@ -66,19 +66,6 @@ fn check_finite_on_device(logits: &Array, result: &Array) -> Result<(), SampleEr
     }
 }
 
-/// The first largest logit of each row of `logits` [.., V], found on the host when MLX runs on
-/// the CPU (its arrays then live in host memory), after the same finiteness check; `None` on
-/// other devices. MLX's argmax there is four ops and a round trip to its stream thread, several
-/// times the scan itself over a small vocabulary.
-fn greedy_on_host(logits: &Array) -> Result<Option<Vec<u32>>, SampleError> {
-    if !plugin_api::nn::wide::on_cpu() {
-        return Ok(None);
-    }
-    let logits = plugin_api::nn::kernels::row_major(logits)?;
-    plugin_api::nn::kernels::with_floats(&logits, check_finite)??;
-    Ok(Some(plugin_api::nn::ops::argmax_rows(&logits)?))
-}
-
 fn check_finite(logits: &[f32]) -> Result<(), SampleError> {
     if logits.iter().all(|x| x.is_finite()) {
         Ok(())
@@ -90,8 +77,14 @@ fn check_finite(logits: &[f32]) -> Result<(), SampleError> {
 /// The token for output position `step`, from that position's logits [V] (or [1, .., V]).
 pub fn sample(logits: &Array, params: &SamplingParams, step: u64) -> Result<u32, SampleError> {
     if params.is_greedy() {
-        if let Some(best) = greedy_on_host(logits)? {
-            return Ok(best[0]);
+        // MLX's arrays live in host memory on the CPU, where a scan of the logits costs less than
+        // MLX's argmax, its conversion and their round trip.
+        if plugin_api::nn::wide::on_cpu() {
+            let logits = plugin_api::nn::kernels::row_major(logits)?;
+            return plugin_api::nn::kernels::with_floats(&logits, |row| {
+                check_finite(row)?;
+                Ok(plugin_api::nn::ops::first_max(row))
+            })?;
         }
         let row = logits.reshape(&[-1])?;
         let best = mlx_rs::ops::indexing::argmax_axis(&row, 0, None)?;
@@ -123,47 +116,36 @@ impl WindowTokens {
         Ok(rows.into_iter().next().expect("one row"))
     }
 
-    /// Each row's window from logits [B, W, V], row b sampled by `params[b]`: one argmax over
-    /// every greedy row and one read-back for the sampled ones, whatever the rows, since each
-    /// MLX op and evaluation costs microseconds of dispatch.
+    /// Each row's window from logits [B, W, V], row b sampled by `params[b]`. Where MLX runs on
+    /// the CPU, or a row samples, every row's logits are read on the host once: greedy rows scan
+    /// them there, sampled rows copy theirs. Elsewhere one argmax on the device serves every
+    /// row, since each MLX op and evaluation costs microseconds of dispatch.
     pub fn rows(logits: &Array, params: &[&SamplingParams]) -> Result<Vec<WindowTokens>, SampleError> {
         let (width, vocab) = (logits.shape()[1] as usize, logits.shape()[2] as usize);
+        let span = |b: usize, per: usize| b * width * per..(b + 1) * width * per;
         let sampled = params.iter().any(|p| !p.is_greedy());
-        let on_host = match sampled {
-            false => greedy_on_host(logits)?,
-            true => None,
-        };
-        let on_device = match params.iter().any(|p| p.is_greedy()) && on_host.is_none() {
-            true => Some(mlx_rs::ops::indexing::argmax_axis(logits, -1, None)?.as_dtype(mlx_rs::Dtype::Uint32)?),
-            false => None,
-        };
-        match &on_device {
-            Some(best) if !sampled => check_finite_on_device(logits, best)?,
-            Some(best) => best.eval()?,
-            None => {}
+        if sampled || plugin_api::nn::wide::on_cpu() {
+            // Widened on the host rather than by an MLX conversion, whose round trip is a large
+            // share of sampling a small vocabulary.
+            let logits = plugin_api::nn::kernels::row_major(logits)?;
+            return plugin_api::nn::kernels::with_floats(&logits, |all| {
+                check_finite(all)?;
+                let window = |b: usize| {
+                    let logits = &all[span(b, vocab)];
+                    match params[b].is_greedy() {
+                        true => {
+                            WindowTokens::Greedy(logits.chunks(vocab).map(plugin_api::nn::ops::first_max).collect())
+                        }
+                        false => WindowTokens::Sampled { logits: logits.to_vec(), vocab },
+                    }
+                };
+                Ok((0..params.len()).map(window).collect())
+            })?;
         }
-        let best = on_host.as_deref().or(on_device.as_ref().map(|b| b.as_slice::<u32>()));
-        // Sampled rows copy their logits from `all`, every row's, widened on the host.
-        let windows = |all: Option<&[f32]>| -> Vec<WindowTokens> {
-            let span = |b: usize, per: usize| b * width * per..(b + 1) * width * per;
-            (0..params.len())
-                .map(|b| match (best, all) {
-                    (Some(best), _) if params[b].is_greedy() => WindowTokens::Greedy(best[span(b, 1)].to_vec()),
-                    (_, Some(all)) => WindowTokens::Sampled { logits: all[span(b, vocab)].to_vec(), vocab },
-                    _ => unreachable!("greedy rows have argmaxes, sampled rows logits"),
-                })
-                .collect()
-        };
-        if !sampled {
-            return Ok(windows(None));
-        }
-        // Read and widened on the host rather than by an MLX conversion, whose round trip is a
-        // large share of sampling a small vocabulary.
-        let logits = plugin_api::nn::kernels::row_major(logits)?;
-        plugin_api::nn::kernels::with_floats(&logits, |all| {
-            check_finite(all)?;
-            Ok(windows(Some(all)))
-        })?
+        let best = mlx_rs::ops::indexing::argmax_axis(logits, -1, None)?.as_dtype(mlx_rs::Dtype::Uint32)?;
+        check_finite_on_device(logits, &best)?;
+        let best = best.as_slice::<u32>();
+        Ok((0..params.len()).map(|b| WindowTokens::Greedy(best[span(b, 1)].to_vec())).collect())
     }
 
     /// The logits of position `i` (sampled windows only).

@@ -828,17 +828,21 @@ mod elementwise_tests {
         }
     }
 
-    #[test]
-    fn swiglu_equals_mlxs_at_every_finite_half_precision_gate() {
+    /// `ours` equals `mlx` at every finite value a half-precision gate can take, times random
+    /// ups (drawn with `seed`).
+    fn equal_at_every_finite_gate(
+        ours: impl Fn(&Array, &Array) -> Option<Array>,
+        mlx: impl Fn(&Array, &Array) -> Array,
+        seed: u64,
+    ) {
         for gate in [every_finite(Dtype::Bfloat16), every_finite(Dtype::Float16)] {
             let n = gate.shape()[0];
-            let up = random::normal::<f32>(&[n], None, None, &random::key(6).unwrap())
+            let up = random::normal::<f32>(&[n], None, None, &random::key(seed).unwrap())
                 .unwrap()
                 .as_dtype(gate.dtype())
                 .unwrap();
-            let ours = cpu_swiglu(&gate, &up).unwrap().expect("covered");
-            let mlx = gate.multiply(mlx_rs::ops::sigmoid(&gate).unwrap()).unwrap().multiply(&up).unwrap();
-            let differing = ours.ne(&mlx).unwrap().sum(None).unwrap().item_cast::<u32>();
+            let ours = ours(&gate, &up).expect("covered");
+            let differing = ours.ne(mlx(&gate, &up)).unwrap().sum(None).unwrap().item_cast::<u32>();
             assert_eq!(differing, 0, "{:?}", gate.dtype());
         }
     }
@@ -846,17 +850,20 @@ mod elementwise_tests {
     /// The half-precision tables, checked at every finite value a gate can take.
     #[test]
     fn every_finite_half_precision_gate_equals_mlxs() {
-        for gate in [every_finite(Dtype::Bfloat16), every_finite(Dtype::Float16)] {
-            let n = gate.shape()[0];
-            let up = random::normal::<f32>(&[n], None, None, &random::key(5).unwrap())
-                .unwrap()
-                .as_dtype(gate.dtype())
-                .unwrap();
-            let ours = cpu_geglu(&gate, &up).unwrap().expect("covered");
-            let mlx = gelu_approx(&gate).unwrap().multiply(&up).unwrap();
-            let differing = ours.ne(&mlx).unwrap().sum(None).unwrap().item_cast::<u32>();
-            assert_eq!(differing, 0, "{:?}", gate.dtype());
-        }
+        equal_at_every_finite_gate(
+            |gate, up| cpu_geglu(gate, up).unwrap(),
+            |gate, up| gelu_approx(gate).unwrap().multiply(up).unwrap(),
+            5,
+        );
+    }
+
+    #[test]
+    fn swiglu_equals_mlxs_at_every_finite_half_precision_gate() {
+        equal_at_every_finite_gate(
+            |gate, up| cpu_swiglu(gate, up).unwrap(),
+            |gate, up| gate.multiply(mlx_rs::ops::sigmoid(gate).unwrap()).unwrap().multiply(up).unwrap(),
+            6,
+        );
     }
 }
 
