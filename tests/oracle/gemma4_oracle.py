@@ -426,6 +426,25 @@ def build_in_memory(config: Dict[str, Any], weights: Dict[str, mx.array],
     return model
 
 
+@contextlib.contextmanager
+def quantized_products_in_float32():
+    """MLX's quantized products with the activations, scales and biases widened to float32 and
+    the result rounded back once: how MLX's Metal and CUDA kernels sum them (float accumulators)
+    and how the host sums them on the CPU. MLX's CPU kernel instead rounds to the activation
+    dtype after every multiply and add, one weight at a time."""
+    original = mx.quantized_matmul
+
+    def in_float32(x, w, scales, biases=None, **kwargs):
+        f32 = lambda a: None if a is None else a.astype(mx.float32)  # noqa: E731
+        return original(f32(x), w, f32(scales), f32(biases), **kwargs).astype(x.dtype)
+
+    mx.quantized_matmul = in_float32
+    try:
+        yield
+    finally:
+        mx.quantized_matmul = original
+
+
 ROUTER_GAPS: List[float] = []
 _RECORD_ROUTER = [False]
 _router_call = gemma4_text.Router.__call__
@@ -896,7 +915,8 @@ def main() -> int:
         print(f"unknown fixture in {args.only}; known: {known}", file=sys.stderr)
         return 2
     for fx in selected:
-        meta = make_fixture(fx, tok, args.out)
+        with quantized_products_in_float32() if fx.quantize else contextlib.nullcontext():
+            meta = make_fixture(fx, tok, args.out)
         s = meta["stats"]
         print(f"{fx.name:12s} P={meta['prompt_len']:3d} N={meta['n_tokens']} "
               f"seed={meta['weights_seed']} (tries {meta['seed_tries']}) "

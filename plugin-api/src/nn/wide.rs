@@ -28,9 +28,10 @@ pub fn on_cpu() -> bool {
 }
 
 /// Whether a product with `rows` rows of `dtype` activations (or quantized weights) should take
-/// the float32 route.
+/// the float32 route. Half-precision activations stay in the host's loops at every row count
+/// (see [`super::kernels`]).
 pub fn takes_float32_route(rows: i32, dtype: Dtype, quantized: bool) -> bool {
-    rows >= WIDE_ROWS && quantized && super::kernels::applies_to_quantized(dtype) && on_cpu()
+    rows >= WIDE_ROWS && quantized && dtype == Dtype::Float32 && on_cpu()
 }
 
 /// Rows of `x`: the product of every dimension but the last.

@@ -7,7 +7,7 @@
 //! row of W once into a buffer that stays in L1 and use it for every row of x. Each row of x is
 //! summed in the same order whatever the number of rows.
 //!
-//! Three routes, chosen at run time by the CPU's features:
+//! Four routes, chosen at run time by the CPU's features:
 //! - bfloat16 weights times bfloat16 activations, where the CPU has AVX-512 BF16 (Zen 4,
 //!   Cooper Lake, Sapphire Rapids): `vdpbf16ps` multiplies pairs of bfloat16 values straight
 //!   from memory into float32 sums. The AVX2 loops spend several instructions per eight weights
@@ -15,6 +15,8 @@
 //!   for one row; without the widening the loads are the limit. Each product of two bfloat16
 //!   values is exact in float32, so every step is a float32 multiply-add as in the other routes,
 //!   in another order.
+//! - quantized weights where the CPU has AVX-512 ([`super::quantized_avx512`]): dequantized in
+//!   registers straight from their packed bytes;
 //! - AVX2 with FMA for everything else where the CPU has it;
 //! - a portable loop elsewhere.
 //!
@@ -29,9 +31,9 @@ use mlx_rs::Dtype;
 /// attention whatever the slots before them held (see the host's KV cache).
 pub const SUM_PERIOD: usize = 32;
 
-/// The most rows one call handles for weights MLX reads faster at many rows (quantized weights of
-/// float32 activations, which go through BLAS); half-precision weights take these loops at any
-/// row count (see `kernels`).
+/// The most float32 rows one call handles for weights MLX reads faster at many rows (through
+/// BLAS); half-precision weights or activations take these loops at any row count (see
+/// `kernels`).
 pub const MAX_ROWS: usize = 16;
 
 /// Scales or biases of quantized weights, in the dtype the checkpoint stores.
@@ -95,6 +97,14 @@ pub fn product(
                 return;
             }
         }
+        if let Weight::Quantized { packed, scales, biases, bits, group } = w {
+            if super::quantized_avx512::takes(bits, group) && super::quantized_avx512::available() {
+                let w = super::quantized_avx512::Quantized { packed, scales, biases, bits, group };
+                // SAFETY: the CPU has the features and the loops take this format (checked).
+                unsafe { super::quantized_avx512::product(x, rows, k, w, outputs, n, y) };
+                return;
+            }
+        }
         let features = std::is_x86_feature_detected!("avx2")
             && std::is_x86_feature_detected!("fma")
             && std::is_x86_feature_detected!("f16c");
@@ -152,7 +162,7 @@ pub(super) mod portable {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+pub(super) mod avx2 {
     use std::arch::x86_64::*;
 
     use super::*;
@@ -500,106 +510,7 @@ mod avx512_bf16 {
                 }
                 i += LANES;
             }
-            if XB * WB >= 8 {
-                // Slot 4j + b holds output j of row b, so row b's outputs come out side by side,
-                // in the result's 128-bit lane b.
-                let mut slots = [_mm512_setzero_ps(); 16];
-                for j in 0..WB {
-                    for b in 0..XB {
-                        slots[4 * j + b] = acc[j][b];
-                    }
-                }
-                let sums = sum_lanes_16(slots);
-                for b in 0..XB {
-                    let row = match b {
-                        0 => _mm512_extractf32x4_ps::<0>(sums),
-                        1 => _mm512_extractf32x4_ps::<1>(sums),
-                        2 => _mm512_extractf32x4_ps::<2>(sums),
-                        _ => _mm512_extractf32x4_ps::<3>(sums),
-                    };
-                    _mm_mask_storeu_ps(y.as_mut_ptr().add((m0 + b) * n + o), (1u8 << WB) - 1, row);
-                }
-            } else {
-                for j in 0..WB {
-                    for b in 0..XB {
-                        y[(m0 + b) * n + o + j] = sum_lanes(acc[j][b]);
-                    }
-                }
-            }
-        }
-    }
-
-    /// The sum of v's sixteen lanes by halves: lane i + lane i + 8, then i + i + 4, i + i + 2 and
-    /// i + i + 1. Every sum of these loops takes this tree, alone or with fifteen others in
-    /// [`sum_lanes_16`], so a row's result never depends on its tile.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512vl,avx512dq")]
-    unsafe fn sum_lanes(v: __m512) -> f32 {
-        let eight = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps::<1>(v));
-        let four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps::<1>(eight));
-        let two = _mm_add_ps(four, _mm_movehl_ps(four, four));
-        let one = _mm_add_ss(two, _mm_movehdup_ps(two));
-        _mm_cvtss_f32(one)
-    }
-
-    /// [`sum_lanes`] of sixteen vectors at once, the same additions shuffled together: element
-    /// 4q + e of the result is the sum of `v[4e + q]`. About three operations per sum instead
-    /// of eight, which at a model's short rows (256 inputs: eight multiply-adds per output) is
-    /// much of a product's work.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512vl,avx512dq")]
-    unsafe fn sum_lanes_16(v: [__m512; 16]) -> __m512 {
-        // (Explicit loops: closures would not inherit the target features.)
-        // Lanes i and i + 8 (256-bit halves), two vectors per result: quarter q of s[k] holds
-        // half q % 2 of v[2k + q / 2]'s eight sums.
-        let mut s = [_mm512_setzero_ps(); 8];
-        for k in 0..8 {
-            let (a, b) = (v[2 * k], v[2 * k + 1]);
-            s[k] = _mm512_add_ps(_mm512_shuffle_f32x4::<0x44>(a, b), _mm512_shuffle_f32x4::<0xEE>(a, b));
-        }
-        // Lanes i and i + 4: quarter q of t[m] holds the four sums of v[4m + q].
-        let mut t = [_mm512_setzero_ps(); 4];
-        for m in 0..4 {
-            let (a, b) = (s[2 * m], s[2 * m + 1]);
-            t[m] = _mm512_add_ps(_mm512_shuffle_f32x4::<0x88>(a, b), _mm512_shuffle_f32x4::<0xDD>(a, b));
-        }
-        // Lanes i and i + 2: in each quarter q of u[n], two sums of v[8n + q], then two of
-        // v[8n + 4 + q].
-        let mut u = [_mm512_setzero_ps(); 2];
-        for n in 0..2 {
-            let (a, b) = (t[2 * n], t[2 * n + 1]);
-            u[n] = _mm512_add_ps(_mm512_shuffle_ps::<0x44>(a, b), _mm512_shuffle_ps::<0xEE>(a, b));
-        }
-        // Lanes i and i + 1.
-        _mm512_add_ps(_mm512_shuffle_ps::<0x88>(u[0], u[1]), _mm512_shuffle_ps::<0xDD>(u[0], u[1]))
-    }
-
-    #[cfg(test)]
-    mod tests {
-        use super::*;
-
-        /// Sixteen sums at once are each what the one-vector tree gives, bit for bit, on lanes
-        /// of mixed magnitudes where any other pairing would round differently.
-        #[test]
-        fn sixteen_sums_at_once_are_each_sums_own() {
-            if !available() {
-                return;
-            }
-            let value = |i: usize| ((i * 2654435761) % 2003) as f32 * 10f32.powi((i % 7) as i32 - 3) - 700.0;
-            for trial in 0..50 {
-                let lanes: Vec<[f32; 16]> =
-                    (0..16).map(|v| std::array::from_fn(|l| value(trial * 256 + v * 16 + l))).collect();
-                // SAFETY: the CPU has the features (checked above); loads read 16 floats each.
-                unsafe {
-                    let vectors: [__m512; 16] = std::array::from_fn(|v| _mm512_loadu_ps(lanes[v].as_ptr()));
-                    let mut together = [0f32; 16];
-                    _mm512_storeu_ps(together.as_mut_ptr(), sum_lanes_16(vectors));
-                    for (s, &sum) in together.iter().enumerate() {
-                        let (q, e) = (s / 4, s % 4);
-                        assert_eq!(sum.to_bits(), sum_lanes(vectors[4 * e + q]).to_bits(), "slot {s}");
-                    }
-                }
-            }
+            super::super::lanes::store_sums(acc, y, m0, o, n);
         }
     }
 }

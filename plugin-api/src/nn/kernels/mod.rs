@@ -1,34 +1,33 @@
-//! Products on the CPU through hand-written loops: of one to sixteen rows (decode steps, verify
-//! windows) in [`dot`], each weight read once in its stored format, with MLX's result up to
-//! summation order (float32 accumulation, output rounded once to the activation dtype); and of
-//! quantized weights with half-precision activations, at any row count, in
-//! [`half_quantized`], bit for bit as MLX computes them. Anything else (more rows, other
-//! dtypes, another device) is left to MLX.
+//! Products on the CPU through hand-written loops ([`dot`]), each weight read once in its stored
+//! format, with MLX's result up to summation order: float32 accumulation, the output rounded
+//! once to the activation dtype. They take one to sixteen rows (decode steps, verify windows),
+//! and half-precision weights or activations at any row count. Anything else (more float32 rows,
+//! other dtypes, another device) is left to MLX.
+//!
+//! Quantized weights of half-precision activations are summed in float32 here, as MLX's Metal
+//! and CUDA kernels sum them. MLX's CPU kernel instead rounds to the activation dtype after
+//! every multiply and add, one weight at a time; reproducing that costs about 27 vector
+//! operations per weight and bounds a product at a few GB/s, a fifth of the machine's read rate
+//! (measured with such a kernel), and its sums are less accurate than float32's.
 
 pub mod dot;
-pub mod half_quantized;
+#[cfg(target_arch = "x86_64")]
+mod lanes;
+#[cfg(target_arch = "x86_64")]
+pub mod quantized_avx512;
 
 use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype};
 
 use super::linear::Quantization;
 use dot::{Params, Weight, MAX_ROWS};
-use half_quantized::Half;
 
 /// Multiply-adds (rows × outputs × inputs) from which a product is split with the helper thread
 /// ([`super::helper`]): below it, handing half over costs more than it saves. Measured on the
 /// demo target, one-token steps and 5-token windows interleaved in one process, two runs:
 /// windows took 6.8–7.1 ms splitting from 2¹⁵, 2¹⁷ or 2¹⁹ against 7.2–7.7 never splitting, and
-/// steps 4.1–4.5 ms either way; on quantized weights splitting pays more (see the README).
+/// steps 4.1–4.5 ms either way.
 const SPLIT_WORK: usize = 1 << 17;
-
-/// Whether a quantized product of `activations` may be summed in any order. MLX's CPU kernel
-/// sums float32 activations in float32, which the float32 route reproduces up to summation
-/// order; half-precision activations it sums in half precision, rounding after every weight
-/// (see [`half_quantized`]), so only that element-by-element order gives mlx-lm's result.
-pub fn applies_to_quantized(activations: Dtype) -> bool {
-    activations == Dtype::Float32
-}
 
 /// `x · wᵀ` through the hand-written loops, or `None` where they do not apply.
 pub fn small_product(
@@ -41,14 +40,13 @@ pub fn small_product(
     let shape = x.shape();
     let k = *shape.last().unwrap_or(&0) as usize;
     let rows = super::wide::rows(x) as usize;
-    // Half-precision weights, and quantized weights of half-precision activations, take these
-    // loops at every row count, so that a row's result never depends on how many rows share its
-    // product: speculative decoding verifies a window of rows where plain decoding computes one,
-    // and its output must equal plain decoding's token for token even where a half-precision
-    // rounding would tip an argmax. Quantized weights of float32 activations take them up to
-    // MAX_ROWS.
-    let any_rows =
-        matches!(w.dtype(), Dtype::Bfloat16 | Dtype::Float16) || (q.is_some() && !applies_to_quantized(x.dtype()));
+    // Half-precision weights or activations take these loops at every row count, so that a
+    // row's result never depends on how many rows share its product: speculative decoding
+    // verifies a window of rows where plain decoding computes one, and its output must equal
+    // plain decoding's token for token even where a half-precision rounding would tip an argmax.
+    // Float32 rows of quantized or float32 weights take them up to MAX_ROWS.
+    let half = |d: Dtype| matches!(d, Dtype::Bfloat16 | Dtype::Float16);
+    let any_rows = half(w.dtype()) || (q.is_some() && half(x.dtype()));
     if rows == 0 || (rows > MAX_ROWS && !any_rows) || !super::wide::on_cpu() {
         return Ok(None);
     }
@@ -66,15 +64,6 @@ pub fn small_product(
                 return Ok(None);
             }
             let (bits, group) = (q.bits as u32, q.group_size as usize);
-            if !applies_to_quantized(x.dtype()) {
-                let half = if x.dtype() == Dtype::Bfloat16 { Half::Bf16 } else { Half::F16 };
-                let w = half_quantized::Quantized { packed, scales, biases, bits, group };
-                // Splitting pays from fewer weights here: every weight costs several operations;
-                // the halves stay whole blocks of 32 lanes.
-                let split = (rows * n * k >= SPLIT_WORK / 4 && n >= 64).then_some(n / 64 * 32);
-                return outputs(x, n, split, |xs, range, y| half_quantized::product(xs, rows, k, w, half, range, n, y))
-                    .map(Some);
-            }
             Weight::Quantized { packed, scales, biases, bits, group }
         }
         (None, None, None) => match w.dtype() {
@@ -378,45 +367,70 @@ mod tests {
         assert!(d <= 2f32.powi(-8), "{d}");
     }
 
+    /// MLX's quantized product of x's values in float32 (scales and biases widened exactly).
+    fn mlx_in_float32(x: &Array, wq: &Array, scales: &Array, biases: &Array, q: Quantization) -> Array {
+        let f32 = |a: &Array| a.as_dtype(Dtype::Float32).unwrap();
+        mlx_rs::ops::quantized_matmul(f32(x), wq, f32(scales), &f32(biases), true, q.group_size, q.bits).unwrap()
+    }
+
+    /// Largest |a − b| beyond what rounding b once to a's dtype may move it, relative to the
+    /// largest |b|: zero when a is b rounded (half precision) or equal (float32).
+    fn beyond_one_rounding(a: &Array, b: &Array) -> f32 {
+        let half_ulp = match a.dtype() {
+            Dtype::Bfloat16 => 2f32.powi(-8),
+            Dtype::Float16 => 2f32.powi(-11),
+            _ => 0.0,
+        };
+        let (a, b) = (a.as_dtype(Dtype::Float32).unwrap(), b.as_dtype(Dtype::Float32).unwrap());
+        let largest = b.abs().unwrap().max(None).unwrap().item_exact::<f32>();
+        a.as_slice::<f32>()
+            .iter()
+            .zip(b.as_slice::<f32>())
+            .map(|(a, b)| ((a - b).abs() - half_ulp * b.abs()).max(0.0))
+            .fold(0.0, f32::max)
+            / largest
+    }
+
+    /// Every format, scale dtype and row count, for float32 and half-precision activations: MLX's
+    /// float32 product of the same values, up to summation order, rounded once.
     #[test]
-    fn quantized_products_equal_mlxs_for_every_format_and_row_count() {
+    fn quantized_products_equal_mlxs_float32_product_for_every_format_and_row_count() {
         for scale_dtype in [Dtype::Float32, Dtype::Bfloat16, Dtype::Float16] {
             for (bits, group_size) in [(4, 32), (4, 64), (4, 128), (8, 32), (8, 64), (8, 128)] {
-                let w = normal(&[48, 256], 5).as_dtype(scale_dtype).unwrap();
+                // 52 outputs: whole register tiles and a tail.
+                let w = normal(&[52, 256], 5).as_dtype(scale_dtype).unwrap();
                 let (wq, scales, biases) = mlx_rs::ops::quantize(&w, group_size, bits).unwrap();
                 assert_eq!(scales.dtype(), scale_dtype);
                 let q = Quantization { group_size, bits };
-                for rows in ROWS {
-                    let x = normal(&[rows, 256], 6 + rows as u64);
-                    let ours = small_product(&x, &wq, Some(&scales), Some(&biases), Some(q)).unwrap().unwrap();
-                    let mlx = mlx_rs::ops::quantized_matmul(&x, &wq, &scales, &biases, true, group_size, bits).unwrap();
-                    let d = relative_difference(&ours, &mlx.as_dtype(Dtype::Float32).unwrap());
-                    assert!(d <= 1e-5, "{bits} bits, group {group_size}, {scale_dtype:?}, {rows} rows: {d}");
+                for x_dtype in [Dtype::Float32, Dtype::Bfloat16, Dtype::Float16] {
+                    // Half-precision rows beyond MAX_ROWS too: these loops serve every row count.
+                    let extra = if x_dtype == Dtype::Float32 { None } else { Some(40) };
+                    for rows in ROWS.into_iter().chain(extra) {
+                        let x = normal(&[rows, 256], 6 + rows as u64).as_dtype(x_dtype).unwrap();
+                        let ours = small_product(&x, &wq, Some(&scales), Some(&biases), Some(q)).unwrap().unwrap();
+                        assert_eq!(ours.dtype(), x_dtype);
+                        let d = beyond_one_rounding(&ours, &mlx_in_float32(&x, &wq, &scales, &biases, q));
+                        assert!(
+                            d <= 1e-5,
+                            "{bits} bits, group {group_size}, {scale_dtype:?}, {x_dtype:?}, {rows} rows: {d}"
+                        );
+                    }
                 }
             }
         }
     }
 
+    /// Summing in float32 is not MLX's CPU kernel for half-precision activations, which rounds
+    /// after every operation: the check above tells the two apart.
     #[test]
-    fn quantized_products_of_half_precision_activations_equal_mlxs_bit_for_bit() {
-        for dtype in [Dtype::Bfloat16, Dtype::Float16] {
-            for (bits, group_size) in [(4, 32), (4, 64), (8, 64), (8, 128)] {
-                // 52 outputs: six groups of eight lanes and a tail of four.
-                let w = normal(&[52, 256], 8).as_dtype(dtype).unwrap();
-                let (wq, scales, biases) = mlx_rs::ops::quantize(&w, group_size, bits).unwrap();
-                let q = Quantization { group_size, bits };
-                // Beyond MAX_ROWS too: these loops serve every row count.
-                for rows in ROWS.into_iter().chain([40]) {
-                    let x = normal(&[rows, 256], 9 + rows as u64).multiply(Array::from_f32(3.0)).unwrap();
-                    let x = x.as_dtype(dtype).unwrap();
-                    let ours = small_product(&x, &wq, Some(&scales), Some(&biases), Some(q)).unwrap().unwrap();
-                    let mlx = mlx_rs::ops::quantized_matmul(&x, &wq, &scales, &biases, true, group_size, bits).unwrap();
-                    assert_eq!(ours.dtype(), dtype);
-                    let d = relative_difference(&ours, &mlx);
-                    assert_eq!(d, 0.0, "{dtype:?}, {bits} bits, group {group_size}, {rows} rows");
-                }
-            }
-        }
+    fn half_precision_sums_are_not_rounded_at_every_weight() {
+        let w = normal(&[64, 1024], 8).as_dtype(Dtype::Bfloat16).unwrap();
+        let (wq, scales, biases) = mlx_rs::ops::quantize(&w, 64, 4).unwrap();
+        let x = normal(&[1, 1024], 9).as_dtype(Dtype::Bfloat16).unwrap();
+        let rounded_each_step = mlx_rs::ops::quantized_matmul(&x, &wq, &scales, &biases, true, 64, 4).unwrap();
+        let q = Quantization { group_size: 64, bits: 4 };
+        let d = beyond_one_rounding(&rounded_each_step, &mlx_in_float32(&x, &wq, &scales, &biases, q));
+        assert!(d > 1e-3, "{d}");
     }
 
     #[test]
@@ -433,8 +447,8 @@ mod tests {
         let x = normal(&[2, 256], 15).as_dtype(Dtype::Bfloat16).unwrap();
         let q = Quantization { group_size: 64, bits: 4 };
         let ours = small_product(&x, &wq, Some(&scales), Some(&biases), Some(q)).unwrap().unwrap();
-        let mlx = mlx_rs::ops::quantized_matmul(&x, &wq, &scales, &biases, true, 64, 4).unwrap();
-        assert_eq!(relative_difference(&ours, &mlx), 0.0, "4-bit, bfloat16 activations");
+        let d = beyond_one_rounding(&ours, &mlx_in_float32(&x, &wq, &scales, &biases, q));
+        assert!(d <= 1e-5, "4-bit, bfloat16 activations: {d}");
     }
 
     /// Appending zeros to both operands leaves every sum bit for bit as it was, whatever the
@@ -500,6 +514,18 @@ mod tests {
             let scale = portable.iter().fold(0f32, |a, v| a.max(v.abs()));
             let worst = simd.iter().zip(&portable).fold(0f32, |a, (s, p)| a.max((s - p).abs()));
             assert!(worst <= 1e-5 * scale, "{worst} of {scale}");
+            // The AVX2 loops too, which a CPU with AVX-512 does not take.
+            #[cfg(target_arch = "x86_64")]
+            if std::is_x86_feature_detected!("avx2")
+                && std::is_x86_feature_detected!("fma")
+                && std::is_x86_feature_detected!("f16c")
+            {
+                let mut avx2 = vec![0f32; rows * n];
+                // SAFETY: the CPU has AVX2, FMA and F16C (checked above).
+                unsafe { dot::avx2::product(x, rows, k, w, 0..n, n, &mut avx2) };
+                let worst = avx2.iter().zip(&portable).fold(0f32, |a, (s, p)| a.max((s - p).abs()));
+                assert!(worst <= 1e-5 * scale, "AVX2: {worst} of {scale}");
+            }
         }
     }
 }

@@ -1,0 +1,210 @@
+//! MLX affine-quantized weights (4 and 8 bits) times float32 rows, on AVX-512: the route of
+//! [`super::dot::product`] for quantized weights where the CPU has it.
+//!
+//! Each weight is dequantized as MLX does (w = scale · q + bias, one multiply-add in float32)
+//! straight from its packed bytes into a register and multiplied into every row of x in the
+//! tile; nothing is written back to memory. The AVX2 loops instead convert each row of W into an
+//! L1 buffer and read it back, about twice the operations per weight, which bounds them at about
+//! half the machine's read rate on one row.
+//!
+//! Sixteen weights make one vector: 8-bit weights are sixteen bytes, widened in place. 4-bit
+//! weights are read thirty-two at a time (sixteen bytes): the low nibbles are the even elements
+//! and the high nibbles the odd ones, so x is split once per call into the same even and odd
+//! halves of every 32 elements, and each half multiplies its own vector of weights.
+
+use std::arch::x86_64::*;
+
+use super::dot::Params;
+use super::lanes::store_sums;
+
+/// Register tiles of up to 4 x rows × 4 W rows: sixteen accumulators, and for each W row its
+/// scale, bias and weight vector.
+const X_BLOCK: usize = 4;
+const W_BLOCK: usize = 4;
+
+pub fn available() -> bool {
+    std::is_x86_feature_detected!("avx512f")
+        && std::is_x86_feature_detected!("avx512vl")
+        && std::is_x86_feature_detected!("avx512dq")
+}
+
+/// Whether these loops take a weight of `bits` and `group`: whole vectors never straddle groups.
+pub fn takes(bits: u32, group: usize) -> bool {
+    (bits == 4 || bits == 8) && group.is_multiple_of(32)
+}
+
+/// A quantized weight [n, k] as MLX stores it (see [`super::dot::Weight::Quantized`]).
+#[derive(Clone, Copy)]
+pub struct Quantized<'a> {
+    pub packed: &'a [u32],
+    pub scales: Params<'a>,
+    pub biases: Params<'a>,
+    pub bits: u32,
+    pub group: usize,
+}
+
+/// y[m, o] for o in `outputs` and every row m of x [rows, k]; y is [rows, n].
+///
+/// # Safety
+/// The CPU must have the features of [`available`], and `takes(w.bits, w.group)` must hold.
+#[target_feature(enable = "avx512f,avx512vl,avx512dq")]
+pub unsafe fn product(
+    x: &[f32],
+    rows: usize,
+    k: usize,
+    w: Quantized,
+    outputs: std::ops::Range<usize>,
+    n: usize,
+    y: &mut [f32],
+) {
+    // 4-bit: x's elements in the order the nibbles come out of sixteen bytes.
+    let split;
+    let x = if w.bits == 4 {
+        split = even_then_odd(x);
+        &split[..]
+    } else {
+        x
+    };
+    let mut o = outputs.start;
+    while o < outputs.end {
+        let width = W_BLOCK.min(outputs.end - o);
+        prefetch_rows(w, k, o + width..(o + 2 * width).min(outputs.end));
+        let mut m0 = 0;
+        while m0 < rows {
+            let block = X_BLOCK.min(rows - m0);
+            let at = Tile { x, k, w, m0, o, n };
+            match (w.bits == 4, block, width) {
+                (false, 4, 4) => at.run::<4, 4, 8>(y),
+                (false, 3, 4) => at.run::<3, 4, 8>(y),
+                (false, 2, 4) => at.run::<2, 4, 8>(y),
+                (false, 1, 4) => at.run::<1, 4, 8>(y),
+                (false, 4, 3) => at.run::<4, 3, 8>(y),
+                (false, 3, 3) => at.run::<3, 3, 8>(y),
+                (false, 2, 3) => at.run::<2, 3, 8>(y),
+                (false, 1, 3) => at.run::<1, 3, 8>(y),
+                (false, 4, 2) => at.run::<4, 2, 8>(y),
+                (false, 3, 2) => at.run::<3, 2, 8>(y),
+                (false, 2, 2) => at.run::<2, 2, 8>(y),
+                (false, 1, 2) => at.run::<1, 2, 8>(y),
+                (false, 4, 1) => at.run::<4, 1, 8>(y),
+                (false, 3, 1) => at.run::<3, 1, 8>(y),
+                (false, 2, 1) => at.run::<2, 1, 8>(y),
+                (false, 1, 1) => at.run::<1, 1, 8>(y),
+                (true, 4, 4) => at.run::<4, 4, 4>(y),
+                (true, 3, 4) => at.run::<3, 4, 4>(y),
+                (true, 2, 4) => at.run::<2, 4, 4>(y),
+                (true, 1, 4) => at.run::<1, 4, 4>(y),
+                (true, 4, 3) => at.run::<4, 3, 4>(y),
+                (true, 3, 3) => at.run::<3, 3, 4>(y),
+                (true, 2, 3) => at.run::<2, 3, 4>(y),
+                (true, 1, 3) => at.run::<1, 3, 4>(y),
+                (true, 4, 2) => at.run::<4, 2, 4>(y),
+                (true, 3, 2) => at.run::<3, 2, 4>(y),
+                (true, 2, 2) => at.run::<2, 2, 4>(y),
+                (true, 1, 2) => at.run::<1, 2, 4>(y),
+                (true, 4, 1) => at.run::<4, 1, 4>(y),
+                (true, 3, 1) => at.run::<3, 1, 4>(y),
+                (true, 2, 1) => at.run::<2, 1, 4>(y),
+                (true, 1, 1) => at.run::<1, 1, 4>(y),
+                _ => unreachable!("blocks of at most {X_BLOCK} x rows and {W_BLOCK} W rows"),
+            }
+            m0 += block;
+        }
+        o += width;
+    }
+}
+
+/// Each run of 32 elements of x as its 16 even elements, then its 16 odd ones (k is a whole
+/// number of groups, so of runs).
+fn even_then_odd(x: &[f32]) -> Vec<f32> {
+    let mut out = Vec::with_capacity(x.len());
+    for run in x.chunks_exact(32) {
+        out.extend(run.iter().step_by(2));
+        out.extend(run.iter().skip(1).step_by(2));
+    }
+    out
+}
+
+/// As the other loops do: the next block of W rows is asked for while this one is multiplied.
+#[inline(always)]
+unsafe fn prefetch_rows(w: Quantized, k: usize, rows: std::ops::Range<usize>) {
+    let row_bytes = k * w.bits as usize / 8;
+    let base = w.packed.as_ptr() as *const u8;
+    for at in (rows.start * row_bytes..rows.end * row_bytes).step_by(64) {
+        _mm_prefetch::<_MM_HINT_T0>(base.add(at) as *const i8);
+    }
+}
+
+/// Where a register tile works: x (as [`product`] arranged it), W's rows `o..`, from x row m0.
+struct Tile<'a> {
+    x: &'a [f32],
+    k: usize,
+    w: Quantized<'a>,
+    m0: usize,
+    o: usize,
+    n: usize,
+}
+
+impl Tile<'_> {
+    /// y[m0 + b, o + j] for b < XB, j < WB, each output in its own accumulator; element i of a
+    /// run of 16 (8-bit) or of each half of a run of 32 (4-bit) goes to lane i, and the lanes
+    /// are summed last.
+    #[allow(clippy::needless_range_loop, reason = "register tiles read best by index")]
+    #[target_feature(enable = "avx512f,avx512vl,avx512dq")]
+    unsafe fn run<const XB: usize, const WB: usize, const BITS: usize>(&self, y: &mut [f32]) {
+        let Tile { x, k, w, m0, o, n } = *self;
+        let row_bytes = k * BITS / 8;
+        let bytes = w.packed.as_ptr() as *const u8;
+        let groups = k / w.group;
+        let mut acc = [[_mm512_setzero_ps(); XB]; WB];
+        // (Explicit loops throughout: closures would not inherit the target features.)
+        let (mut scale, mut bias) = ([_mm512_setzero_ps(); WB], [_mm512_setzero_ps(); WB]);
+        let mut packed = [_mm512_setzero_si512(); WB];
+        let (mut first, mut second) = ([_mm512_setzero_ps(); WB], [_mm512_setzero_ps(); WB]);
+        for g in 0..groups {
+            for j in 0..WB {
+                scale[j] = _mm512_set1_ps(w.scales.get((o + j) * groups + g));
+                bias[j] = _mm512_set1_ps(w.biases.get((o + j) * groups + g));
+            }
+            // Sixteen bytes at a time: sixteen 8-bit weights or thirty-two 4-bit ones.
+            let mut i = g * w.group;
+            while i < (g + 1) * w.group {
+                for j in 0..WB {
+                    let at = bytes.add((o + j) * row_bytes + i * BITS / 8);
+                    packed[j] = _mm512_cvtepu8_epi32(_mm_loadu_si128(at as *const __m128i));
+                }
+                if BITS == 8 {
+                    for j in 0..WB {
+                        first[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(packed[j]), scale[j], bias[j]);
+                    }
+                    for b in 0..XB {
+                        let xv = _mm512_loadu_ps(x.as_ptr().add((m0 + b) * k + i));
+                        for j in 0..WB {
+                            acc[j][b] = _mm512_fmadd_ps(first[j], xv, acc[j][b]);
+                        }
+                    }
+                    i += 16;
+                } else {
+                    // Low nibbles: the even elements; high: the odd ones.
+                    let low = _mm512_set1_epi32(0xF);
+                    for j in 0..WB {
+                        let even = _mm512_cvtepi32_ps(_mm512_and_si512(packed[j], low));
+                        let odd = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(packed[j]));
+                        first[j] = _mm512_fmadd_ps(even, scale[j], bias[j]);
+                        second[j] = _mm512_fmadd_ps(odd, scale[j], bias[j]);
+                    }
+                    for b in 0..XB {
+                        let xe = _mm512_loadu_ps(x.as_ptr().add((m0 + b) * k + i));
+                        let xo = _mm512_loadu_ps(x.as_ptr().add((m0 + b) * k + i + 16));
+                        for j in 0..WB {
+                            acc[j][b] = _mm512_fmadd_ps(first[j], xe, acc[j][b]);
+                            acc[j][b] = _mm512_fmadd_ps(second[j], xo, acc[j][b]);
+                        }
+                    }
+                    i += 32;
+                }
+            }
+        }
+        store_sums(acc, y, m0, o, n);
+    }
+}
