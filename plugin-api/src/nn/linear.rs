@@ -78,6 +78,11 @@ impl Embedding {
 
     /// Rows of the table for `ids` (any shape), dequantized when needed.
     pub fn embed(&self, ids: &Array) -> Result<Array, Exception> {
+        if let (Some(scales), Some(biases), Some(q)) = (&self.scales, &self.biases, self.quantization) {
+            if let Some(rows) = kernels::dequantized_rows(ids, &self.weight, scales, biases, q)? {
+                return Ok(rows);
+            }
+        }
         let rows = match self.scales {
             None => super::layout::take_rows(&self.weight, ids)?,
             Some(_) => self.weight.take_axis(ids, 0)?,

@@ -92,6 +92,57 @@ pub fn small_product(
     outputs(x, n, split, |xs, range, y| dot::product(xs, x_dtype, rows, k, weight, range, n, y)).map(Some)
 }
 
+/// Rows `ids` (any shape, int32 or uint32) of a quantized table [vocab, k], dequantized as
+/// MLX's `dequantize` does: w = scale · q + bias in the scales' dtype, the product and the sum
+/// each rounded to it (tested bit for bit). `None` where the host cannot read the operands, or
+/// an id is out of range (MLX's own take then decides what happens).
+///
+/// A token's embedding otherwise takes four MLX ops (three gathers and the dequantization),
+/// whose dispatch cost more than the rest of the lookup: 5% of a decode step of the 8-bit
+/// bench model, waiting on MLX's thread.
+pub fn dequantized_rows(
+    ids: &Array,
+    w: &Array,
+    scales: &Array,
+    biases: &Array,
+    q: Quantization,
+) -> Result<Option<Array>, Exception> {
+    if !super::wide::on_cpu() || !matches!(q.bits, 4 | 8) {
+        return Ok(None);
+    }
+    let ids = row_major(ids)?;
+    let mut shape = ids.shape().to_vec();
+    let ids: Vec<i64> = match ids.dtype() {
+        Dtype::Int32 => ids.as_slice::<i32>().iter().map(|&i| i as i64).collect(),
+        Dtype::Uint32 => ids.as_slice::<u32>().iter().map(|&i| i as i64).collect(),
+        _ => return Ok(None),
+    };
+    let (Some(packed), Some(s), Some(b)) = (slice::<u32>(w), params(scales), params(biases)) else {
+        return Ok(None);
+    };
+    let (vocab, group) = (w.shape()[0] as i64, q.group_size as usize);
+    let per_word = (32 / q.bits) as usize;
+    let k = w.shape()[1] as usize * per_word;
+    if ids.iter().any(|&i| i < 0 || i >= vocab) || !k.is_multiple_of(group) {
+        return Ok(None);
+    }
+    let dtype = scales.dtype();
+    let (mask, groups) = ((1u32 << q.bits) - 1, k / group);
+    let mut out = Vec::with_capacity(ids.len() * k);
+    with_round!(dtype, |r| {
+        for &id in &ids {
+            let (words, first_group) = (&packed[id as usize * k / per_word..], id as usize * groups);
+            for i in 0..k {
+                let q = (words[i / per_word] >> (q.bits as usize * (i % per_word))) & mask;
+                let g = first_group + i / group;
+                out.push(r.round(r.round(s.get(g) * q as f32) + b.get(g)));
+            }
+        }
+    });
+    shape.push(k as i32);
+    Ok(Some(rounded(&out, &shape, dtype)))
+}
+
 /// The `n` outputs of every row of `x` as an array of x's dtype: `run(x, outputs, y)` fills
 /// columns `outputs` of y [rows, n], on one thread or, given a split point, on two.
 ///
@@ -431,6 +482,29 @@ mod tests {
         let q = Quantization { group_size: 64, bits: 4 };
         let d = beyond_one_rounding(&rounded_each_step, &mlx_in_float32(&x, &wq, &scales, &biases, q));
         assert!(d > 1e-3, "{d}");
+    }
+
+    /// Rows of a quantized table equal MLX's gather and `dequantize` bit for bit.
+    #[test]
+    fn dequantized_rows_equal_mlxs() {
+        for dtype in [Dtype::Float32, Dtype::Bfloat16, Dtype::Float16] {
+            for (bits, group_size) in [(4, 32), (4, 64), (8, 64), (8, 128)] {
+                let table = normal(&[40, 256], 20).as_dtype(dtype).unwrap();
+                let (wq, scales, biases) = mlx_rs::ops::quantize(&table, group_size, bits).unwrap();
+                let ids = Array::from_slice(&[3i32, 0, 39, 3, 17, 8], &[2, 3]);
+                let q = Quantization { group_size, bits };
+                let ours = dequantized_rows(&ids, &wq, &scales, &biases, q).unwrap().unwrap();
+                let take = |a: &Array| a.take_axis(&ids, 0).unwrap();
+                let mlx = mlx_rs::ops::dequantize(take(&wq), take(&scales), &take(&biases), group_size, bits).unwrap();
+                assert_eq!((ours.shape(), ours.dtype()), (mlx.shape(), mlx.dtype()));
+                let equal = ours.eq(&mlx).unwrap().all(None).unwrap().item_exact::<bool>();
+                assert!(equal, "{dtype:?}, {bits} bits, group {group_size}");
+            }
+        }
+        let (wq, scales, biases) = mlx_rs::ops::quantize(normal(&[8, 64], 21), 64, 4).unwrap();
+        let q = Quantization { group_size: 64, bits: 4 };
+        let outside = Array::from_slice(&[8i32], &[1]);
+        assert!(dequantized_rows(&outside, &wq, &scales, &biases, q).unwrap().is_none());
     }
 
     #[test]
