@@ -12,6 +12,7 @@ pub mod linear;
 pub mod mlp;
 pub mod ops;
 pub mod rope;
+pub mod tanh;
 pub mod view;
 pub mod weights;
 pub mod wide;
