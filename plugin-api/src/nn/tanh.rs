@@ -12,13 +12,19 @@
 /// Below this |x| the polynomial is used (Cephes' split).
 const SMALL: f32 = 0.625;
 
+/// tanh(x) = x + x³·P(x²) below [`SMALL`]: P's coefficients, highest power first, as Cephes
+/// writes them.
+#[allow(clippy::excessive_precision, reason = "Cephes' coefficients as written")]
+const NEAR_ZERO: [f32; 5] =
+    [-5.70498872745e-3, 2.06390887954e-2, -5.37397155531e-2, 1.33314422036e-1, -3.33332819422e-1];
+
 /// tanh(x) (NaN for NaN, ±1 from about ±9).
 #[inline(always)]
 pub fn tanh(x: f32) -> f32 {
     let z = x * x;
-    let mut p = -5.704_988_7e-3f32;
-    for c in [2.063_908_9e-2f32, -5.373_971_6e-2, 1.333_144_2e-1, -3.333_328_2e-1] {
-        p = p.mul_add(z, c);
+    let mut p = NEAR_ZERO[0];
+    for c in &NEAR_ZERO[1..] {
+        p = p.mul_add(z, *c);
     }
     let near_zero = (p * z).mul_add(x, x).copysign(x);
     // e^{2|x|} stays finite up to |x| = 44; past 20, 2 / (e + 1) no longer moves 1.
