@@ -157,20 +157,14 @@ pub fn put_slots(x: &Array, new: &Array, slots: &[Vec<usize>]) -> Result<Array, 
     }))
 }
 
-/// Slots 0..end of x [B, H, S, D].
+/// Slots 0..end of x [B, H, S, D]: a view of x's data, which MLX slices without copying and the
+/// host's attention reads in place (a copy had cost O(context) per layer and step).
 pub fn first_slots(x: &Array, end: usize) -> Result<Array, Exception> {
-    if !on_host(x) || x.ndim() != 4 {
-        use mlx_rs::ops::indexing::TryIndexOp;
-        return x.try_index((.., .., ..end as i32));
+    use mlx_rs::ops::indexing::TryIndexOp;
+    if x.ndim() == 4 && x.shape()[2] as usize == end {
+        return Ok(x.clone());
     }
-    let x = row_major(x)?;
-    let mut s = x.shape().to_vec();
-    let (total, d) = (s[2] as usize, s[3] as usize);
-    s[2] = end as i32;
-    Ok(with_elements!(x, |data| {
-        let kept: Vec<_> = data.chunks(total * d).flat_map(|head| &head[..end * d]).copied().collect();
-        Array::from_slice(&kept, &s)
-    }))
+    x.try_index((.., .., ..end as i32))
 }
 
 /// [B, H, len, D] from x [B, H, S, D]: place j of row r holds slot `index[r·len + j]`, or zeros

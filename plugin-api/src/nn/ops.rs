@@ -369,13 +369,50 @@ fn half_attention(q: &Array, k: &Array, v: &Array, scale: f32, mask: &Mask) -> R
     {
         return Ok(None);
     }
-    let (k, v) = (row_major(k)?, row_major(v)?);
-    let (Some(keys), Some(values)) = (bits16(&k), bits16(&v)) else { return Ok(None) };
-    let per_row = keys.len() / b.max(1) as usize;
+    // A KV cache's first slots come as a view of its storage (see `layout::first_slots`): read
+    // in place, each head's slots being contiguous, rather than copied out first.
+    let (k, v) = (heads_in_place(k)?, heads_in_place(v)?);
+    let (keys, values) = (head_data(&k.0, k.1), head_data(&v.0, v.1));
     let rows: Vec<RowData> = (0..b as usize)
-        .map(|r| RowData { keys: &keys[r * per_row..][..per_row], values: &values[r * per_row..][..per_row], s })
+        .map(|r| RowData {
+            keys: &keys[r * k.1[0]..],
+            values: &values[r * v.1[0]..],
+            key_heads: k.1[1],
+            value_heads: v.1[1],
+            s,
+        })
         .collect();
     half_attention_core(q, &rows, hkv as usize, scale, Masks::Shared(mask)).map(Some)
+}
+
+/// A half-precision [B, H, S, D] array (evaluated) whose slots are each D contiguous values and
+/// whose heads each hold their S slots in a run (row-major, or a slice of a row-major array
+/// along S, as a KV cache's first slots are), with its strides of a row and of a head: `a`
+/// itself when so laid out, else a row-major copy.
+fn heads_in_place(a: &Array) -> Result<(Array, [usize; 2]), Exception> {
+    a.eval()?;
+    let shape = a.shape();
+    let [h, s, d] = [1, 2, 3].map(|i| shape[i] as usize);
+    // SAFETY: `a` is evaluated and four-dimensional; MLX holds one stride per dimension.
+    let strides = unsafe { std::slice::from_raw_parts(mlx_sys::mlx_array_strides(a.as_ptr()), 4) };
+    let [row, head, slot, one] = [strides[0], strides[1], strides[2], strides[3]];
+    if one == 1 && slot == d && head >= s * d && row >= h * head && a.size() > 0 {
+        return Ok((a.clone(), [row, head]));
+    }
+    Ok((row_major(a)?, [h * s * d, s * d]))
+}
+
+/// The 16-bit data of [`heads_in_place`]'s array from its first element to its last.
+fn head_data(a: &Array, [row, head]: [usize; 2]) -> &[u16] {
+    let shape = a.shape();
+    let [b, h, s, d] = [0, 1, 2, 3].map(|i| shape[i] as usize);
+    if b * h * s * d == 0 {
+        return &[];
+    }
+    let span = (b - 1) * row + (h - 1) * head + s * d;
+    // SAFETY: `a` is evaluated and 16-bit; its last element lies `span − 1` elements after its
+    // first, within its buffer, which `a` keeps alive as long as the slice borrows it.
+    unsafe { std::slice::from_raw_parts(mlx_sys::mlx_array_data_uint16(a.as_ptr()), span) }
 }
 
 /// [`attention_rows`] through the host's loops: each row's pieces copied end to end per KV
@@ -422,7 +459,10 @@ fn half_attention_rows(q: &Array, rows: &[RowKeys], scale: f32) -> Result<Option
         }
         gathered.push((keys, values, s));
     }
-    let data: Vec<RowData> = gathered.iter().map(|(keys, values, s)| RowData { keys, values, s: *s }).collect();
+    let data: Vec<RowData> = gathered
+        .iter()
+        .map(|(keys, values, s)| RowData { keys, values, key_heads: *s * d, value_heads: *s * d, s: *s })
+        .collect();
     let masks: Vec<&Mask> = rows.iter().map(|r| &r.mask).collect();
     half_attention_core(q, &data, hkv, scale, Masks::PerRow(&masks)).map(Some)
 }
@@ -551,8 +591,11 @@ pub unsafe fn mlx_exp8(x0: std::arch::x86_64::__m256) -> std::arch::x86_64::__m2
 
 /// One row's keys and values, [Hkv, s, D] as half-precision bit patterns.
 struct RowData<'a> {
+    /// From the row's first key; head g's s keys start `key_heads · g` values in.
     keys: &'a [u16],
     values: &'a [u16],
+    key_heads: usize,
+    value_heads: usize,
     s: usize,
 }
 
@@ -634,7 +677,7 @@ fn half_attention_core(q: &Array, rows: &[RowData], hkv: usize, scale: f32, mask
                 });
                 let at = scores.len();
                 scores.resize(at + block * row.s, 0.0);
-                let keys = weight(dtype, &row.keys[g * row.s * d..(g + 1) * row.s * d]);
+                let keys = weight(dtype, &row.keys[g * row.key_heads..][..row.s * d]);
                 dot::product(&x, dtype, block, d, keys, 0..row.s, row.s, &mut scores[at..]);
             }
         }
@@ -724,7 +767,7 @@ fn half_attention_core(q: &Array, rows: &[RowData], hkv: usize, scale: f32, mask
         values_t.resize(d * s, 0u16);
         for g in 0..hkv {
             // This head's values as the weight's rows: [d, s].
-            transpose(&row.values[g * s * d..(g + 1) * s * d], s, d, &mut values_t);
+            transpose(&row.values[g * row.value_heads..][..s * d], s, d, &mut values_t);
             let y = &mut out[(r * hkv + g) * block * d..][..block * d];
             dot::product(&ps[at..at + block * s], dtype, block, s, weight(dtype, &values_t), 0..d, d, y);
             at += block * s;
@@ -977,6 +1020,23 @@ mod half_attention_tests {
                 assert_eq!(differ, 0, "{dtype:?}, length {len}: {differ} of {} differ", ours.len());
             }
         }
+    }
+
+    /// Keys and values given as the first slots of a larger cache (a view, read in place) give
+    /// what their row-major copies give, bit for bit.
+    #[test]
+    fn reads_a_caches_first_slots_in_place() {
+        let dtype = Dtype::Bfloat16;
+        let q = normal(&[2, 4, 1, 64], 1, dtype);
+        let (k, v) = (normal(&[2, 2, 48, 64], 2, dtype), normal(&[2, 2, 48, 64], 3, dtype));
+        let (k, v) = (crate::nn::layout::first_slots(&k, 37).unwrap(), crate::nn::layout::first_slots(&v, 37).unwrap());
+        let (view, strides) = heads_in_place(&k).unwrap();
+        assert_eq!((view.shape(), strides), (&[2, 2, 37, 64][..], [2 * 48 * 64, 48 * 64]), "not read in place");
+        let in_place = attention(&q, &k, &v, 0.125, &Mask::All).unwrap();
+        let copied = attention(&q, &row_major(&k).unwrap(), &row_major(&v).unwrap(), 0.125, &Mask::All).unwrap();
+        assert_eq!(largest_difference(&in_place, &copied), 0.0);
+        let reference = mlx_rs::fast::scaled_dot_product_attention(&q, &k, &v, 0.125, None, None).unwrap();
+        assert!(largest_difference(&in_place, &reference) < 0.05);
     }
 
     #[test]
