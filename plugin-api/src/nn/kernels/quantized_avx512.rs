@@ -12,9 +12,11 @@
 //! and the high nibbles the odd ones, so x is split once per call into the same even and odd
 //! halves of every 32 elements, and each half multiplies its own vector of weights.
 //!
-//! Tried and slower on the development machine (Zen 4), at every row count from one to
-//! sixteen: for bfloat16 rows, `vdpbf16ps` on the integers themselves (exact in bfloat16, 32
-//! per instruction), with scale and bias applied per group as MLX's Metal kernels do.
+//! Tried on the development machine (Zen 4) and not kept: for bfloat16 rows, `vdpbf16ps` on the
+//! integers themselves (exact in bfloat16, 32 per instruction), with scale and bias applied per
+//! group as MLX's Metal kernels do, slower at every row count from one to sixteen; for 4-bit
+//! weights, each group's sixteen values made once and looked up by nibble (`vpermps`), no
+//! faster.
 
 use std::arch::x86_64::*;
 
