@@ -7,7 +7,7 @@
 //! Quantized weights of half-precision activations are summed in float32 here, as MLX's Metal
 //! and CUDA kernels sum them. MLX's CPU kernel instead rounds to the activation dtype after
 //! every multiply and add, one weight at a time; reproducing that costs about 27 vector
-//! operations per weight and bounds a product at a few GB/s, a fifth of the machine's read rate
+//! operations per weight and bounds a product at a few GB/s, an eighth of the machine's read rate
 //! (measured with such a kernel), and its sums are less accurate than float32's.
 
 pub mod dot;
