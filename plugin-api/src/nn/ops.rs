@@ -371,14 +371,14 @@ fn half_attention(q: &Array, k: &Array, v: &Array, scale: f32, mask: &Mask) -> R
     }
     // A KV cache's first slots come as a view of its storage (see `layout::first_slots`): read
     // in place, each head's slots being contiguous, rather than copied out first.
-    let (k, v) = (heads_in_place(k)?, heads_in_place(v)?);
-    let (keys, values) = (head_data(&k.0, k.1), head_data(&v.0, v.1));
+    let (k, v) = (InPlace::of(k)?, InPlace::of(v)?);
+    let (keys, values) = (k.data(), v.data());
     let rows: Vec<RowData> = (0..b as usize)
         .map(|r| RowData {
-            keys: &keys[r * k.1[0]..],
-            values: &values[r * v.1[0]..],
-            key_heads: k.1[1],
-            value_heads: v.1[1],
+            keys: &keys[r * k.row..],
+            values: &values[r * v.row..],
+            key_heads: k.head,
+            value_heads: v.head,
             s,
         })
         .collect();
@@ -387,32 +387,41 @@ fn half_attention(q: &Array, k: &Array, v: &Array, scale: f32, mask: &Mask) -> R
 
 /// A half-precision [B, H, S, D] array (evaluated) whose slots are each D contiguous values and
 /// whose heads each hold their S slots in a run (row-major, or a slice of a row-major array
-/// along S, as a KV cache's first slots are), with its strides of a row and of a head: `a`
-/// itself when so laid out, else a row-major copy.
-fn heads_in_place(a: &Array) -> Result<(Array, [usize; 2]), Exception> {
-    a.eval()?;
-    let shape = a.shape();
-    let [h, s, d] = [1, 2, 3].map(|i| shape[i] as usize);
-    // SAFETY: `a` is evaluated and four-dimensional; MLX holds one stride per dimension.
-    let strides = unsafe { std::slice::from_raw_parts(mlx_sys::mlx_array_strides(a.as_ptr()), 4) };
-    let [row, head, slot, one] = [strides[0], strides[1], strides[2], strides[3]];
-    if one == 1 && slot == d && head >= s * d && row >= h * head && a.size() > 0 {
-        return Ok((a.clone(), [row, head]));
-    }
-    Ok((row_major(a)?, [h * s * d, s * d]))
+/// along S, as a KV cache's first slots are), with its strides (in elements) of a row and of a
+/// head.
+struct InPlace {
+    array: Array,
+    row: usize,
+    head: usize,
 }
 
-/// The 16-bit data of [`heads_in_place`]'s array from its first element to its last.
-fn head_data(a: &Array, [row, head]: [usize; 2]) -> &[u16] {
-    let shape = a.shape();
-    let [b, h, s, d] = [0, 1, 2, 3].map(|i| shape[i] as usize);
-    if b * h * s * d == 0 {
-        return &[];
+impl InPlace {
+    /// `a` itself when so laid out, else a row-major copy.
+    fn of(a: &Array) -> Result<InPlace, Exception> {
+        a.eval()?;
+        let shape = a.shape();
+        let [h, s, d] = [1, 2, 3].map(|i| shape[i] as usize);
+        // SAFETY: `a` is evaluated and four-dimensional; MLX holds one stride per dimension.
+        let strides = unsafe { std::slice::from_raw_parts(mlx_sys::mlx_array_strides(a.as_ptr()), 4) };
+        let [row, head, slot, one] = [strides[0], strides[1], strides[2], strides[3]];
+        if one == 1 && slot == d && head >= s * d && row >= h * head && a.size() > 0 {
+            return Ok(InPlace { array: a.clone(), row, head });
+        }
+        Ok(InPlace { array: row_major(a)?, row: h * s * d, head: s * d })
     }
-    let span = (b - 1) * row + (h - 1) * head + s * d;
-    // SAFETY: `a` is evaluated and 16-bit; its last element lies `span − 1` elements after its
-    // first, within its buffer, which `a` keeps alive as long as the slice borrows it.
-    unsafe { std::slice::from_raw_parts(mlx_sys::mlx_array_data_uint16(a.as_ptr()), span) }
+
+    /// The 16-bit data from the first element to the last.
+    fn data(&self) -> &[u16] {
+        let shape = self.array.shape();
+        let [b, h, s, d] = [0, 1, 2, 3].map(|i| shape[i] as usize);
+        if b * h * s * d == 0 {
+            return &[];
+        }
+        let span = (b - 1) * self.row + (h - 1) * self.head + s * d;
+        // SAFETY: the array is evaluated and 16-bit; its last element lies `span − 1` elements
+        // after its first, within its buffer, which it keeps alive while the slice borrows it.
+        unsafe { std::slice::from_raw_parts(mlx_sys::mlx_array_data_uint16(self.array.as_ptr()), span) }
+    }
 }
 
 /// [`attention_rows`] through the host's loops: each row's pieces copied end to end per KV
@@ -1004,8 +1013,9 @@ mod half_attention_tests {
         let q = normal(&[2, 4, 1, 64], 1, dtype);
         let (k, v) = (normal(&[2, 2, 48, 64], 2, dtype), normal(&[2, 2, 48, 64], 3, dtype));
         let (k, v) = (crate::nn::layout::first_slots(&k, 37).unwrap(), crate::nn::layout::first_slots(&v, 37).unwrap());
-        let (view, strides) = heads_in_place(&k).unwrap();
-        assert_eq!((view.shape(), strides), (&[2, 2, 37, 64][..], [2 * 48 * 64, 48 * 64]), "not read in place");
+        let view = InPlace::of(&k).unwrap();
+        let strides = [view.row, view.head];
+        assert_eq!((view.array.shape(), strides), (&[2, 2, 37, 64][..], [2 * 48 * 64, 48 * 64]), "not read in place");
         let in_place = attention(&q, &k, &v, 0.125, &Mask::All).unwrap();
         let copied = attention(&q, &row_major(&k).unwrap(), &row_major(&v).unwrap(), 0.125, &Mask::All).unwrap();
         assert_eq!(largest_difference(&in_place, &copied), 0.0);

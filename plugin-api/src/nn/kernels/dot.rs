@@ -62,15 +62,27 @@ pub enum Weight<'a> {
     Bf16(&'a [u16]),
     /// float16 bit patterns.
     F16(&'a [u16]),
-    /// MLX affine quantization: row o holds k / (32 / bits) words, low bits first; one scale
-    /// and bias per `group` weights: w = scale · q + bias.
-    Quantized {
-        packed: &'a [u32],
-        scales: Params<'a>,
-        biases: Params<'a>,
-        bits: u32,
-        group: usize,
-    },
+    Quantized(Quantized<'a>),
+}
+
+/// An MLX affine-quantized matrix [n, k]: row o holds k / (32 / bits) words, low bits first;
+/// one scale and bias per `group` weights: w = scale · q + bias.
+#[derive(Clone, Copy)]
+pub struct Quantized<'a> {
+    pub packed: &'a [u32],
+    pub scales: Params<'a>,
+    pub biases: Params<'a>,
+    pub bits: u32,
+    pub group: usize,
+}
+
+impl Quantized<'_> {
+    /// The integer q of element i of row o (rows k long).
+    pub fn q(&self, o: usize, k: usize, i: usize) -> u32 {
+        let per_word = (32 / self.bits) as usize;
+        let word = self.packed[(o * k + i) / per_word];
+        (word >> (self.bits as usize * (i % per_word))) & ((1u32 << self.bits) - 1)
+    }
 }
 
 /// Computes y[m, o] for outputs `outputs` (a range of rows of W) and every row m of x [rows, k];
@@ -97,9 +109,8 @@ pub fn product(
                 return;
             }
         }
-        if let Weight::Quantized { packed, scales, biases, bits, group } = w {
-            if super::quantized_avx512::takes(bits, group) && super::quantized_avx512::available() {
-                let w = super::quantized_avx512::Quantized { packed, scales, biases, bits, group };
+        if let Weight::Quantized(w) = w {
+            if super::quantized_avx512::takes(w.bits, w.group) && super::quantized_avx512::available() {
                 // SAFETY: the CPU has the features and the loops take this format (checked).
                 unsafe { super::quantized_avx512::product(x, rows, k, w, outputs, n, y) };
                 return;
@@ -143,14 +154,10 @@ pub(super) mod portable {
                         *r = half::f16::from_bits(b).to_f32();
                     }
                 }
-                Weight::Quantized { packed, scales, biases, bits, group } => {
-                    let per_word = (32 / bits) as usize;
-                    let words = &packed[o * k / per_word..(o + 1) * k / per_word];
-                    let mask = (1u32 << bits) - 1;
+                Weight::Quantized(w) => {
                     for (i, r) in row.iter_mut().enumerate() {
-                        let q = (words[i / per_word] >> (bits as usize * (i % per_word))) & mask;
-                        let g = o * (k / group) + i / group;
-                        *r = scales.get(g) * q as f32 + biases.get(g);
+                        let g = o * (k / w.group) + i / w.group;
+                        *r = w.scales.get(g) * w.q(o, k, i) as f32 + w.biases.get(g);
                     }
                 }
             }
@@ -185,7 +192,7 @@ pub(super) mod avx2 {
         y: &mut [f32],
     ) {
         let supported = match w {
-            Weight::Quantized { bits, group, .. } => group.is_multiple_of(8) && (bits == 4 || bits == 8),
+            Weight::Quantized(w) => w.group.is_multiple_of(8) && (w.bits == 4 || w.bits == 8),
             _ => true,
         };
         if !supported {
@@ -241,11 +248,11 @@ pub(super) mod avx2 {
     /// without, three runs each: products of 4 rows ran at 13.6–17.4 GMAC/s against 11.9–15.2,
     /// of 12 rows at 26.1–31.6 against 21.3–25.3.
     #[inline(always)]
-    pub(super) unsafe fn prefetch_rows(w: Weight, k: usize, rows: std::ops::Range<usize>) {
+    pub(in crate::nn::kernels) unsafe fn prefetch_rows(w: Weight, k: usize, rows: std::ops::Range<usize>) {
         let (base, row_bytes) = match w {
             Weight::F32(w) => (w.as_ptr() as *const u8, k * 4),
             Weight::Bf16(w) | Weight::F16(w) => (w.as_ptr() as *const u8, k * 2),
-            Weight::Quantized { packed, bits, .. } => (packed.as_ptr() as *const u8, k * bits as usize / 8),
+            Weight::Quantized(w) => (w.packed.as_ptr() as *const u8, k * w.bits as usize / 8),
         };
         for at in (rows.start * row_bytes..rows.end * row_bytes).step_by(64) {
             _mm_prefetch::<_MM_HINT_T0>(base.add(at) as *const i8);
@@ -277,7 +284,7 @@ pub(super) mod avx2 {
                     out[i] = half::f16::from_bits(w[r * k + i]).to_f32();
                 }
             }
-            Weight::Quantized { packed, scales, biases, bits, group } => {
+            Weight::Quantized(Quantized { packed, scales, biases, bits, group }) => {
                 let groups = k / group;
                 for g in 0..groups {
                     // MLX's dequantization: w = scale · q + bias.
@@ -406,10 +413,8 @@ mod avx512_bf16 {
     const W_BLOCK: usize = 4;
 
     pub fn available() -> bool {
-        std::is_x86_feature_detected!("avx512f")
+        super::super::lanes::available()
             && std::is_x86_feature_detected!("avx512bw")
-            && std::is_x86_feature_detected!("avx512vl")
-            && std::is_x86_feature_detected!("avx512dq")
             && std::is_x86_feature_detected!("avx512bf16")
     }
 

@@ -3,6 +3,14 @@
 
 use std::arch::x86_64::*;
 
+/// Whether the CPU has what these sums need (AVX-512 F, VL and DQ): the base of every AVX-512
+/// route.
+pub fn available() -> bool {
+    std::is_x86_feature_detected!("avx512f")
+        && std::is_x86_feature_detected!("avx512vl")
+        && std::is_x86_feature_detected!("avx512dq")
+}
+
 /// Writes the sums of a register tile's accumulators: `acc[j][b]` is output o + j of x row
 /// m0 + b, and goes to y[(m0 + b) * n + o + j].
 #[inline]
@@ -95,10 +103,7 @@ mod tests {
     /// of mixed magnitudes where any other pairing would round differently.
     #[test]
     fn sixteen_sums_at_once_are_each_sums_own() {
-        if !(std::is_x86_feature_detected!("avx512f")
-            && std::is_x86_feature_detected!("avx512vl")
-            && std::is_x86_feature_detected!("avx512dq"))
-        {
+        if !available() {
             return;
         }
         let value = |i: usize| ((i * 2654435761) % 2003) as f32 * 10f32.powi((i % 7) as i32 - 3) - 700.0;

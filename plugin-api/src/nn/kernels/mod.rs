@@ -64,7 +64,7 @@ pub fn small_product(
                 return Ok(None);
             }
             let (bits, group) = (q.bits as u32, q.group_size as usize);
-            Weight::Quantized { packed, scales, biases, bits, group }
+            Weight::Quantized(dot::Quantized { packed, scales, biases, bits, group })
         }
         (None, None, None) => match w.dtype() {
             // Float32 weights of up to MAX_ROWS rows: with the helper thread taking half of each
@@ -120,22 +120,20 @@ pub fn dequantized_rows(
     let (Some(packed), Some(s), Some(b)) = (slice::<u32>(w), params(scales), params(biases)) else {
         return Ok(None);
     };
-    let (vocab, group) = (w.shape()[0] as i64, q.group_size as usize);
-    let per_word = (32 / q.bits) as usize;
-    let k = w.shape()[1] as usize * per_word;
+    let (bits, vocab, group) = (q.bits as u32, w.shape()[0] as i64, q.group_size as usize);
+    let k = w.shape()[1] as usize * (32 / q.bits) as usize;
     if ids.iter().any(|&i| i < 0 || i >= vocab) || !k.is_multiple_of(group) {
         return Ok(None);
     }
+    let table = dot::Quantized { packed, scales: s, biases: b, bits, group };
     let dtype = scales.dtype();
-    let (mask, groups) = ((1u32 << q.bits) - 1, k / group);
     let mut out = Vec::with_capacity(ids.len() * k);
     with_round!(dtype, |r| {
         for &id in &ids {
-            let (words, first_group) = (&packed[id as usize * k / per_word..], id as usize * groups);
+            let row = id as usize;
             for i in 0..k {
-                let q = (words[i / per_word] >> (q.bits as usize * (i % per_word))) & mask;
-                let g = first_group + i / group;
-                out.push(r.round(r.round(s.get(g) * q as f32) + b.get(g)));
+                let g = row * (k / group) + i / group;
+                out.push(r.round(r.round(s.get(g) * table.q(row, k, i) as f32) + b.get(g)));
             }
         }
     });
@@ -572,12 +570,14 @@ mod tests {
         let packed: Vec<u32> = (0..n * k / 4).map(|i| (i as u32).wrapping_mul(2654435761)).collect();
         let scales: Vec<f32> = (0..n * k / 32).map(|i| 0.01 + i as f32 * 1e-3).collect();
         let biases: Vec<f32> = (0..n * k / 32).map(|i| -0.05 + i as f32 * 1e-3).collect();
-        let quantized = |bits| Weight::Quantized {
-            packed: &packed[..n * k * bits as usize / 32],
-            scales: Params::F32(&scales),
-            biases: Params::F32(&biases),
-            bits,
-            group: 32,
+        let quantized = |bits| {
+            Weight::Quantized(dot::Quantized {
+                packed: &packed[..n * k * bits as usize / 32],
+                scales: Params::F32(&scales),
+                biases: Params::F32(&biases),
+                bits,
+                group: 32,
+            })
         };
         let xb: Vec<f32> = x.iter().map(|&v| round_to(Dtype::Bfloat16, v)).collect();
         let cases = [Weight::F32(&wf), Weight::Bf16(&wb), quantized(4), quantized(8)].map(|w| (w, Dtype::Float32, &x));

@@ -20,7 +20,7 @@
 
 use std::arch::x86_64::*;
 
-use super::dot::Params;
+use super::dot::{Quantized, Weight};
 use super::lanes::store_sums;
 
 /// Register tiles of up to 4 x rows × 4 W rows: sixteen accumulators, and for each W row its
@@ -29,24 +29,12 @@ const X_BLOCK: usize = 4;
 const W_BLOCK: usize = 4;
 
 pub fn available() -> bool {
-    std::is_x86_feature_detected!("avx512f")
-        && std::is_x86_feature_detected!("avx512vl")
-        && std::is_x86_feature_detected!("avx512dq")
+    super::lanes::available()
 }
 
 /// Whether these loops take a weight of `bits` and `group`: whole vectors never straddle groups.
 pub fn takes(bits: u32, group: usize) -> bool {
     (bits == 4 || bits == 8) && group.is_multiple_of(32)
-}
-
-/// A quantized weight [n, k] as MLX stores it (see [`super::dot::Weight::Quantized`]).
-#[derive(Clone, Copy)]
-pub struct Quantized<'a> {
-    pub packed: &'a [u32],
-    pub scales: Params<'a>,
-    pub biases: Params<'a>,
-    pub bits: u32,
-    pub group: usize,
 }
 
 /// y[m, o] for o in `outputs` and every row m of x [rows, k]; y is [rows, n].
@@ -74,46 +62,21 @@ pub unsafe fn product(
     let mut o = outputs.start;
     while o < outputs.end {
         let width = W_BLOCK.min(outputs.end - o);
-        prefetch_rows(w, k, o + width..(o + 2 * width).min(outputs.end));
+        // As the other loops do: the next block of W rows is asked for while this one is used.
+        super::dot::avx2::prefetch_rows(Weight::Quantized(w), k, o + width..(o + 2 * width).min(outputs.end));
         let mut m0 = 0;
         while m0 < rows {
             let block = X_BLOCK.min(rows - m0);
             let at = Tile { x, k, w, m0, o, n };
-            match (w.bits == 4, block, width) {
-                (false, 4, 4) => at.run::<4, 4, 8>(y),
-                (false, 3, 4) => at.run::<3, 4, 8>(y),
-                (false, 2, 4) => at.run::<2, 4, 8>(y),
-                (false, 1, 4) => at.run::<1, 4, 8>(y),
-                (false, 4, 3) => at.run::<4, 3, 8>(y),
-                (false, 3, 3) => at.run::<3, 3, 8>(y),
-                (false, 2, 3) => at.run::<2, 3, 8>(y),
-                (false, 1, 3) => at.run::<1, 3, 8>(y),
-                (false, 4, 2) => at.run::<4, 2, 8>(y),
-                (false, 3, 2) => at.run::<3, 2, 8>(y),
-                (false, 2, 2) => at.run::<2, 2, 8>(y),
-                (false, 1, 2) => at.run::<1, 2, 8>(y),
-                (false, 4, 1) => at.run::<4, 1, 8>(y),
-                (false, 3, 1) => at.run::<3, 1, 8>(y),
-                (false, 2, 1) => at.run::<2, 1, 8>(y),
-                (false, 1, 1) => at.run::<1, 1, 8>(y),
-                (true, 4, 4) => at.run::<4, 4, 4>(y),
-                (true, 3, 4) => at.run::<3, 4, 4>(y),
-                (true, 2, 4) => at.run::<2, 4, 4>(y),
-                (true, 1, 4) => at.run::<1, 4, 4>(y),
-                (true, 4, 3) => at.run::<4, 3, 4>(y),
-                (true, 3, 3) => at.run::<3, 3, 4>(y),
-                (true, 2, 3) => at.run::<2, 3, 4>(y),
-                (true, 1, 3) => at.run::<1, 3, 4>(y),
-                (true, 4, 2) => at.run::<4, 2, 4>(y),
-                (true, 3, 2) => at.run::<3, 2, 4>(y),
-                (true, 2, 2) => at.run::<2, 2, 4>(y),
-                (true, 1, 2) => at.run::<1, 2, 4>(y),
-                (true, 4, 1) => at.run::<4, 1, 4>(y),
-                (true, 3, 1) => at.run::<3, 1, 4>(y),
-                (true, 2, 1) => at.run::<2, 1, 4>(y),
-                (true, 1, 1) => at.run::<1, 1, 4>(y),
-                _ => unreachable!("blocks of at most {X_BLOCK} x rows and {W_BLOCK} W rows"),
+            macro_rules! shapes {
+                ($($b:literal, $j:literal);*) => {
+                    match (w.bits == 4, block, width) {
+                        $((false, $b, $j) => at.run::<$b, $j, 8>(y), (true, $b, $j) => at.run::<$b, $j, 4>(y),)*
+                        _ => unreachable!("blocks of at most {X_BLOCK} x rows and {W_BLOCK} W rows"),
+                    }
+                };
             }
+            shapes!(4, 4; 3, 4; 2, 4; 1, 4; 4, 3; 3, 3; 2, 3; 1, 3; 4, 2; 3, 2; 2, 2; 1, 2; 4, 1; 3, 1; 2, 1; 1, 1);
             m0 += block;
         }
         o += width;
@@ -129,16 +92,6 @@ fn even_then_odd(x: &[f32]) -> Vec<f32> {
         out.extend(run.iter().skip(1).step_by(2));
     }
     out
-}
-
-/// As the other loops do: the next block of W rows is asked for while this one is multiplied.
-#[inline(always)]
-unsafe fn prefetch_rows(w: Quantized, k: usize, rows: std::ops::Range<usize>) {
-    let row_bytes = k * w.bits as usize / 8;
-    let base = w.packed.as_ptr() as *const u8;
-    for at in (rows.start * row_bytes..rows.end * row_bytes).step_by(64) {
-        _mm_prefetch::<_MM_HINT_T0>(base.add(at) as *const i8);
-    }
 }
 
 /// Where a register tile works: x (as [`product`] arranged it), W's rows `o..`, from x row m0.
