@@ -659,6 +659,7 @@ enum Masks<'a> {
 /// one.
 fn half_attention_core(q: &Array, rows: &[RowData], hkv: usize, scale: f32, masks: Masks) -> Result<Array, Exception> {
     use super::kernels::dot::{self, Weight};
+    use super::kernels::weighted_sum::weighted_sum;
     use super::kernels::{round_to, rounded, with_floats, with_round};
     let dtype = q.dtype();
     let (hq, l, d) = (q.shape()[1], q.shape()[2], q.shape()[3] as usize);
@@ -769,35 +770,17 @@ fn half_attention_core(q: &Array, rows: &[RowData], hkv: usize, scale: f32, mask
     };
 
     let mut out = vec![0f32; rows.len() * hkv * block * d];
-    let mut values_t = Vec::new();
     let mut at = 0;
     for (r, row) in rows.iter().enumerate() {
         let s = row.s;
-        values_t.resize(d * s, 0u16);
         for g in 0..hkv {
-            // This head's values as the weight's rows: [d, s].
-            transpose(&row.values[g * row.value_heads..][..s * d], s, d, &mut values_t);
             let y = &mut out[(r * hkv + g) * block * d..][..block * d];
-            dot::product(&ps[at..at + block * s], dtype, block, s, weight(dtype, &values_t), 0..d, d, y);
+            let values = &row.values[g * row.value_heads..][..s * d];
+            weighted_sum(&ps[at..at + block * s], block, s, values, dtype, d, y);
             at += block * s;
         }
     }
     Ok(rounded(&out, &[rows.len() as i32, hq, l, d as i32], dtype))
-}
-
-/// `to` [cols, rows] ← `from` [rows, cols], sixteen rows at a time: the stores of a whole row of
-/// `from` land `rows` apart, and a head's values (a few hundred positions of 64–256 values)
-/// outgrow the L1 cache, so taken a row at a time each store would miss it.
-fn transpose(from: &[u16], rows: usize, cols: usize, to: &mut [u16]) {
-    const BLOCK: usize = 16;
-    for r0 in (0..rows).step_by(BLOCK) {
-        let r1 = (r0 + BLOCK).min(rows);
-        for c in 0..cols {
-            for r in r0..r1 {
-                to[c * rows + r] = from[r * cols + c];
-            }
-        }
-    }
 }
 
 #[cfg(all(test, target_arch = "x86_64"))]

@@ -15,6 +15,7 @@ pub mod dot;
 mod lanes;
 #[cfg(target_arch = "x86_64")]
 pub mod quantized_avx512;
+pub mod weighted_sum;
 
 use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype};

@@ -1,0 +1,342 @@
+//! `out[b, :] = Σ_j p[b, j] · v[j, :]` for half-precision rows v [s, d]: attention's
+//! probabilities times its values, the values read where the cache holds them.
+//!
+//! The product loops of [`super::dot`] would want the values as a weight [d, s], a transposed
+//! copy of every head's whole context per layer and step; in a decode step of eight requests
+//! that copy took most of attention's time. Here each output element is one float32 accumulator
+//! that takes its terms in key order, one fused multiply-add each, on every route. So:
+//! - the routes (AVX-512, AVX2, portable) agree bit for bit;
+//! - a key whose probability is zero (a masked slot, wherever it sits) leaves the sum as it was,
+//!   so a row's attention is the same alone or batched with longer rows;
+//! - each query row is summed on its own, the same in a verify window as in a one-token step.
+
+use mlx_rs::Dtype;
+
+/// Fills `out` [rows, d] with the weighted sums of the rows of `v` [s, d] (bfloat16 or float16
+/// bit patterns, as `dtype` says) by the weights `p` [rows, s].
+pub fn weighted_sum(p: &[f32], rows: usize, s: usize, v: &[u16], dtype: Dtype, d: usize, out: &mut [f32]) {
+    assert!(p.len() == rows * s && v.len() == s * d && out.len() == rows * d, "weighted_sum: operand sizes");
+    let bf16 = match dtype {
+        Dtype::Bfloat16 => true,
+        Dtype::Float16 => false,
+        other => panic!("weighted_sum: values of {other:?}"),
+    };
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    {
+        if super::lanes::available() {
+            // SAFETY: the CPU has AVX-512 F (checked by `available`); the sizes are checked above.
+            done = unsafe { avx512::columns(p, rows, s, v, bf16, d, out) };
+        } else if std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("f16c")
+        {
+            // SAFETY: the CPU has AVX2, FMA and F16C (checked above); the sizes are checked above.
+            done = unsafe { avx2::columns(p, rows, s, v, bf16, d, out) };
+        }
+    }
+    portable(p, rows, s, v, bf16, d, done..d, out);
+}
+
+/// Columns `columns` of every output row, one element at a time.
+#[allow(clippy::too_many_arguments)]
+fn portable(
+    p: &[f32],
+    rows: usize,
+    s: usize,
+    v: &[u16],
+    bf16: bool,
+    d: usize,
+    columns: std::ops::Range<usize>,
+    out: &mut [f32],
+) {
+    let widen =
+        |bits: u16| if bf16 { f32::from_bits((bits as u32) << 16) } else { half::f16::from_bits(bits).to_f32() };
+    for b in 0..rows {
+        for c in columns.clone() {
+            let mut acc = 0f32;
+            for j in 0..s {
+                acc = p[b * s + j].mul_add(widen(v[j * d + c]), acc);
+            }
+            out[b * d + c] = acc;
+        }
+    }
+}
+
+/// Covers the whole vectors of columns of `out` with tiles of up to `max_b` rows × `max_c`
+/// vectors of `lanes` floats, calling `tile(b, c, at)` for each; returns how many leading columns
+/// that filled.
+#[allow(clippy::too_many_arguments)]
+#[cfg(target_arch = "x86_64")]
+unsafe fn tiled(
+    p: &[f32],
+    rows: usize,
+    s: usize,
+    v: &[u16],
+    d: usize,
+    out: &mut [f32],
+    [lanes, max_b, max_c]: [usize; 3],
+    tile: impl Fn(usize, usize, At),
+) -> usize {
+    let whole = d / lanes * lanes;
+    for b0 in (0..rows).step_by(max_b) {
+        let b = (rows - b0).min(max_b);
+        let mut c0 = 0;
+        while c0 < whole {
+            let c = ((whole - c0) / lanes).min(max_c);
+            tile(
+                b,
+                c,
+                At { p: p.as_ptr().add(b0 * s), s, v: v.as_ptr().add(c0), d, out: out.as_mut_ptr().add(b0 * d + c0) },
+            );
+            c0 += c * lanes;
+        }
+    }
+    whole
+}
+
+/// Where a tile works: weights from `p` (rows `s` apart), values from column `v` (rows `d`
+/// apart), outputs from `out` (rows `d` apart).
+#[derive(Clone, Copy)]
+#[cfg(target_arch = "x86_64")]
+struct At {
+    p: *const f32,
+    s: usize,
+    v: *const u16,
+    d: usize,
+    out: *mut f32,
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::At;
+
+    /// Whole vectors of columns (see [`super::tiled`]): tiles of up to 4 rows × 4 vectors, sixteen
+    /// accumulators.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn columns(p: &[f32], rows: usize, s: usize, v: &[u16], bf16: bool, d: usize, out: &mut [f32]) -> usize {
+        let tile = |b, c, at| if bf16 { dispatch::<true>(b, c, at) } else { dispatch::<false>(b, c, at) };
+        super::tiled(p, rows, s, v, d, out, [16, 4, 4], tile)
+    }
+
+    #[target_feature(enable = "avx512f")]
+    unsafe fn dispatch<const BF16: bool>(b: usize, c: usize, at: At) {
+        match (b, c) {
+            (1, 1) => tile::<1, 1, BF16>(at),
+            (1, 2) => tile::<1, 2, BF16>(at),
+            (1, 3) => tile::<1, 3, BF16>(at),
+            (1, 4) => tile::<1, 4, BF16>(at),
+            (2, 1) => tile::<2, 1, BF16>(at),
+            (2, 2) => tile::<2, 2, BF16>(at),
+            (2, 3) => tile::<2, 3, BF16>(at),
+            (2, 4) => tile::<2, 4, BF16>(at),
+            (3, 1) => tile::<3, 1, BF16>(at),
+            (3, 2) => tile::<3, 2, BF16>(at),
+            (3, 3) => tile::<3, 3, BF16>(at),
+            (3, 4) => tile::<3, 4, BF16>(at),
+            (4, 1) => tile::<4, 1, BF16>(at),
+            (4, 2) => tile::<4, 2, BF16>(at),
+            (4, 3) => tile::<4, 3, BF16>(at),
+            (4, 4) => tile::<4, 4, BF16>(at),
+            _ => unreachable!("tiles of at most 4 × 4"),
+        }
+    }
+
+    /// Sixteen bfloat16 or float16 values as floats.
+    #[inline(always)]
+    unsafe fn load<const BF16: bool>(v: *const u16) -> __m512 {
+        let halves = _mm256_loadu_si256(v as *const __m256i);
+        if BF16 {
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(halves)))
+        } else {
+            _mm512_cvtph_ps(halves)
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn tile<const B: usize, const C: usize, const BF16: bool>(at: At) {
+        let mut acc = [[_mm512_setzero_ps(); C]; B];
+        for j in 0..at.s {
+            let values: [__m512; C] = std::array::from_fn(|c| load::<BF16>(at.v.add(j * at.d + 16 * c)));
+            for (b, acc) in acc.iter_mut().enumerate() {
+                let weight = _mm512_set1_ps(*at.p.add(b * at.s + j));
+                for (acc, &value) in acc.iter_mut().zip(&values) {
+                    *acc = _mm512_fmadd_ps(weight, value, *acc);
+                }
+            }
+        }
+        for (b, acc) in acc.iter().enumerate() {
+            for (c, &acc) in acc.iter().enumerate() {
+                _mm512_storeu_ps(at.out.add(b * at.d + 16 * c), acc);
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::At;
+
+    /// Whole vectors of columns (see [`super::tiled`]): tiles of up to 2 rows × 4 vectors, so
+    /// that the sums, four vectors of values and a weight fit in sixteen registers.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn columns(p: &[f32], rows: usize, s: usize, v: &[u16], bf16: bool, d: usize, out: &mut [f32]) -> usize {
+        let tile = |b, c, at| if bf16 { dispatch::<true>(b, c, at) } else { dispatch::<false>(b, c, at) };
+        super::tiled(p, rows, s, v, d, out, [8, 2, 4], tile)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dispatch<const BF16: bool>(b: usize, c: usize, at: At) {
+        match (b, c) {
+            (1, 1) => tile::<1, 1, BF16>(at),
+            (1, 2) => tile::<1, 2, BF16>(at),
+            (1, 3) => tile::<1, 3, BF16>(at),
+            (1, 4) => tile::<1, 4, BF16>(at),
+            (2, 1) => tile::<2, 1, BF16>(at),
+            (2, 2) => tile::<2, 2, BF16>(at),
+            (2, 3) => tile::<2, 3, BF16>(at),
+            (2, 4) => tile::<2, 4, BF16>(at),
+            _ => unreachable!("tiles of at most 2 × 4"),
+        }
+    }
+
+    /// Eight bfloat16 or float16 values as floats.
+    #[inline(always)]
+    unsafe fn load<const BF16: bool>(v: *const u16) -> __m256 {
+        let halves = _mm_loadu_si128(v as *const __m128i);
+        if BF16 {
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(halves)))
+        } else {
+            _mm256_cvtph_ps(halves)
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn tile<const B: usize, const C: usize, const BF16: bool>(at: At) {
+        let mut acc = [[_mm256_setzero_ps(); C]; B];
+        for j in 0..at.s {
+            let values: [__m256; C] = std::array::from_fn(|c| load::<BF16>(at.v.add(j * at.d + 8 * c)));
+            for (b, acc) in acc.iter_mut().enumerate() {
+                let weight = _mm256_set1_ps(*at.p.add(b * at.s + j));
+                for (acc, &value) in acc.iter_mut().zip(&values) {
+                    *acc = _mm256_fmadd_ps(weight, value, *acc);
+                }
+            }
+        }
+        for (b, acc) in acc.iter().enumerate() {
+            for (c, &acc) in acc.iter().enumerate() {
+                _mm256_storeu_ps(at.out.add(b * at.d + 8 * c), acc);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Values with every kind of bit pattern a cache holds (signs, small and large exponents),
+    /// none of them NaN or infinite.
+    fn values(n: usize, bf16: bool, seed: u32) -> Vec<u16> {
+        let mut state = seed;
+        (0..n)
+            .map(|_| {
+                state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                let bits = (state >> 16) as u16;
+                let exponent_mask = if bf16 { 0x7F80 } else { 0x7C00 };
+                if bits & exponent_mask == exponent_mask {
+                    bits & !0x4000
+                } else {
+                    bits
+                }
+            })
+            .collect()
+    }
+
+    fn weights(n: usize, seed: u32) -> Vec<f32> {
+        let mut state = seed;
+        (0..n)
+            .map(|_| {
+                state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                (state >> 8) as f32 / (1u32 << 24) as f32
+            })
+            .collect()
+    }
+
+    #[test]
+    fn every_route_sums_in_key_order_like_the_portable_loop() {
+        for (dtype, bf16) in [(Dtype::Bfloat16, true), (Dtype::Float16, false)] {
+            for (rows, s, d) in
+                [(1, 1, 16), (1, 37, 64), (3, 200, 128), (4, 33, 256), (5, 9, 72), (8, 64, 64), (2, 5, 7)]
+            {
+                let (p, v) = (weights(rows * s, 7), values(s * d, bf16, 11));
+                let mut slow = vec![f32::NAN; rows * d];
+                portable(&p, rows, s, &v, bf16, d, 0..d, &mut slow);
+                let mut routes: Vec<(&str, Vec<f32>)> = Vec::new();
+                let mut chosen = vec![f32::NAN; rows * d];
+                weighted_sum(&p, rows, s, &v, dtype, d, &mut chosen);
+                routes.push(("chosen", chosen));
+                #[cfg(target_arch = "x86_64")]
+                {
+                    if std::is_x86_feature_detected!("avx2")
+                        && std::is_x86_feature_detected!("fma")
+                        && std::is_x86_feature_detected!("f16c")
+                    {
+                        let mut out = slow.clone();
+                        // SAFETY: the CPU has the features (checked above); the sizes match.
+                        let done = unsafe { avx2::columns(&p, rows, s, &v, bf16, d, &mut out) };
+                        assert_eq!(done, d / 8 * 8);
+                        routes.push(("avx2", out));
+                    }
+                    if crate::nn::kernels::lanes::available() {
+                        let mut out = slow.clone();
+                        // SAFETY: the CPU has AVX-512 F (checked above); the sizes match.
+                        let done = unsafe { avx512::columns(&p, rows, s, &v, bf16, d, &mut out) };
+                        assert_eq!(done, d / 16 * 16);
+                        routes.push(("avx512", out));
+                    }
+                }
+                for (route, out) in &routes {
+                    for (i, (a, b)) in out.iter().zip(&slow).enumerate() {
+                        assert_eq!(a.to_bits(), b.to_bits(), "{route}: {dtype:?} rows {rows} s {s} d {d} element {i}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn keys_of_zero_weight_change_nothing_wherever_they_sit() {
+        let (rows, s, d) = (3, 40, 64);
+        let (p, v) = (weights(rows * s, 3), values(s * d, true, 5));
+        let mut alone = vec![0f32; rows * d];
+        weighted_sum(&p, rows, s, &v, Dtype::Bfloat16, d, &mut alone);
+        // Six masked keys: two before, one in the middle, three after.
+        let padded_at = [0usize, 0, 20, 40, 40, 40];
+        let mut padded_p = Vec::new();
+        let mut padded_v = Vec::new();
+        for b in 0..rows {
+            let mut row: Vec<f32> = p[b * s..(b + 1) * s].to_vec();
+            for &at in padded_at.iter().rev() {
+                row.insert(at, 0.0);
+            }
+            padded_p.extend(row);
+        }
+        let mut keys: Vec<Vec<u16>> = v.chunks(d).map(<[u16]>::to_vec).collect();
+        for &at in padded_at.iter().rev() {
+            keys.insert(at, values(d, true, 99 + at as u32));
+        }
+        keys.iter().for_each(|k| padded_v.extend(k));
+        let t = s + padded_at.len();
+        let mut padded = vec![0f32; rows * d];
+        weighted_sum(&padded_p, rows, t, &padded_v, Dtype::Bfloat16, d, &mut padded);
+        assert_eq!(
+            alone.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            padded.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
+    }
+}
