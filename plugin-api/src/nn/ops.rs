@@ -246,13 +246,14 @@ fn half_index(dtype: Dtype) -> fn(f32) -> usize {
 pub fn softcap(x: &Array, cap: f32) -> Result<Array, Exception> {
     if super::wide::on_cpu() {
         if let Some(table) = half_softcap_table(x.dtype(), cap) {
-            use super::kernels::{rounded, row_major, with_floats};
-            let x = row_major(x)?;
-            let index = half_index(x.dtype());
-            return with_floats(&x, |xs| {
-                let y: Vec<f32> = xs.iter().map(|&v| table[index(v)]).collect();
-                rounded(&y, x.shape(), x.dtype())
-            });
+            // Bit pattern to bit pattern: the table's values are the dtype's own.
+            let x = super::kernels::row_major(x)?;
+            let bits = super::kernels::bits16(&x).ok_or_else(|| Exception::custom("half-precision logits"))?;
+            let capped: Vec<u16> = match x.dtype() {
+                Dtype::Bfloat16 => bits.iter().map(|&b| (table[b as usize].to_bits() >> 16) as u16).collect(),
+                _ => bits.iter().map(|&b| half::f16::from_f32(table[b as usize]).to_bits()).collect(),
+            };
+            return Ok(super::kernels::from_bits16(&capped, x.shape(), x.dtype()));
         }
         if x.dtype() == Dtype::Float32 {
             // MLX's three steps, its `tanhf` replaced by vector code (see `nn::tanh`).
