@@ -6,6 +6,7 @@
 
 use mlx_rs::error::Exception;
 use mlx_rs::Array;
+use plugin_api::nn::ops::first_max_half;
 
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SamplingParams {
@@ -81,6 +82,9 @@ pub fn sample(logits: &Array, params: &SamplingParams, step: u64) -> Result<u32,
         // MLX's argmax, its conversion and their round trip.
         if plugin_api::nn::wide::on_cpu() {
             let logits = plugin_api::nn::kernels::row_major(logits)?;
+            if let Some(bits) = plugin_api::nn::kernels::bits16(&logits) {
+                return first_max_half(bits, logits.dtype()).ok_or(SampleError::NonFinite);
+            }
             return plugin_api::nn::kernels::with_floats(&logits, |row| {
                 check_finite(row)?;
                 Ok(plugin_api::nn::ops::first_max(row))
@@ -128,6 +132,13 @@ impl WindowTokens {
             // Widened on the host rather than by an MLX conversion, whose round trip is a large
             // share of sampling a small vocabulary.
             let logits = plugin_api::nn::kernels::row_major(logits)?;
+            if let (false, Some(bits)) = (sampled, plugin_api::nn::kernels::bits16(&logits)) {
+                let greedy = |b: usize| -> Result<WindowTokens, SampleError> {
+                    let best = bits[span(b, vocab)].chunks(vocab).map(|row| first_max_half(row, logits.dtype()));
+                    Ok(WindowTokens::Greedy(best.collect::<Option<_>>().ok_or(SampleError::NonFinite)?))
+                };
+                return (0..params.len()).map(greedy).collect();
+            }
             return plugin_api::nn::kernels::with_floats(&logits, |all| {
                 check_finite(all)?;
                 let window = |b: usize| {

@@ -351,7 +351,7 @@ fn params(a: &Array) -> Option<Params<'_>> {
 }
 
 /// The 16-bit patterns of a bfloat16 or float16 array.
-pub(crate) fn bits16(a: &Array) -> Option<&[u16]> {
+pub fn bits16(a: &Array) -> Option<&[u16]> {
     let (ptr, len) = match a.dtype() {
         Dtype::Bfloat16 => slice::<half::bf16>(a).map(|v| (v.as_ptr().cast::<u16>(), v.len()))?,
         Dtype::Float16 => slice::<half::f16>(a).map(|v| (v.as_ptr().cast::<u16>(), v.len()))?,
