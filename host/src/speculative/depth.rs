@@ -1,15 +1,23 @@
 //! `draft_tokens = "auto"`: how many tokens each row drafts in a round, by how many rows share
 //! it. A verify window costs the target a row of work per drafted position whether or not the
-//! draft is kept. Alone, a row leaves the target's memory-bound step half idle and drafting
-//! fills it; in a batch of three or more the target's step is busy already, and the same drafts cost
-//! more than they save.
+//! draft is kept. Alone, a row leaves the target's step mostly idle (fixed costs and weight
+//! reads) and drafting fills it; the more rows share a round, the busier the step is already,
+//! and the less a drafted position saves against what it costs.
 //!
-//! Measured with `host bench --serving` on the demo target and its trained DFlash drafter
-//! (README, "Draft length under load"): the best γ was 3 for one request (1.43× plain), 2 for
-//! two (1.29×); γ = 2 lost at three (0.94×), and no γ from 1 to 4 beat plain decoding at four,
-//! eight or sixteen. Measured again once the drafter drafted every row in one pass: γ 2–4 gave
-//! 1.35–1.50× at one request and 1.11–1.19× at two, 0.98–1.02× at three and 0.90–1.06× at four
-//! (within the noise of plain decoding), 0.75–0.82× at eight.
+//! Measured with `host bench --serving` on the demo target with prompt lookup, the embedded
+//! default (README, "Draft length under load"; 2 pairs, speed-up over plain decoding):
+//!
+//! | rows | γ = 1 | γ = 2 | γ = 3 |
+//! |---|---|---|---|
+//! | 1 | 1.32× | 1.43× | 1.44× |
+//! | 2 | 1.26× | 1.30× | 1.16× |
+//! | 3 | 1.12× | 1.07× | 1.02× |
+//! | 4 | 1.12–1.14× | 1.07–1.08× | 1.02–1.05× |
+//! | 8 | 0.98–1.04× | 1.09× | 0.93× |
+//! | 16 | 0.93× | 0.96× | 0.79× |
+//!
+//! So 3 tokens for one row, 2 for two, 1 for three or four, and none from five on, where no
+//! length gained more than the noise.
 
 /// The most tokens a row drafts under "auto" (the caches' rollback room is sized for it).
 pub const AUTO_MOST: usize = 3;
@@ -21,6 +29,7 @@ pub fn auto_draft_tokens(rows: usize) -> usize {
     match rows {
         0..=1 => 3,
         2 => 2,
+        3..=4 => 1,
         _ => 0,
     }
 }
