@@ -120,7 +120,6 @@ pub fn swiglu(gate: &Array, up: &Array) -> Result<Array, Exception> {
 /// MLX's own results at every value of the dtype (so its exponential and roundings are MLX's),
 /// times up, rounded. `None` for other dtypes or shapes.
 fn cpu_swiglu(gate: &Array, up: &Array) -> Result<Option<Array>, Exception> {
-    use super::kernels::{rounded, row_major, with_floats};
     let dtype = gate.dtype();
     if up.dtype() != dtype || up.shape() != gate.shape() {
         return Ok(None);
@@ -128,22 +127,28 @@ fn cpu_swiglu(gate: &Array, up: &Array) -> Result<Option<Array>, Exception> {
     let Some(table) = half_table_of_mlx(dtype, "silu", |x| x.multiply(mlx_rs::ops::sigmoid(x)?))? else {
         return Ok(None);
     };
-    let (gate, up) = (row_major(gate)?, row_major(up)?);
-    let ups = with_floats(&up, <[f32]>::to_vec)?;
-    let y = with_floats(&gate, |xs| rounded(&times_looked_up(dtype, table, xs, &ups), gate.shape(), dtype))?;
-    Ok(Some(y))
+    times_looked_up(table, gate, up).map(Some)
 }
 
-/// `table[x] · u` rounded to the half-precision `dtype`, element by element: the last step of
-/// GeGLU and SwiGLU once their activation is a table lookup ([`half_table`]). A bfloat16
-/// value's index is its upper sixteen bits, taken inline.
-fn times_looked_up(dtype: Dtype, table: &[f32], xs: &[f32], ups: &[f32]) -> Vec<f32> {
-    use super::kernels::{round_to, ToBf16};
-    if dtype == Dtype::Bfloat16 {
-        return xs.iter().zip(ups).map(|(&x, &u)| ToBf16.round(table[(x.to_bits() >> 16) as usize] * u)).collect();
-    }
-    let index = half_index(dtype);
-    xs.iter().zip(ups).map(|(&x, &u)| round_to(dtype, table[index(x)] * u)).collect()
+/// `table[gate] · up` for half-precision arrays of one shape and dtype, each product rounded
+/// to the dtype: the last step of GeGLU and SwiGLU once their activation is a table lookup
+/// ([`half_table`]). Read and written as bit patterns, a table index being one.
+fn times_looked_up(table: &[f32], gate: &Array, up: &Array) -> Result<Array, Exception> {
+    use super::kernels::{bf16_bits, bits16, from_bits16, row_major};
+    let (gate, up) = (row_major(gate)?, row_major(up)?);
+    let (Some(gates), Some(ups)) = (bits16(&gate), bits16(&up)) else {
+        return Err(Exception::custom("half-precision gate and up"));
+    };
+    let pairs = gates.iter().zip(ups);
+    let y: Vec<u16> = match gate.dtype() {
+        Dtype::Bfloat16 => {
+            pairs.map(|(&g, &u)| bf16_bits(table[g as usize] * f32::from_bits((u as u32) << 16))).collect()
+        }
+        _ => pairs
+            .map(|(&g, &u)| half::f16::from_f32(table[g as usize] * half::f16::from_bits(u).to_f32()).to_bits())
+            .collect(),
+    };
+    Ok(from_bits16(&y, gate.shape(), gate.dtype()))
 }
 
 /// [`geglu`]'s nine MLX ops in one pass, each step rounded to the dtype as MLX rounds it, with
@@ -158,19 +163,16 @@ fn cpu_geglu(gate: &Array, up: &Array) -> Result<Option<Array>, Exception> {
     {
         return Ok(None);
     }
+    if let Some(table) = half_gelu_table(dtype) {
+        return times_looked_up(table, gate, up).map(Some);
+    }
+    // Float32: MLX's steps in vector code (`x · x · x` for its `powf`, and `nn::tanh`), within
+    // a few units in the last place of MLX's result.
     let (gate, up) = (row_major(gate)?, row_major(up)?);
     let ups = with_floats(&up, <[f32]>::to_vec)?;
-    let table = half_gelu_table(dtype);
     let y = with_floats(&gate, |xs| {
-        let y = match table {
-            Some(table) => times_looked_up(dtype, table, xs, &ups),
-            None => {
-                // Float32: MLX's steps in vector code (`x · x · x` for its `powf`, and
-                // `nn::tanh`), within a few units in the last place of MLX's result.
-                let gelu = super::tanh::map(xs, gelu_float32);
-                gelu.iter().zip(&ups).map(|(&g, &u)| g * u).collect()
-            }
-        };
+        let gelu = super::tanh::map(xs, gelu_float32);
+        let y: Vec<f32> = gelu.iter().zip(&ups).map(|(&g, &u)| g * u).collect();
         rounded(&y, gate.shape(), dtype)
     })?;
     Ok(Some(y))
@@ -250,14 +252,6 @@ fn half_table_of_mlx(
 /// verify round of the demo target).
 fn half_gelu_table(dtype: Dtype) -> Option<&'static [f32]> {
     half_table(dtype, "gelu", 0.0, |x| gelu(dtype, x))
-}
-
-/// The table index of a half-precision value held as an f32 (exactly, having been widened).
-fn half_index(dtype: Dtype) -> fn(f32) -> usize {
-    match dtype {
-        Dtype::Bfloat16 => |x| (x.to_bits() >> 16) as usize,
-        _ => |x| half::f16::from_f32(x).to_bits() as usize,
-    }
 }
 
 /// `tanh(x / cap) · cap`.
