@@ -293,12 +293,18 @@ impl Histogram {
         let count = |half: &[f32], _| {
             let mut counts = vec![0u32; last + 1];
             let mut masses = vec![0f64; if with_masses { last + 1 } else { 0 }];
-            for &x in half {
-                if x > f32::NEG_INFINITY {
-                    let bin = (((best - x) * BINS_PER_NAT) as usize).min(last);
-                    counts[bin] += 1;
-                    if with_masses {
-                        masses[bin] += x.exp() as f64;
+            let mut exps = [0f32; 64];
+            for chunk in half.chunks(exps.len()) {
+                if with_masses {
+                    exponentials(chunk, &mut exps[..chunk.len()]);
+                }
+                for (&x, &e) in chunk.iter().zip(&exps) {
+                    if x > f32::NEG_INFINITY {
+                        let bin = (((best - x) * BINS_PER_NAT) as usize).min(last);
+                        counts[bin] += 1;
+                        if with_masses {
+                            masses[bin] += e as f64;
+                        }
                     }
                 }
             }
@@ -318,6 +324,27 @@ impl Histogram {
         } else {
             self.best - (b + 2) as f32 / BINS_PER_NAT
         }
+    }
+}
+
+/// `out[i] = exp(values[i])` by MLX's float32 exponential, eight at a time where the CPU has
+/// AVX2: the histogram's masses over a real vocabulary otherwise cost a C library call per token.
+fn exponentials(values: &[f32], out: &mut [f32]) {
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        use std::arch::x86_64::*;
+        done = values.len().min(out.len()) / 8 * 8;
+        for i in (0..done).step_by(8) {
+            // SAFETY: the CPU has AVX2 and FMA (checked above); i + 8 <= both lengths.
+            unsafe {
+                let e = plugin_api::nn::ops::mlx_exp8(_mm256_loadu_ps(values.as_ptr().add(i)));
+                _mm256_storeu_ps(out.as_mut_ptr().add(i), e);
+            }
+        }
+    }
+    for (e, &x) in out[done..].iter_mut().zip(&values[done..]) {
+        *e = plugin_api::nn::ops::mlx_exp(x);
     }
 }
 
