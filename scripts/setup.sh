@@ -104,7 +104,9 @@ cmake --build "$BUILD" --parallel "$(nproc)" >"$NATIVE/build/cmake-build.log" 2>
 cp "$(find "$BUILD" -name libmlxc.a | head -n1)" "$NATIVE/lib/libmlxc.a"
 
 cc -O2 -fPIC -c "$SHIMS/mach_time_shim.c" -o "$NATIVE/build/mach_time_shim.o"
-ar rcs "$NATIVE/lib/libmlxrs_linux_shim.a" "$NATIVE/build/mach_time_shim.o"
+c++ -O2 -fPIC -std=c++20 $cxx_flags -c "$SHIMS/donation_shim.cpp" -o "$NATIVE/build/donation_shim.o" \
+  2>"$NATIVE/build/donation_shim.log" || die "compiling the donation shim failed; see $NATIVE/build/donation_shim.log"
+ar rcs "$NATIVE/lib/libmlxrs_linux_shim.a" "$NATIVE/build/mach_time_shim.o" "$NATIVE/build/donation_shim.o"
 
 # --- 5. bindings.rs and cargo's override of mlx-sys's build script ----------------------------
 say "generating bindings.rs with bindgen $BINDGEN_VERSION"

@@ -117,9 +117,9 @@ fn greedy_output_equals_plain_decoding_and_tau_holds() {
     }
 }
 
-/// Under `draft_tokens = "auto"`, rounds of three rows draft nothing and the drafter is shown
-/// their tokens later, in one prefill: after 64 such rounds, and when the third row leaves and
-/// the two left draft again. Every row still equals plain decoding, and each drafter drafts
+/// Under `draft_tokens = "auto"`, rounds of five rows draft nothing and the drafter is shown
+/// their tokens later, in one prefill: after 64 such rounds, and when three rows leave and the
+/// two left draft again. Every row still equals plain decoding, and each drafter drafts
 /// after catching up at no less than 80% of the acceptance measured here when this was written
 /// (prompt lookup, which proposes only what it was shown, falls to 0.35 if it is not caught up).
 #[test]
@@ -134,8 +134,8 @@ fn a_drafter_that_sat_out_rounds_catches_up() {
         sampling: SamplingParams::default(),
         eos: vec![],
     };
-    // Rows 0 and 1 outlast row 2, which keeps three rows sharing the rounds for 70 tokens.
-    let requests = [request(0, 150), request(1, 150), request(2, 70)];
+    // Rows 0 and 1 outlast rows 2 to 4, which keep five rows sharing the rounds for 70 tokens.
+    let requests = [request(0, 150), request(1, 150), request(2, 70), request(2, 70), request(2, 70)];
     let ngram =
         LoadedDrafter::load(&load_library(&common::workspace_plugin("ngram"), None).unwrap(), None, "").unwrap();
     let trained = TRAINED.iter().map(|t| (t.name, drafter(t, &model)));
@@ -155,8 +155,8 @@ fn a_drafter_that_sat_out_rounds_catches_up() {
         for (i, g) in done {
             assert_eq!(g.tokens, generate(&model, &requests[i], |_| {}).unwrap().tokens, "{name} row {i}");
             assert!(g.stats.drafter_error.is_none(), "{name}: {:?}", g.stats.drafter_error);
-            if i == 2 {
-                assert_eq!(g.stats.drafted, 0, "{name}: three rows draft nothing");
+            if i >= 2 {
+                assert_eq!(g.stats.drafted, 0, "{name}: five rows draft nothing");
             } else {
                 (drafted, accepted) = (drafted + g.stats.drafted, accepted + g.stats.accepted);
             }

@@ -277,8 +277,8 @@ impl LayerCache {
 
     /// Scatters rows [B, H, n, D] into slots[r] of row r.
     fn store(&mut self, keys: &Array, values: &Array, slots: &[Vec<usize>]) -> Result<(), Exception> {
-        self.keys = Some(put_slots(&self.keys.take().unwrap(), keys, slots)?);
-        self.values = Some(put_slots(&self.values.take().unwrap(), values, slots)?);
+        self.keys = Some(put_slots(self.keys.take().unwrap(), keys, slots)?);
+        self.values = Some(put_slots(self.values.take().unwrap(), values, slots)?);
         Ok(())
     }
 

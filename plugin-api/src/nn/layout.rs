@@ -131,30 +131,85 @@ pub fn concat_rows(parts: &[&Array]) -> Result<Array, Exception> {
 
 /// x [B, H, S, D] with row r's new slots (`new` [B, H, n, D]) written into slots `slots[r]`
 /// (a KV cache's write).
-pub fn put_slots(x: &Array, new: &Array, slots: &[Vec<usize>]) -> Result<Array, Exception> {
+///
+/// x is taken by value: when it alone holds its buffer (no other array, view or pending op can
+/// see it, as MLX decides before it reuses an op's input for its output), the slots are written
+/// into that buffer and x itself is returned; otherwise into a copy. A cache that copied itself whole at every write
+/// spent a tenth of a batched decode step doing so.
+pub fn put_slots(x: Array, new: &Array, slots: &[Vec<usize>]) -> Result<Array, Exception> {
     let n = slots.first().map_or(0, Vec::len);
-    if !on_host(x) || x.ndim() != 4 || new.dtype() != x.dtype() || new.ndim() != 4 {
+    let host_dtype = matches!(x.dtype(), Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16);
+    let fits = x.ndim() == 4 && new.ndim() == 4 && new.dtype() == x.dtype() && super::wide::on_cpu();
+    if host_dtype && fits && sole_row_major_holder(&x)? {
+        let new = row_major(new)?;
+        if new.size() == 0 {
+            return Ok(x);
+        }
+        let s = x.shape();
+        let shape = [s[1] as usize, s[2] as usize, s[3] as usize];
+        // SAFETY: x is evaluated, row-major and the only holder of its data (checked above), so
+        // nothing reads the buffer while it is written; each pointer is to x's elements of the
+        // width its dtype has.
+        unsafe {
+            if x.dtype() == Dtype::Float32 {
+                let data =
+                    std::slice::from_raw_parts_mut(mlx_sys::mlx_array_data_float32(x.as_ptr()) as *mut f32, x.size());
+                write_slots(data, new.as_slice::<f32>(), shape, slots);
+            } else {
+                let data =
+                    std::slice::from_raw_parts_mut(mlx_sys::mlx_array_data_uint16(x.as_ptr()) as *mut u16, x.size());
+                let added = std::slice::from_raw_parts(mlx_sys::mlx_array_data_uint16(new.as_ptr()), new.size());
+                write_slots(data, added, shape, slots);
+            }
+        }
+        return Ok(x);
+    }
+    if !on_host(&x) || !fits {
         let flat: Vec<i32> = slots.iter().flatten().map(|&s| s as i32).collect();
         let index = Array::from_slice(&flat, &[slots.len() as i32, 1, n as i32, 1]);
         return x.put_along_axis(&index, new, 2);
     }
-    let (x, new) = (row_major(x)?, row_major(new)?);
+    let (x, new) = (row_major(&x)?, row_major(new)?);
     let s = x.shape().to_vec();
-    let (heads, total, d) = (s[1] as usize, s[2] as usize, s[3] as usize);
+    let shape = [s[1] as usize, s[2] as usize, s[3] as usize];
     Ok(with_elements!(x, |data| {
         let mut out = data.to_vec();
-        let added = new.as_slice();
-        for (r, row) in slots.iter().enumerate() {
-            for h in 0..heads {
-                for (t, &slot) in row.iter().enumerate() {
-                    let from = ((r * heads + h) * n + t) * d;
-                    let to = ((r * heads + h) * total + slot) * d;
-                    out[to..to + d].copy_from_slice(&added[from..from + d]);
-                }
-            }
-        }
+        write_slots(&mut out, new.as_slice(), shape, slots);
         Array::from_slice(&out, &s)
     }))
+}
+
+/// Writes row r's new slots `added` [B, H, n, D] into slots `slots[r]` of `data` [B, H, S, D]
+/// (`[heads, total, d]` = [H, S, D]).
+fn write_slots<T: Copy>(data: &mut [T], added: &[T], [heads, total, d]: [usize; 3], slots: &[Vec<usize>]) {
+    let n = slots.first().map_or(0, Vec::len);
+    for (r, row) in slots.iter().enumerate() {
+        for h in 0..heads {
+            for (t, &slot) in row.iter().enumerate() {
+                let from = ((r * heads + h) * n + t) * d;
+                let to = ((r * heads + h) * total + slot) * d;
+                data[to..to + d].copy_from_slice(&added[from..from + d]);
+            }
+        }
+    }
+}
+
+extern "C" {
+    /// Whether the `mlx::core::array` at `array` alone holds its data: MLX's `is_donatable`
+    /// (`scripts/native/donation_shim.cpp`).
+    fn mlxrs_array_is_donatable(array: *mut std::ffi::c_void) -> bool;
+}
+
+/// Whether x, evaluated here, is laid out row-major and is the only holder of its buffer.
+fn sole_row_major_holder(x: &Array) -> Result<bool, Exception> {
+    x.eval()?;
+    let mut contiguous = false;
+    // SAFETY: `x` is a valid, evaluated array; the first call writes one bool, the second only
+    // reads reference counts.
+    unsafe {
+        mlx_sys::_mlx_array_is_row_contiguous(&mut contiguous, x.as_ptr());
+        Ok(contiguous && mlxrs_array_is_donatable(x.as_ptr().ctx))
+    }
 }
 
 /// Slots 0..end of x [B, H, S, D]: a view of x's data, which MLX slices without copying and the
@@ -287,7 +342,24 @@ mod tests {
             let new = normal(&[2, 3, 2, 8], 5, dtype);
             let index = Array::from_slice(&[4, 1, 0, 5], &[2, 1, 2, 1]);
             let written = cache.put_along_axis(&index, &new, 2).unwrap();
-            assert!(identical(&put_slots(&cache, &new, &[vec![4, 1], vec![0, 5]]).unwrap(), &written), "{dtype:?}");
+            // Into a copy while `cache` holds the buffer too, then in place once the copy is all.
+            let once = put_slots(cache.clone(), &new, &[vec![4, 1], vec![0, 5]]).unwrap();
+            assert!(identical(&once, &written), "{dtype:?}");
+            assert!(!identical(&cache, &written), "{dtype:?}: the cache the copy came from changed");
+            let sole = Array::from_slice(&[0f32; 2 * 3 * 6 * 8], &[2, 3, 6, 8]).as_dtype(dtype).unwrap();
+            let sole = put_slots(sole, &cache, &[(0..6).collect(), (0..6).collect()]).unwrap();
+            assert!(identical(&sole, &cache), "{dtype:?}");
+            let before = sole.as_ptr().ctx;
+            let again = put_slots(sole, &new, &[vec![4, 1], vec![0, 5]]).unwrap();
+            assert_eq!(again.as_ptr().ctx, before, "{dtype:?}: written in place");
+            assert!(identical(&again, &written), "{dtype:?}");
+            // A view of the buffer keeps it from being written in place.
+            let view = first_slots(&again, 3).unwrap();
+            view.eval().unwrap();
+            let seen = mlx_rs::ops::indexing::TryIndexOp::try_index(&written, (.., .., ..3)).unwrap();
+            let third = put_slots(again, &normal(&[2, 3, 2, 8], 7, dtype), &[vec![0, 1], vec![0, 1]]).unwrap();
+            assert!(identical(&view, &seen), "{dtype:?}: a view saw the write");
+            assert!(!identical(&third, &written), "{dtype:?}");
             let cut = cache.take_axis(Array::from_slice(&[0, 1, 2], &[3]), 2).unwrap();
             assert!(identical(&first_slots(&cache, 3).unwrap(), &cut), "{dtype:?}");
             let order = [5, 6, 0, 2, 6, 1];

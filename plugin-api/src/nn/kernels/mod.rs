@@ -323,7 +323,8 @@ pub fn rounded(values: &[f32], shape: &[i32], dtype: Dtype) -> Array {
     }
 }
 
-/// `a` itself when its data is laid out row-major (evaluating it), else a row-major copy.
+/// `a` itself when its data is laid out row-major, else a row-major copy; evaluated either way,
+/// so that its data can be read.
 pub fn row_major(a: &Array) -> Result<Array, Exception> {
     a.eval()?;
     let mut contiguous = false;
@@ -332,7 +333,9 @@ pub fn row_major(a: &Array) -> Result<Array, Exception> {
     if contiguous {
         Ok(a.clone())
     } else {
-        a.contiguous()
+        let copy = a.contiguous()?;
+        copy.eval()?;
+        Ok(copy)
     }
 }
 
