@@ -12,7 +12,7 @@
 use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype};
 
-use super::kernels::{rounded, row_major, with_floats};
+use super::kernels::{bf16_elementwise, bits16, from_bits16, rounded, row_major, with_floats, Bf16Op};
 
 /// Elements up to which copying on the host costs less than an MLX op's round trip.
 const HOST_ELEMENTS: usize = 1 << 18;
@@ -288,6 +288,9 @@ pub fn add(a: &Array, b: &Array) -> Result<Array, Exception> {
         return a.add(b);
     }
     let (a, b) = (row_major(a)?, row_major(b)?);
+    if let (Dtype::Bfloat16, Some(x), Some(y)) = (a.dtype(), bits16(&a), bits16(&b)) {
+        return Ok(from_bits16(&bf16_elementwise(x, Bf16Op::Add(y)), a.shape(), a.dtype()));
+    }
     let sums = with_floats(&a, |x| with_floats(&b, |y| x.iter().zip(y).map(|(x, y)| x + y).collect::<Vec<_>>()))??;
     Ok(rounded(&sums, a.shape(), a.dtype()))
 }
@@ -299,6 +302,9 @@ pub fn scale(x: &Array, s: &Array) -> Result<Array, Exception> {
     }
     let (x, s) = (row_major(x)?, row_major(s)?);
     let s = with_floats(&s, |s| s[0])?;
+    if let (Dtype::Bfloat16, Some(bits)) = (x.dtype(), bits16(&x)) {
+        return Ok(from_bits16(&bf16_elementwise(bits, Bf16Op::Scale(s)), x.shape(), x.dtype()));
+    }
     let scaled = with_floats(&x, |x| x.iter().map(|v| v * s).collect::<Vec<_>>())?;
     Ok(rounded(&scaled, x.shape(), x.dtype()))
 }

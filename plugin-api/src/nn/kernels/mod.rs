@@ -314,6 +314,52 @@ unsafe fn widened_bf16_avx2(bits: &[u16], values: &mut [f32]) {
     }
 }
 
+/// An elementwise op of bfloat16 operands whose result is rounded once to bfloat16.
+#[derive(Clone, Copy)]
+pub(crate) enum Bf16Op<'a> {
+    /// a + b.
+    Add(&'a [u16]),
+    /// a · s.
+    Scale(f32),
+}
+
+/// `op` over the bfloat16 bit patterns `a`, as bit patterns: widened, computed in float32 and
+/// rounded once, as MLX's binary ops compute it; eight at a time where the CPU has AVX2.
+pub(crate) fn bf16_elementwise(a: &[u16], op: Bf16Op) -> Vec<u16> {
+    let mut out = vec![0u16; a.len()];
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2 (checked above).
+        unsafe { bf16_elementwise_avx2(a, op, &mut out) };
+        return out;
+    }
+    bf16_elementwise_body(a, op, &mut out);
+    out
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn bf16_elementwise_avx2(a: &[u16], op: Bf16Op, out: &mut [u16]) {
+    bf16_elementwise_body(a, op, out)
+}
+
+#[inline(always)]
+fn bf16_elementwise_body(a: &[u16], op: Bf16Op, out: &mut [u16]) {
+    let widen = |b: u16| f32::from_bits((b as u32) << 16);
+    match op {
+        Bf16Op::Add(b) => {
+            for ((y, &a), &b) in out.iter_mut().zip(a).zip(b) {
+                *y = bf16_bits(widen(a) + widen(b));
+            }
+        }
+        Bf16Op::Scale(s) => {
+            for (y, &a) in out.iter_mut().zip(a) {
+                *y = bf16_bits(widen(a) * s);
+            }
+        }
+    }
+}
+
 /// An array of `shape` holding `values` rounded to `dtype` (float32, bfloat16 or float16).
 pub fn rounded(values: &[f32], shape: &[i32], dtype: Dtype) -> Array {
     match dtype {
