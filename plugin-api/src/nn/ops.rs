@@ -51,35 +51,20 @@ fn cpu_rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Option<Ar
     Ok(Some(y))
 }
 
-/// [`normalized`] for bfloat16, written as bit patterns: eight values at a time where the CPU
-/// has AVX2 (the crate's baseline build does four), since a batch meets eight norms per layer.
-fn normalized_bf16(row: &[f32], scale: f32, weight: Option<&[f32]>, out: &mut [u16]) {
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU has AVX2 (checked above).
-        return unsafe { normalized_bf16_avx2(row, scale, weight, out) };
-    }
-    normalized_bf16_body(row, scale, weight, out)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn normalized_bf16_avx2(row: &[f32], scale: f32, weight: Option<&[f32]>, out: &mut [u16]) {
-    normalized_bf16_body(row, scale, weight, out)
-}
-
-#[inline(always)]
-fn normalized_bf16_body(row: &[f32], scale: f32, weight: Option<&[f32]>, out: &mut [u16]) {
-    use super::kernels::{bf16_bits, ToBf16};
-    match weight {
-        Some(w) => {
-            for ((y, &v), &w) in out.iter_mut().zip(row).zip(w) {
-                *y = bf16_bits(ToBf16.round(v * scale) * w);
+super::kernels::avx2_where_available! {
+    /// [`normalized`] for bfloat16, written as bit patterns.
+    fn normalized_bf16(row: &[f32], scale: f32, weight: Option<&[f32]>, out: &mut [u16]) {
+        use super::kernels::{bf16_bits, ToBf16};
+        match weight {
+            Some(w) => {
+                for ((y, &v), &w) in out.iter_mut().zip(row).zip(w) {
+                    *y = bf16_bits(ToBf16.round(v * scale) * w);
+                }
             }
-        }
-        None => {
-            for (y, &v) in out.iter_mut().zip(row) {
-                *y = bf16_bits(v * scale);
+            None => {
+                for (y, &v) in out.iter_mut().zip(row) {
+                    *y = bf16_bits(v * scale);
+                }
             }
         }
     }
@@ -190,27 +175,13 @@ fn times_looked_up(table: &[f32], gate: &Array, up: &Array) -> Result<Array, Exc
     Ok(from_bits16(&y, gate.shape(), gate.dtype()))
 }
 
-/// [`times_looked_up`] for bfloat16, its products rounded eight at a time where the CPU has AVX2.
-fn times_looked_up_bf16(table: &[f32], gates: &[u16], ups: &[u16], y: &mut [u16]) {
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU has AVX2 (checked above).
-        return unsafe { times_looked_up_bf16_avx2(table, gates, ups, y) };
-    }
-    times_looked_up_bf16_body(table, gates, ups, y)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn times_looked_up_bf16_avx2(table: &[f32], gates: &[u16], ups: &[u16], y: &mut [u16]) {
-    times_looked_up_bf16_body(table, gates, ups, y)
-}
-
-#[inline(always)]
-fn times_looked_up_bf16_body(table: &[f32], gates: &[u16], ups: &[u16], y: &mut [u16]) {
-    let table: &[f32; 1 << 16] = table.try_into().expect("a table of every 16-bit pattern");
-    for ((y, &g), &u) in y.iter_mut().zip(gates).zip(ups) {
-        *y = super::kernels::bf16_bits(table[g as usize] * f32::from_bits((u as u32) << 16));
+super::kernels::avx2_where_available! {
+    /// [`times_looked_up`] for bfloat16.
+    fn times_looked_up_bf16(table: &[f32], gates: &[u16], ups: &[u16], y: &mut [u16]) {
+        let table: &[f32; 1 << 16] = table.try_into().expect("a table of every 16-bit pattern");
+        for ((y, &g), &u) in y.iter_mut().zip(gates).zip(ups) {
+            *y = super::kernels::bf16_bits(table[g as usize] * f32::from_bits((u as u32) << 16));
+        }
     }
 }
 

@@ -226,6 +226,32 @@ impl Round for Exact {
     }
 }
 
+/// A function whose body is compiled twice, once with AVX2 and once for the crate's baseline
+/// (x86-64, whose vectors hold four floats), and run with AVX2 where the CPU has it: for the
+/// elementwise loops that every op's result passes through, which the compiler vectorizes
+/// eight floats at a time given AVX2.
+macro_rules! avx2_where_available {
+    ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
+        $(#[$meta])*
+        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
+            #[inline(always)]
+            fn body($($arg: $ty),*) $(-> $ret)? $body
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx2")]
+            unsafe fn avx2($($arg: $ty),*) $(-> $ret)? {
+                body($($arg),*)
+            }
+            #[cfg(target_arch = "x86_64")]
+            if std::is_x86_feature_detected!("avx2") {
+                // SAFETY: the CPU has AVX2 (checked above).
+                return unsafe { avx2($($arg),*) };
+            }
+            body($($arg),*)
+        }
+    };
+}
+pub(crate) use avx2_where_available;
+
 /// `$body` with `$r` bound to the [`Round`] of `$dtype` (float32's for any other dtype).
 macro_rules! with_round {
     ($dtype:expr, |$r:ident| $body:expr) => {
@@ -265,52 +291,26 @@ pub(crate) fn bf16_bits(v: f32) -> u16 {
     (if x & 0x7FFF_FFFF > 0x7F80_0000 { quiet_nan } else { nearest }) as u16
 }
 
-/// The bfloat16 bit patterns of `values`, each rounded by [`bf16_bits`]: eight at a time where
-/// the CPU has AVX2 (the crate is built for the baseline x86-64, whose vectors hold four), since
-/// every product's outputs and most elementwise ops' results pass through here.
-fn bf16_all(values: &[f32]) -> Vec<u16> {
-    let mut bits = vec![0u16; values.len()];
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU has AVX2 (checked above).
-        unsafe { bf16_all_avx2(values, &mut bits) };
-        return bits;
-    }
-    for (b, &v) in bits.iter_mut().zip(values) {
-        *b = bf16_bits(v);
-    }
-    bits
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn bf16_all_avx2(values: &[f32], bits: &mut [u16]) {
-    for i in 0..values.len().min(bits.len()) {
-        bits[i] = bf16_bits(values[i]);
+avx2_where_available! {
+    /// The bfloat16 bit patterns of `values`, each rounded by [`bf16_bits`] (every product's
+    /// outputs and most elementwise ops' results pass through here).
+    fn bf16_all(values: &[f32]) -> Vec<u16> {
+        let mut bits = vec![0u16; values.len()];
+        for (b, &v) in bits.iter_mut().zip(values) {
+            *b = bf16_bits(v);
+        }
+        bits
     }
 }
 
-/// Bfloat16 bit patterns widened to float32, eight at a time where the CPU has AVX2 (see
-/// [`bf16_all`]).
-fn widened_bf16(bits: &[u16]) -> Vec<f32> {
-    let mut values = vec![0f32; bits.len()];
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU has AVX2 (checked above).
-        unsafe { widened_bf16_avx2(bits, &mut values) };
-        return values;
-    }
-    for (v, &b) in values.iter_mut().zip(bits) {
-        *v = f32::from_bits((b as u32) << 16);
-    }
-    values
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn widened_bf16_avx2(bits: &[u16], values: &mut [f32]) {
-    for i in 0..values.len().min(bits.len()) {
-        values[i] = f32::from_bits((bits[i] as u32) << 16);
+avx2_where_available! {
+    /// Bfloat16 bit patterns widened to float32.
+    fn widened_bf16(bits: &[u16]) -> Vec<f32> {
+        let mut values = vec![0f32; bits.len()];
+        for (v, &b) in values.iter_mut().zip(bits) {
+            *v = f32::from_bits((b as u32) << 16);
+        }
+        values
     }
 }
 
@@ -323,40 +323,25 @@ pub(crate) enum Bf16Op<'a> {
     Scale(f32),
 }
 
-/// `op` over the bfloat16 bit patterns `a`, as bit patterns: widened, computed in float32 and
-/// rounded once, as MLX's binary ops compute it; eight at a time where the CPU has AVX2.
-pub(crate) fn bf16_elementwise(a: &[u16], op: Bf16Op) -> Vec<u16> {
-    let mut out = vec![0u16; a.len()];
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU has AVX2 (checked above).
-        unsafe { bf16_elementwise_avx2(a, op, &mut out) };
-        return out;
-    }
-    bf16_elementwise_body(a, op, &mut out);
-    out
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn bf16_elementwise_avx2(a: &[u16], op: Bf16Op, out: &mut [u16]) {
-    bf16_elementwise_body(a, op, out)
-}
-
-#[inline(always)]
-fn bf16_elementwise_body(a: &[u16], op: Bf16Op, out: &mut [u16]) {
-    let widen = |b: u16| f32::from_bits((b as u32) << 16);
-    match op {
-        Bf16Op::Add(b) => {
-            for ((y, &a), &b) in out.iter_mut().zip(a).zip(b) {
-                *y = bf16_bits(widen(a) + widen(b));
+avx2_where_available! {
+    /// `op` over the bfloat16 bit patterns `a`, as bit patterns: widened, computed in float32
+    /// and rounded once, as MLX's binary ops compute it.
+    pub(crate) fn bf16_elementwise(a: &[u16], op: Bf16Op) -> Vec<u16> {
+        let widen = |b: u16| f32::from_bits((b as u32) << 16);
+        let mut out = vec![0u16; a.len()];
+        match op {
+            Bf16Op::Add(b) => {
+                for ((y, &a), &b) in out.iter_mut().zip(a).zip(b) {
+                    *y = bf16_bits(widen(a) + widen(b));
+                }
+            }
+            Bf16Op::Scale(s) => {
+                for (y, &a) in out.iter_mut().zip(a) {
+                    *y = bf16_bits(widen(a) * s);
+                }
             }
         }
-        Bf16Op::Scale(s) => {
-            for (y, &a) in out.iter_mut().zip(a) {
-                *y = bf16_bits(widen(a) * s);
-            }
-        }
+        out
     }
 }
 
