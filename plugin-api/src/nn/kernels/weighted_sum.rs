@@ -109,9 +109,7 @@ struct At {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use std::arch::x86_64::*;
-
-    use super::At;
+    use std::arch::x86_64::__m512;
 
     /// Whole vectors of columns (see [`super::tiled`]): tiles of up to 4 rows × 4 vectors, sixteen
     /// accumulators.
@@ -122,64 +120,14 @@ mod avx512 {
     }
 
     #[target_feature(enable = "avx512f")]
-    unsafe fn dispatch<const BF16: bool>(b: usize, c: usize, at: At) {
-        match (b, c) {
-            (1, 1) => tile::<1, 1, BF16>(at),
-            (1, 2) => tile::<1, 2, BF16>(at),
-            (1, 3) => tile::<1, 3, BF16>(at),
-            (1, 4) => tile::<1, 4, BF16>(at),
-            (2, 1) => tile::<2, 1, BF16>(at),
-            (2, 2) => tile::<2, 2, BF16>(at),
-            (2, 3) => tile::<2, 3, BF16>(at),
-            (2, 4) => tile::<2, 4, BF16>(at),
-            (3, 1) => tile::<3, 1, BF16>(at),
-            (3, 2) => tile::<3, 2, BF16>(at),
-            (3, 3) => tile::<3, 3, BF16>(at),
-            (3, 4) => tile::<3, 4, BF16>(at),
-            (4, 1) => tile::<4, 1, BF16>(at),
-            (4, 2) => tile::<4, 2, BF16>(at),
-            (4, 3) => tile::<4, 3, BF16>(at),
-            (4, 4) => tile::<4, 4, BF16>(at),
-            _ => unreachable!("tiles of at most 4 × 4"),
-        }
-    }
-
-    /// Sixteen bfloat16 or float16 values as floats.
-    #[inline(always)]
-    unsafe fn load<const BF16: bool>(v: *const u16) -> __m512 {
-        let halves = _mm256_loadu_si256(v as *const __m256i);
-        if BF16 {
-            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(halves)))
-        } else {
-            _mm512_cvtph_ps(halves)
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn tile<const B: usize, const C: usize, const BF16: bool>(at: At) {
-        let mut acc = [[_mm512_setzero_ps(); C]; B];
-        for j in 0..at.s {
-            let values: [__m512; C] = std::array::from_fn(|c| load::<BF16>(at.v.add(j * at.d + 16 * c)));
-            for (b, acc) in acc.iter_mut().enumerate() {
-                let weight = _mm512_set1_ps(*at.p.add(b * at.s + j));
-                for (acc, &value) in acc.iter_mut().zip(&values) {
-                    *acc = _mm512_fmadd_ps(weight, value, *acc);
-                }
-            }
-        }
-        for (b, acc) in acc.iter().enumerate() {
-            for (c, &acc) in acc.iter().enumerate() {
-                _mm512_storeu_ps(at.out.add(b * at.d + 16 * c), acc);
-            }
-        }
+    unsafe fn dispatch<const BF16: bool>(b: usize, c: usize, at: super::At) {
+        super::tile_of_shape::<__m512, BF16>(b, c, at)
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use std::arch::x86_64::*;
-
-    use super::At;
+    use std::arch::x86_64::__m256;
 
     /// Whole vectors of columns (see [`super::tiled`]): tiles of up to 2 rows × 4 vectors, so
     /// that the sums, four vectors of values and a weight fit in sixteen registers.
@@ -190,23 +138,66 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dispatch<const BF16: bool>(b: usize, c: usize, at: At) {
-        match (b, c) {
-            (1, 1) => tile::<1, 1, BF16>(at),
-            (1, 2) => tile::<1, 2, BF16>(at),
-            (1, 3) => tile::<1, 3, BF16>(at),
-            (1, 4) => tile::<1, 4, BF16>(at),
-            (2, 1) => tile::<2, 1, BF16>(at),
-            (2, 2) => tile::<2, 2, BF16>(at),
-            (2, 3) => tile::<2, 3, BF16>(at),
-            (2, 4) => tile::<2, 4, BF16>(at),
-            _ => unreachable!("tiles of at most 2 × 4"),
+    unsafe fn dispatch<const BF16: bool>(b: usize, c: usize, at: super::At) {
+        super::tile_of_shape::<__m256, BF16>(b, c, at)
+    }
+}
+
+/// A vector of floats and the few operations a tile needs, for AVX-512's sixteen lanes and
+/// AVX2's eight; inlined into the routes' functions, which enable the instructions.
+#[cfg(target_arch = "x86_64")]
+trait Lanes: Copy {
+    const LANES: usize;
+    unsafe fn zero() -> Self;
+    /// LANES bfloat16 (BF16) or float16 values as floats.
+    unsafe fn load<const BF16: bool>(v: *const u16) -> Self;
+    unsafe fn splat(x: f32) -> Self;
+    /// a · b + acc, rounded once.
+    unsafe fn fma(a: Self, b: Self, acc: Self) -> Self;
+    unsafe fn store(self, out: *mut f32);
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Lanes for std::arch::x86_64::__m512 {
+    const LANES: usize = 16;
+    #[inline(always)]
+    unsafe fn zero() -> Self {
+        std::arch::x86_64::_mm512_setzero_ps()
+    }
+    #[inline(always)]
+    unsafe fn load<const BF16: bool>(v: *const u16) -> Self {
+        use std::arch::x86_64::*;
+        let halves = _mm256_loadu_si256(v as *const __m256i);
+        if BF16 {
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(halves)))
+        } else {
+            _mm512_cvtph_ps(halves)
         }
     }
-
-    /// Eight bfloat16 or float16 values as floats.
     #[inline(always)]
-    unsafe fn load<const BF16: bool>(v: *const u16) -> __m256 {
+    unsafe fn splat(x: f32) -> Self {
+        std::arch::x86_64::_mm512_set1_ps(x)
+    }
+    #[inline(always)]
+    unsafe fn fma(a: Self, b: Self, acc: Self) -> Self {
+        std::arch::x86_64::_mm512_fmadd_ps(a, b, acc)
+    }
+    #[inline(always)]
+    unsafe fn store(self, out: *mut f32) {
+        std::arch::x86_64::_mm512_storeu_ps(out, self)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Lanes for std::arch::x86_64::__m256 {
+    const LANES: usize = 8;
+    #[inline(always)]
+    unsafe fn zero() -> Self {
+        std::arch::x86_64::_mm256_setzero_ps()
+    }
+    #[inline(always)]
+    unsafe fn load<const BF16: bool>(v: *const u16) -> Self {
+        use std::arch::x86_64::*;
         let halves = _mm_loadu_si128(v as *const __m128i);
         if BF16 {
             _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(halves)))
@@ -214,23 +205,64 @@ mod avx2 {
             _mm256_cvtph_ps(halves)
         }
     }
-
     #[inline(always)]
-    unsafe fn tile<const B: usize, const C: usize, const BF16: bool>(at: At) {
-        let mut acc = [[_mm256_setzero_ps(); C]; B];
-        for j in 0..at.s {
-            let values: [__m256; C] = std::array::from_fn(|c| load::<BF16>(at.v.add(j * at.d + 8 * c)));
-            for (b, acc) in acc.iter_mut().enumerate() {
-                let weight = _mm256_set1_ps(*at.p.add(b * at.s + j));
-                for (acc, &value) in acc.iter_mut().zip(&values) {
-                    *acc = _mm256_fmadd_ps(weight, value, *acc);
-                }
+    unsafe fn splat(x: f32) -> Self {
+        std::arch::x86_64::_mm256_set1_ps(x)
+    }
+    #[inline(always)]
+    unsafe fn fma(a: Self, b: Self, acc: Self) -> Self {
+        std::arch::x86_64::_mm256_fmadd_ps(a, b, acc)
+    }
+    #[inline(always)]
+    unsafe fn store(self, out: *mut f32) {
+        std::arch::x86_64::_mm256_storeu_ps(out, self)
+    }
+}
+
+/// [`tile`] of `b` rows × `c` vectors (each at most 4): the sizes as constants, so that the
+/// sums stay in registers.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn tile_of_shape<V: Lanes, const BF16: bool>(b: usize, c: usize, at: At) {
+    match (b, c) {
+        (1, 1) => tile::<V, 1, 1, BF16>(at),
+        (1, 2) => tile::<V, 1, 2, BF16>(at),
+        (1, 3) => tile::<V, 1, 3, BF16>(at),
+        (1, 4) => tile::<V, 1, 4, BF16>(at),
+        (2, 1) => tile::<V, 2, 1, BF16>(at),
+        (2, 2) => tile::<V, 2, 2, BF16>(at),
+        (2, 3) => tile::<V, 2, 3, BF16>(at),
+        (2, 4) => tile::<V, 2, 4, BF16>(at),
+        (3, 1) => tile::<V, 3, 1, BF16>(at),
+        (3, 2) => tile::<V, 3, 2, BF16>(at),
+        (3, 3) => tile::<V, 3, 3, BF16>(at),
+        (3, 4) => tile::<V, 3, 4, BF16>(at),
+        (4, 1) => tile::<V, 4, 1, BF16>(at),
+        (4, 2) => tile::<V, 4, 2, BF16>(at),
+        (4, 3) => tile::<V, 4, 3, BF16>(at),
+        (4, 4) => tile::<V, 4, 4, BF16>(at),
+        _ => unreachable!("tiles of at most 4 × 4"),
+    }
+}
+
+/// B output rows × C vectors of columns: for each key j in turn, its values (C vectors) times
+/// each row's weight, added into that row's sums.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn tile<V: Lanes, const B: usize, const C: usize, const BF16: bool>(at: At) {
+    let mut acc = [[V::zero(); C]; B];
+    for j in 0..at.s {
+        let values: [V; C] = std::array::from_fn(|c| V::load::<BF16>(at.v.add(j * at.d + V::LANES * c)));
+        for (b, acc) in acc.iter_mut().enumerate() {
+            let weight = V::splat(*at.p.add(b * at.s + j));
+            for (acc, &value) in acc.iter_mut().zip(&values) {
+                *acc = V::fma(weight, value, *acc);
             }
         }
-        for (b, acc) in acc.iter().enumerate() {
-            for (c, &acc) in acc.iter().enumerate() {
-                _mm256_storeu_ps(at.out.add(b * at.d + 8 * c), acc);
-            }
+    }
+    for (b, acc) in acc.iter().enumerate() {
+        for (c, &acc) in acc.iter().enumerate() {
+            acc.store(at.out.add(b * at.d + V::LANES * c));
         }
     }
 }
