@@ -134,8 +134,8 @@ pub fn concat_rows(parts: &[&Array]) -> Result<Array, Exception> {
 ///
 /// x is taken by value: when it alone holds its buffer (no other array, view or pending op can
 /// see it, as MLX decides before it reuses an op's input for its output), the slots are written
-/// into that buffer and x itself is returned; otherwise into a copy. A cache that copied itself whole at every write
-/// spent a tenth of a batched decode step doing so.
+/// into that buffer and x itself is returned; otherwise into a copy. A cache that copied itself
+/// whole at every write spent a tenth of a batched decode step doing so.
 pub fn put_slots(x: Array, new: &Array, slots: &[Vec<usize>]) -> Result<Array, Exception> {
     let n = slots.first().map_or(0, Vec::len);
     let host_dtype = matches!(x.dtype(), Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16);
@@ -348,7 +348,8 @@ mod tests {
             let new = normal(&[2, 3, 2, 8], 5, dtype);
             let index = Array::from_slice(&[4, 1, 0, 5], &[2, 1, 2, 1]);
             let written = cache.put_along_axis(&index, &new, 2).unwrap();
-            // Into a copy while `cache` holds the buffer too, then in place once the copy is all.
+            // Into a copy while `cache` holds the buffer too; in place into an array nothing else
+            // holds.
             let once = put_slots(cache.clone(), &new, &[vec![4, 1], vec![0, 5]]).unwrap();
             assert!(identical(&once, &written), "{dtype:?}");
             assert!(!identical(&cache, &written), "{dtype:?}: the cache the copy came from changed");
