@@ -151,15 +151,15 @@ pub fn put_slots(x: Array, new: &Array, slots: &[Vec<usize>]) -> Result<Array, E
         // nothing reads the buffer while it is written; each pointer is to x's elements of the
         // width its dtype has.
         unsafe {
-            if x.dtype() == Dtype::Float32 {
-                let data =
-                    std::slice::from_raw_parts_mut(mlx_sys::mlx_array_data_float32(x.as_ptr()) as *mut f32, x.size());
-                write_slots(data, new.as_slice::<f32>(), shape, slots);
-            } else {
-                let data =
-                    std::slice::from_raw_parts_mut(mlx_sys::mlx_array_data_uint16(x.as_ptr()) as *mut u16, x.size());
-                let added = std::slice::from_raw_parts(mlx_sys::mlx_array_data_uint16(new.as_ptr()), new.size());
-                write_slots(data, added, shape, slots);
+            match bits16(&new) {
+                None => {
+                    let data = mlx_sys::mlx_array_data_float32(x.as_ptr()) as *mut f32;
+                    write_slots(std::slice::from_raw_parts_mut(data, x.size()), new.as_slice::<f32>(), shape, slots);
+                }
+                Some(added) => {
+                    let data = mlx_sys::mlx_array_data_uint16(x.as_ptr()) as *mut u16;
+                    write_slots(std::slice::from_raw_parts_mut(data, x.size()), added, shape, slots);
+                }
             }
         }
         return Ok(x);
