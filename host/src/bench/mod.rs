@@ -88,6 +88,15 @@ pub fn sampling_cost(logits: &mlx_rs::Array, repetitions: usize) -> Result<Vec<S
         }
         rows.push(SamplingRow { settings: settings.into(), milliseconds: summary(&samples).0 });
     }
+    // The draw as MLX ops, which serves off the CPU, timed here on the CPU for comparison.
+    let (settings, params) = ("temperature 0.7, top-p 0.95, as MLX ops", settings[0].1);
+    let mut samples = Vec::with_capacity(repetitions);
+    for step in 0..repetitions as u64 {
+        let start = Instant::now();
+        crate::sampling::on_device::draw(logits, &params, step)?;
+        samples.push(start.elapsed().as_secs_f64() * 1e3);
+    }
+    rows.push(SamplingRow { settings: settings.into(), milliseconds: summary(&samples).0 });
     Ok(rows)
 }
 

@@ -33,9 +33,13 @@ pub(super) fn accept(
     for i in 0..=drafts.len() {
         let draft = drafts.get(i).copied();
         let (token, took_draft) = match (verify, draft, &proposal.probabilities, window.row(i)) {
-            (Verify::Rejection, Some(d), Some(q), Some(row)) => rejection_step(row, q, i, d, request, step + i as u64)?,
+            (Verify::Rejection, Some(d), Some(q), Some(row)) => {
+                rejection_step(&row, q, i, d, request, step + i as u64)?
+            }
             _ => {
-                let t = window.token(i, &request.sampling, step + i as u64);
+                let t = window
+                    .token(i, &request.sampling, step + i as u64)
+                    .map_err(|e| GenerateError::sampling_at(step as usize + i, e))?;
                 (t, draft == Some(t))
             }
         };

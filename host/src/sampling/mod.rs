@@ -5,7 +5,11 @@
 //! pass of speculative decoding) draws with the same noise and so picks the same token.
 
 use mlx_rs::error::Exception;
+use std::borrow::Cow;
+
 use mlx_rs::Array;
+
+pub mod on_device;
 use plugin_api::nn::ops::first_max_half;
 
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -29,6 +33,11 @@ impl Default for SamplingParams {
 impl SamplingParams {
     pub fn is_greedy(&self) -> bool {
         self.temperature <= 0.0
+    }
+
+    /// Whether top-p, min-p or top-k removes any token of a `vocab`-token distribution.
+    pub fn filters(&self, vocab: usize) -> bool {
+        (self.top_p > 0.0 && self.top_p < 1.0) || self.min_p > 0.0 || (self.top_k > 0 && (self.top_k as usize) < vocab)
     }
 
     /// One line naming the first parameter out of range, if any.
@@ -95,10 +104,13 @@ pub fn sample(logits: &Array, params: &SamplingParams, step: u64) -> Result<u32,
         check_finite_on_device(&row, &best)?;
         return Ok(best.item_exact::<u32>());
     }
+    if !plugin_api::nn::wide::on_cpu() {
+        return on_device::draw(logits, params, step);
+    }
     let logits = plugin_api::nn::kernels::row_major(logits)?;
     plugin_api::nn::kernels::with_floats(&logits, |row| {
         check_finite(row)?;
-        Ok(gumbel_argmax(&filtered_logprobs(row, params), params.temperature, params.seed, step))
+        Ok(draw(row, params, step))
     })?
 }
 
@@ -109,6 +121,9 @@ pub enum WindowTokens {
     Greedy(Vec<u32>),
     /// Sampled: the logits on the host, each position drawn when asked.
     Sampled { logits: Vec<f32>, vocab: usize },
+    /// Sampled off the CPU: the window's logits [W, V] where they live, each position drawn
+    /// there by MLX ops when asked ([`on_device`]).
+    OnDevice(Array),
 }
 
 impl WindowTokens {
@@ -121,14 +136,15 @@ impl WindowTokens {
     }
 
     /// Each row's window from logits [B, W, V], row b sampled by `params[b]`. Where MLX runs on
-    /// the CPU, or a row samples, every row's logits are read on the host once: greedy rows scan
-    /// them there, sampled rows copy theirs. Elsewhere one argmax on the device serves every
-    /// row, since each MLX op and evaluation costs microseconds of dispatch.
+    /// the CPU, every row's logits are read on the host once: greedy rows scan them there,
+    /// sampled rows copy theirs. Elsewhere one argmax on the device serves every greedy row,
+    /// since each MLX op and evaluation costs microseconds of dispatch, and sampled rows keep
+    /// their logits on the device.
     pub fn rows(logits: &Array, params: &[&SamplingParams]) -> Result<Vec<WindowTokens>, SampleError> {
         let (width, vocab) = (logits.shape()[1] as usize, logits.shape()[2] as usize);
         let span = |b: usize, per: usize| b * width * per..(b + 1) * width * per;
         let sampled = params.iter().any(|p| !p.is_greedy());
-        if sampled || plugin_api::nn::wide::on_cpu() {
+        if plugin_api::nn::wide::on_cpu() {
             // Widened on the host rather than by an MLX conversion, whose round trip is a large
             // share of sampling a small vocabulary.
             let logits = plugin_api::nn::kernels::row_major(logits)?;
@@ -156,26 +172,50 @@ impl WindowTokens {
         let best = mlx_rs::ops::indexing::argmax_axis(logits, -1, None)?.as_dtype(mlx_rs::Dtype::Uint32)?;
         check_finite_on_device(logits, &best)?;
         let best = best.as_slice::<u32>();
-        Ok((0..params.len()).map(|b| WindowTokens::Greedy(best[span(b, 1)].to_vec())).collect())
+        let window = |b: usize| -> Result<WindowTokens, SampleError> {
+            Ok(match params[b].is_greedy() {
+                true => WindowTokens::Greedy(best[span(b, 1)].to_vec()),
+                false => WindowTokens::OnDevice(logits.take_axis(Array::from_int(b as i32), 0)?),
+            })
+        };
+        (0..params.len()).map(window).collect()
     }
 
-    /// The logits of position `i` (sampled windows only).
-    pub fn row(&self, i: usize) -> Option<&[f32]> {
+    /// The logits of position `i` on the host (sampled windows only; a device's row is copied).
+    pub fn row(&self, i: usize) -> Option<Cow<'_, [f32]>> {
         match self {
             WindowTokens::Greedy(_) => None,
-            WindowTokens::Sampled { logits, vocab } => Some(&logits[i * vocab..(i + 1) * vocab]),
-        }
-    }
-
-    pub fn token(&self, i: usize, params: &SamplingParams, step: u64) -> u32 {
-        match self {
-            WindowTokens::Greedy(best) => best[i],
-            WindowTokens::Sampled { .. } => {
-                let lp = filtered_logprobs(self.row(i).expect("sampled"), params);
-                gumbel_argmax(&lp, params.temperature, params.seed, step)
+            WindowTokens::Sampled { logits, vocab } => Some(Cow::Borrowed(&logits[i * vocab..(i + 1) * vocab])),
+            WindowTokens::OnDevice(logits) => {
+                let row = logits.take_axis(Array::from_int(i as i32), 0).ok()?.as_dtype(mlx_rs::Dtype::Float32).ok()?;
+                Some(Cow::Owned(row.try_as_slice::<f32>().ok()?.to_vec()))
             }
         }
     }
+
+    /// The target's token at position `i`, output step `step`.
+    pub fn token(&self, i: usize, params: &SamplingParams, step: u64) -> Result<u32, SampleError> {
+        match self {
+            WindowTokens::Greedy(best) => Ok(best[i]),
+            WindowTokens::Sampled { logits, vocab } => Ok(draw(&logits[i * vocab..(i + 1) * vocab], params, step)),
+            WindowTokens::OnDevice(logits) => {
+                on_device::draw(&logits.take_axis(Array::from_int(i as i32), 0)?, params, step)
+            }
+        }
+    }
+}
+
+/// The token drawn at output position `step` from one position's logits, at the request's
+/// temperature and through its filters.
+pub fn draw(logits: &[f32], params: &SamplingParams, step: u64) -> u32 {
+    if params.filters(logits.len()) {
+        return gumbel_argmax(&filtered_logprobs(logits, params), params.temperature, params.seed, step);
+    }
+    // Unfiltered, the log-probabilities are the logits less one constant, which moves every
+    // token's score alike: the logits draw from the same distribution without the pass of
+    // exponentials over the vocabulary that normalizing takes (a quarter of an unfiltered
+    // draw from 262,144 tokens, measured).
+    gumbel_argmax(logits, params.temperature, params.seed, step)
 }
 
 /// Log-probabilities with the filters applied (removed tokens at -inf), before temperature.
@@ -658,6 +698,16 @@ mod tests {
         let other_seed: Vec<u32> =
             (0..20).map(|s| sample(&logits, &SamplingParams { seed: 10, ..p }, s).unwrap()).collect();
         assert_ne!(first, other_seed);
+    }
+
+    #[test]
+    fn an_unfiltered_draw_from_the_logits_is_the_draw_from_the_log_probabilities() {
+        let logits: Vec<f32> = (0..4096).map(|i| (uniform(3, i) as f32 - 0.5) * 20.0).collect();
+        for (step, t) in (0..300).zip([0.5f32, 1.0, 1.7].into_iter().cycle()) {
+            let p = SamplingParams { seed: 4, ..params(t) };
+            let lp = filtered_logprobs(&logits, &p);
+            assert_eq!(draw(&logits, &p, step), gumbel_argmax(&lp, t, 4, step), "step {step}");
+        }
     }
 
     #[test]
