@@ -168,3 +168,27 @@ fn a_drafter_that_sat_out_rounds_catches_up() {
         );
     }
 }
+
+/// The threads of this process named `name`.
+fn threads_named(name: &str) -> usize {
+    let tasks = std::fs::read_dir("/proc/self/task").unwrap();
+    tasks.filter(|t| std::fs::read_to_string(t.as_ref().unwrap().path().join("comm")).unwrap().trim() == name).count()
+}
+
+/// A plugin's products run on the host's helper thread, handed to it at load: after every
+/// drafter here has drafted, the process has the host's one helper (none on a single core),
+/// not one more per plugin library.
+#[test]
+fn drafters_run_their_products_on_the_hosts_helper() {
+    let (model, tokenizer) = target();
+    let prompt = prompts(&tokenizer).remove(0);
+    let request = Request { prompt, max_tokens: 24, sampling: SamplingParams::default(), eos: vec![] };
+    for t in TRAINED {
+        let config = SpecConfig { draft_tokens: t.gamma, verify: Verify::Match };
+        let spec = generate_speculative(&model, &drafter(t, &model), &request, config, |_| {}).unwrap();
+        assert!(spec.stats.drafted > 0, "{} drafted nothing", t.name);
+    }
+    generate(&model, &request, |_| {}).unwrap();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    assert_eq!(threads_named("product-helper"), usize::from(cores >= 2));
+}

@@ -27,8 +27,10 @@
 //! mlx-rs's global key. MLX's function compilation stays off in every artifact of the
 //! process: mlx-rs numbers compiled functions per copy while the compile cache is shared, so
 //! a plugin's compiled function could return the host's. The host turns it off at start-up.
-//! The SDK's `nn` products share their work with one helper thread per copy of the SDK
-//! (`nn::helper`), started on first use and kept for the life of the process; so the host
+//! The SDK's `nn` products share their work with a helper thread (`nn::helper`): the host's,
+//! which it hands to each plugin it loads through the extension `shared-helper/1`, so that
+//! drafter and target never take turns at one core with two spinning helpers; a plugin loaded
+//! without it starts its own on first use. A helper lives as long as the process, so the host
 //! never unloads a plugin library.
 //!
 //! ## Errors

@@ -116,7 +116,19 @@ pub fn load(path: &Path, pin: Option<&str>) -> Result<Plugin, LoadError> {
     check_api_major(&api_version)?;
     let root = init_root(header)?;
     let descriptor = (root.descriptor())().into_result().map_err(LoadError::Descriptor)?;
-    Ok(Plugin { path, api_version, descriptor, root })
+    let plugin = Plugin { path, api_version, descriptor, root };
+    share_helper(&plugin);
+    Ok(plugin)
+}
+
+/// Hands the host's helper thread to the plugin, so that one helper serves the process
+/// (`plugin_api::nn::helper`). A plugin without the extension, or with another layout of it,
+/// keeps its own.
+fn share_helper(plugin: &Plugin) {
+    use plugin_api::nn::helper::{shared, SharedHelperExtension, SHARED_HELPER_ID};
+    if let Ok(Some(table)) = plugin.extension::<SharedHelperExtension>(SHARED_HELPER_ID) {
+        (table.share)(shared());
+    }
 }
 
 /// SHA-256 of a file, as lowercase hex (what a manifest's `sha256` pins).
