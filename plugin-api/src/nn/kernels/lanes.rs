@@ -23,23 +23,26 @@ pub unsafe fn store_sums<const XB: usize, const WB: usize>(
     n: usize,
 ) {
     if XB * WB >= 8 {
-        // Slot 4j + b holds output j of row b, so row b's outputs come out side by side, in the
-        // result's 128-bit lane b.
-        let mut slots = [_mm512_setzero_ps(); 16];
-        for j in 0..WB {
-            for b in 0..XB {
-                slots[4 * j + b] = acc[j][b];
+        // Up to four rows at a time: slot 4j + b holds output j of row b, so row b's outputs
+        // come out side by side, in the result's 128-bit lane b.
+        for first in (0..XB).step_by(4) {
+            let rows = (XB - first).min(4);
+            let mut slots = [_mm512_setzero_ps(); 16];
+            for j in 0..WB {
+                for b in 0..rows {
+                    slots[4 * j + b] = acc[j][first + b];
+                }
             }
-        }
-        let sums = sum_lanes_16(slots);
-        for b in 0..XB {
-            let row = match b {
-                0 => _mm512_extractf32x4_ps::<0>(sums),
-                1 => _mm512_extractf32x4_ps::<1>(sums),
-                2 => _mm512_extractf32x4_ps::<2>(sums),
-                _ => _mm512_extractf32x4_ps::<3>(sums),
-            };
-            _mm_mask_storeu_ps(y.as_mut_ptr().add((m0 + b) * n + o), (1u8 << WB) - 1, row);
+            let sums = sum_lanes_16(slots);
+            for b in 0..rows {
+                let row = match b {
+                    0 => _mm512_extractf32x4_ps::<0>(sums),
+                    1 => _mm512_extractf32x4_ps::<1>(sums),
+                    2 => _mm512_extractf32x4_ps::<2>(sums),
+                    _ => _mm512_extractf32x4_ps::<3>(sums),
+                };
+                _mm_mask_storeu_ps(y.as_mut_ptr().add((m0 + first + b) * n + o), (1u8 << WB) - 1, row);
+            }
         }
     } else {
         for j in 0..WB {

@@ -569,6 +569,35 @@ mod tests {
         }
     }
 
+    /// A verify window of five or six rows shares one tile of quantized weights; each of its
+    /// rows still gives what it gives alone.
+    #[test]
+    fn quantized_rows_of_a_window_equal_each_row_alone() {
+        let (k, n) = (128, 13);
+        let packed: Vec<u32> = (0..n * k / 4).map(|i| (i as u32).wrapping_mul(2654435761)).collect();
+        let scales: Vec<f32> = (0..n * k / 32).map(|i| 0.01 + i as f32 * 1e-3).collect();
+        let biases: Vec<f32> = (0..n * k / 32).map(|i| -0.05 + i as f32 * 1e-3).collect();
+        for bits in [4, 8] {
+            let w = Weight::Quantized(dot::Quantized {
+                packed: &packed[..n * k * bits as usize / 32],
+                scales: Params::F32(&scales),
+                biases: Params::F32(&biases),
+                bits,
+                group: 32,
+            });
+            for rows in [5, 6] {
+                let x: Vec<f32> = (0..rows * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect();
+                let mut window = vec![0f32; rows * n];
+                dot::product(&x, Dtype::Float32, rows, k, w, 0..n, n, &mut window);
+                for m in 0..rows {
+                    let mut alone = vec![0f32; n];
+                    dot::product(&x[m * k..(m + 1) * k], Dtype::Float32, 1, k, w, 0..n, n, &mut alone);
+                    assert_eq!(alone, window[m * n..(m + 1) * n], "{bits} bits, row {m} of {rows}");
+                }
+            }
+        }
+    }
+
     /// Summing in float32 is not MLX's CPU kernel for half-precision activations, which rounds
     /// after every operation: the check above tells the two apart.
     #[test]

@@ -27,6 +27,11 @@ use super::lanes::store_sums;
 /// scale, bias and weight vector.
 const X_BLOCK: usize = 4;
 const W_BLOCK: usize = 4;
+/// Five or six rows (a verify window) share one tile of 3 W rows instead: each weight is then
+/// dequantized once for all of them, not once for the first four and again for the rest.
+/// Eighteen accumulators and nine vectors for scales, biases and weights fit the registers.
+const WIDE_ROWS: std::ops::RangeInclusive<usize> = 5..=6;
+const WIDE_W_BLOCK: usize = 3;
 
 pub fn available() -> bool {
     super::lanes::available()
@@ -59,14 +64,15 @@ pub unsafe fn product(
     } else {
         x
     };
+    let wide = WIDE_ROWS.contains(&rows);
     let mut o = outputs.start;
     while o < outputs.end {
-        let width = W_BLOCK.min(outputs.end - o);
+        let width = if wide { WIDE_W_BLOCK } else { W_BLOCK }.min(outputs.end - o);
         // As the other loops do: the next block of W rows is asked for while this one is used.
         super::dot::avx2::prefetch_rows(Weight::Quantized(w), k, o + width..(o + 2 * width).min(outputs.end));
         let mut m0 = 0;
         while m0 < rows {
-            let block = X_BLOCK.min(rows - m0);
+            let block = if wide { rows } else { X_BLOCK.min(rows - m0) };
             let at = Tile { x, k, w, m0, o, n };
             macro_rules! shapes {
                 ($($b:literal, $j:literal);*) => {
@@ -76,7 +82,8 @@ pub unsafe fn product(
                     }
                 };
             }
-            shapes!(4, 4; 3, 4; 2, 4; 1, 4; 4, 3; 3, 3; 2, 3; 1, 3; 4, 2; 3, 2; 2, 2; 1, 2; 4, 1; 3, 1; 2, 1; 1, 1);
+            shapes!(4, 4; 3, 4; 2, 4; 1, 4; 4, 3; 3, 3; 2, 3; 1, 3; 4, 2; 3, 2; 2, 2; 1, 2; 4, 1; 3, 1; 2, 1; 1, 1;
+                    6, 3; 5, 3; 6, 2; 5, 2; 6, 1; 5, 1);
             m0 += block;
         }
         o += width;
