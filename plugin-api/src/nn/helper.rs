@@ -248,7 +248,7 @@ fn join_on(host: &SharedHelper, mine: impl FnOnce() + Send, theirs: impl FnOnce(
     let mut theirs = Closure { f: Some(theirs), panic: None };
     // SAFETY: both parts point at closures on this stack, which outlive the call.
     unsafe { (host.join)(mine.part(), theirs.part()) };
-    for panic in [theirs.panic, mine.panic].into_iter().flatten() {
+    if let Some(panic) = theirs.panic.or(mine.panic) {
         resume_unwind(panic);
     }
 }
