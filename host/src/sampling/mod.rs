@@ -4,13 +4,13 @@
 //! of the output token: any path to the same output position (plain decoding, or the verify
 //! pass of speculative decoding) draws with the same noise and so picks the same token.
 
-use mlx_rs::error::Exception;
 use std::borrow::Cow;
 
+use mlx_rs::error::Exception;
 use mlx_rs::Array;
+use plugin_api::nn::ops::first_max_half;
 
 pub mod on_device;
-use plugin_api::nn::ops::first_max_half;
 
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SamplingParams {
