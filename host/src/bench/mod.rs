@@ -71,34 +71,31 @@ pub struct SamplingRow {
 }
 
 /// Median milliseconds of [`sample`] on `logits` [V], `repetitions` draws (at different output
-/// positions) per setting: the filters and the draw of a sampled step.
+/// positions) per setting: the filters and the draw of a sampled step. Then the draw as MLX ops,
+/// which serves off the CPU, for comparison.
 pub fn sampling_cost(logits: &mlx_rs::Array, repetitions: usize) -> Result<Vec<SamplingRow>, SampleError> {
-    let settings = [
-        ("temperature 0.7, top-p 0.95", SamplingParams { temperature: 0.7, top_p: 0.95, ..Default::default() }),
-        ("temperature 1.0, no filter", SamplingParams { temperature: 1.0, ..Default::default() }),
-        ("temperature 0.7, top-k 40", SamplingParams { temperature: 0.7, top_k: 40, ..Default::default() }),
+    let top_p = SamplingParams { temperature: 0.7, top_p: 0.95, ..Default::default() };
+    let settings: [(&str, SamplingParams, Draw); 4] = [
+        ("temperature 0.7, top-p 0.95", top_p, sample),
+        ("temperature 1.0, no filter", SamplingParams { temperature: 1.0, ..Default::default() }, sample),
+        ("temperature 0.7, top-k 40", SamplingParams { temperature: 0.7, top_k: 40, ..Default::default() }, sample),
+        ("temperature 0.7, top-p 0.95, as MLX ops", top_p, crate::sampling::on_device::draw),
     ];
     let mut rows = Vec::new();
-    for (settings, params) in settings {
+    for (settings, params, draw) in settings {
         let mut samples = Vec::with_capacity(repetitions);
         for step in 0..repetitions as u64 {
             let start = Instant::now();
-            sample(logits, &params, step)?;
+            draw(logits, &params, step)?;
             samples.push(start.elapsed().as_secs_f64() * 1e3);
         }
         rows.push(SamplingRow { settings: settings.into(), milliseconds: summary(&samples).0 });
     }
-    // The draw as MLX ops, which serves off the CPU, timed here on the CPU for comparison.
-    let (settings, params) = ("temperature 0.7, top-p 0.95, as MLX ops", settings[0].1);
-    let mut samples = Vec::with_capacity(repetitions);
-    for step in 0..repetitions as u64 {
-        let start = Instant::now();
-        crate::sampling::on_device::draw(logits, &params, step)?;
-        samples.push(start.elapsed().as_secs_f64() * 1e3);
-    }
-    rows.push(SamplingRow { settings: settings.into(), milliseconds: summary(&samples).0 });
     Ok(rows)
 }
+
+/// A way to draw a token: [`sample`] or the MLX ops of `sampling::on_device`.
+type Draw = fn(&mlx_rs::Array, &SamplingParams, u64) -> Result<u32, SampleError>;
 
 /// The verify window the bench times: a pending token and four drafts.
 pub const WINDOW: usize = 5;

@@ -175,7 +175,7 @@ impl WindowTokens {
         let window = |b: usize| -> Result<WindowTokens, SampleError> {
             Ok(match params[b].is_greedy() {
                 true => WindowTokens::Greedy(best[span(b, 1)].to_vec()),
-                false => WindowTokens::OnDevice(logits.take_axis(Array::from_int(b as i32), 0)?),
+                false => WindowTokens::OnDevice(index_0(logits, b)?),
             })
         };
         (0..params.len()).map(window).collect()
@@ -187,7 +187,7 @@ impl WindowTokens {
             WindowTokens::Greedy(_) => None,
             WindowTokens::Sampled { logits, vocab } => Some(Cow::Borrowed(&logits[i * vocab..(i + 1) * vocab])),
             WindowTokens::OnDevice(logits) => {
-                let row = logits.take_axis(Array::from_int(i as i32), 0).ok()?.as_dtype(mlx_rs::Dtype::Float32).ok()?;
+                let row = index_0(logits, i).ok()?.as_dtype(mlx_rs::Dtype::Float32).ok()?;
                 Some(Cow::Owned(row.try_as_slice::<f32>().ok()?.to_vec()))
             }
         }
@@ -197,12 +197,15 @@ impl WindowTokens {
     pub fn token(&self, i: usize, params: &SamplingParams, step: u64) -> Result<u32, SampleError> {
         match self {
             WindowTokens::Greedy(best) => Ok(best[i]),
-            WindowTokens::Sampled { logits, vocab } => Ok(draw(&logits[i * vocab..(i + 1) * vocab], params, step)),
-            WindowTokens::OnDevice(logits) => {
-                on_device::draw(&logits.take_axis(Array::from_int(i as i32), 0)?, params, step)
-            }
+            WindowTokens::Sampled { .. } => Ok(draw(&self.row(i).expect("sampled"), params, step)),
+            WindowTokens::OnDevice(logits) => on_device::draw(&index_0(logits, i)?, params, step),
         }
     }
+}
+
+/// Entry `i` of `a`'s first axis.
+fn index_0(a: &Array, i: usize) -> Result<Array, Exception> {
+    a.take_axis(Array::from_int(i as i32), 0)
 }
 
 /// The token drawn at output position `step` from one position's logits, at the request's

@@ -78,7 +78,7 @@ pub unsafe fn product(
                 ($($b:literal, $j:literal);*) => {
                     match (w.bits == 4, block, width) {
                         $((false, $b, $j) => at.run::<$b, $j, 8>(y), (true, $b, $j) => at.run::<$b, $j, 4>(y),)*
-                        _ => unreachable!("blocks of at most {X_BLOCK} x rows and {W_BLOCK} W rows"),
+                        _ => unreachable!("blocks of at most {X_BLOCK} x rows and {W_BLOCK} W rows, or {WIDE_ROWS:?} and {WIDE_W_BLOCK}"),
                     }
                 };
             }
