@@ -10,8 +10,14 @@ pub fn step_key(seed: u64, step: u64) -> u64 {
 /// A uniform draw in (0, 1) for `index` under `key`: never 0 or 1, so `ln(u)` and
 /// `ln(-ln(u))` are finite.
 pub fn uniform(key: u64, index: u64) -> f64 {
-    let bits = splitmix(key ^ splitmix(index.wrapping_add(0xD1B5_4A32_D192_ED03)));
-    ((bits >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    (uniform_bits(key, index) as f64 + 0.5) / (1u64 << 53) as f64
+}
+
+/// The 53 bits behind [`uniform`]: `uniform(key, index)` is `(bits + 0.5) / 2⁵³`. Inlined into
+/// callers, so that a loop over many indices can compile to vector code.
+#[inline(always)]
+pub fn uniform_bits(key: u64, index: u64) -> u64 {
+    splitmix(key ^ splitmix(index.wrapping_add(0xD1B5_4A32_D192_ED03))) >> 11
 }
 
 /// A token drawn from probabilities `q` (they need not be normalized) with the uniform `u`.
@@ -26,6 +32,7 @@ pub fn draw(q: &[f32], u: f64) -> u32 {
     q.iter().rposition(|&p| p > 0.0).unwrap_or(0) as u32
 }
 
+#[inline(always)]
 fn splitmix(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);

@@ -6,11 +6,17 @@
 
 use std::borrow::Cow;
 
+use filters::{top_k, top_p};
 use mlx_rs::error::Exception;
 use mlx_rs::Array;
 use plugin_api::nn::ops::first_max_half;
 
+mod filters;
+mod gumbel;
 pub mod on_device;
+mod scan;
+
+pub use gumbel::gumbel_argmax;
 
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SamplingParams {
@@ -325,282 +331,6 @@ fn on_halves<T: Send>(values: &[f32], f: impl Fn(&[f32], usize) -> T + Sync) -> 
     (first.expect("joined"), second.expect("joined"))
 }
 
-/// Bins of [`Histogram`] per nat below the best log-probability.
-const BINS_PER_NAT: f32 = 16.0;
-/// The histogram's reach below the best log-probability, in nats; what lies further down shares
-/// its last bin.
-const HISTOGRAM_NATS: f32 = 64.0;
-
-/// How many tokens, and how much of their mass, lie in each sixteenth of a nat below the best
-/// log-probability: one pass that bounds where the k-th token, or the edge of the nucleus, lies,
-/// so that only the tokens above that bound need sorting. A real vocabulary (262,144 tokens)
-/// then costs a pass and a sort of a few thousand tokens, not a sort of all of it.
-struct Histogram {
-    best: f32,
-    counts: Vec<u32>,
-    masses: Vec<f64>,
-}
-
-impl Histogram {
-    /// The histogram of `lp`, with the bins' masses if asked for (in single precision: close
-    /// enough to bound the nucleus, not to decide it).
-    fn new(lp: &[f32], with_masses: bool) -> Histogram {
-        let best = lp.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let last = (HISTOGRAM_NATS * BINS_PER_NAT) as usize;
-        let count = |half: &[f32], _| {
-            let mut counts = vec![0u32; last + 1];
-            let mut masses = vec![0f64; if with_masses { last + 1 } else { 0 }];
-            let mut exps = [0f32; 64];
-            for chunk in half.chunks(exps.len()) {
-                if with_masses {
-                    exponentials(chunk, &mut exps[..chunk.len()]);
-                }
-                for (&x, &e) in chunk.iter().zip(&exps) {
-                    if x > f32::NEG_INFINITY {
-                        let bin = (((best - x) * BINS_PER_NAT) as usize).min(last);
-                        counts[bin] += 1;
-                        if with_masses {
-                            masses[bin] += e as f64;
-                        }
-                    }
-                }
-            }
-            (counts, masses)
-        };
-        let ((mut counts, mut masses), (upper_counts, upper_masses)) = on_halves(lp, count);
-        counts.iter_mut().zip(upper_counts).for_each(|(c, u)| *c += u);
-        masses.iter_mut().zip(upper_masses).for_each(|(m, u)| *m += u);
-        Histogram { best, counts, masses }
-    }
-
-    /// A bound every token of bins 0..=b lies at or above: the lower edge of bin b + 1, a bin
-    /// below b's own edge so that rounding in the bin arithmetic cannot put one under it.
-    fn floor_of(&self, b: usize) -> f32 {
-        if b + 2 >= self.counts.len() {
-            f32::NEG_INFINITY
-        } else {
-            self.best - (b + 2) as f32 / BINS_PER_NAT
-        }
-    }
-}
-
-/// `out[i] = exp(values[i])` by MLX's float32 exponential, eight at a time where the CPU has
-/// AVX2: the histogram's masses over a real vocabulary otherwise cost a C library call per token.
-fn exponentials(values: &[f32], out: &mut [f32]) {
-    let mut done = 0;
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-        use std::arch::x86_64::*;
-        done = values.len().min(out.len()) / 8 * 8;
-        for i in (0..done).step_by(8) {
-            // SAFETY: the CPU has AVX2 and FMA (checked above); i + 8 <= both lengths.
-            unsafe {
-                let e = plugin_api::nn::ops::mlx_exp8(_mm256_loadu_ps(values.as_ptr().add(i)));
-                _mm256_storeu_ps(out.as_mut_ptr().add(i), e);
-            }
-        }
-    }
-    for (e, &x) in out[done..].iter_mut().zip(&values[done..]) {
-        *e = plugin_api::nn::ops::mlx_exp(x);
-    }
-}
-
-/// The tokens at or above `cut`, most likely first, ties in token order: the order a full sort
-/// gives them. Each is sorted as one integer (its log-probability's bits, ordered, then its id).
-///
-/// Each half of the vocabulary is sorted on its own, then the two are merged.
-fn sorted_above(lp: &[f32], cut: f32) -> Vec<u32> {
-    let sorted_half = |half: &[f32], offset: usize| {
-        let mut keys: Vec<u64> = half
-            .iter()
-            .enumerate()
-            .filter(|&(_, &x)| x >= cut && x > f32::NEG_INFINITY)
-            .map(|(t, &x)| ((descending_key(x) as u64) << 32) | (offset + t) as u64)
-            .collect();
-        keys.sort_unstable();
-        keys
-    };
-    let (lower, upper) = on_halves(lp, sorted_half);
-    let mut merged = Vec::with_capacity(lower.len() + upper.len());
-    let (mut i, mut j) = (0, 0);
-    while i < lower.len() && j < upper.len() {
-        if lower[i] < upper[j] {
-            merged.push(lower[i] as u32);
-            i += 1;
-        } else {
-            merged.push(upper[j] as u32);
-            j += 1;
-        }
-    }
-    merged.extend(lower[i..].iter().chain(&upper[j..]).map(|&key| key as u32));
-    merged
-}
-
-/// A key whose ascending order is the descending order of `x` (total order on floats).
-fn descending_key(x: f32) -> u32 {
-    let bits = x.to_bits();
-    let ascending = if bits >> 31 == 1 { !bits } else { bits | 0x8000_0000 };
-    !ascending
-}
-
-/// Keeps the `k` most likely tokens; of tokens tied at the k-th value, the first ones.
-fn top_k(lp: &mut [f32], k: usize) {
-    let histogram = Histogram::new(lp, false);
-    let mut seen = 0usize;
-    let mut cut = f32::NEG_INFINITY;
-    for (b, &count) in histogram.counts.iter().enumerate() {
-        seen += count as usize;
-        if seen >= k {
-            cut = histogram.floor_of(b);
-            break;
-        }
-    }
-    let kept = sorted_above(lp, cut);
-    keep_only(lp, &kept[..k.min(kept.len())]);
-}
-
-/// Keeps the smallest set of most likely tokens whose mass reaches `p`, its mass summed most
-/// likely first: what a sort of the whole vocabulary gives.
-///
-/// The set lies among the tokens at or above the first histogram bin by which the bins' mass
-/// passes `p` by a margin far above its rounding; only those are sorted. Should their exact sum
-/// still fall short of `p` (or the margin not fit below 1), every token is sorted.
-fn top_p(lp: &mut [f32], p: f32) {
-    const MARGIN: f64 = 1e-4;
-    let histogram = Histogram::new(lp, true);
-    let mut mass = 0.0f64;
-    let mut cut = f32::NEG_INFINITY;
-    for (b, &bin) in histogram.masses.iter().enumerate() {
-        mass += bin;
-        if mass >= p as f64 + MARGIN {
-            cut = histogram.floor_of(b);
-            break;
-        }
-    }
-    let mut candidates = sorted_above(lp, cut);
-    let keep = loop {
-        let mut mass = 0.0f64;
-        let reached = candidates.iter().position(|&t| {
-            mass += (lp[t as usize] as f64).exp();
-            mass >= p as f64
-        });
-        match reached {
-            Some(i) => break i + 1,
-            None if cut == f32::NEG_INFINITY => break candidates.len(),
-            None => {
-                cut = f32::NEG_INFINITY;
-                candidates = sorted_above(lp, cut);
-            }
-        }
-    };
-    keep_only(lp, &candidates[..keep]);
-}
-
-/// Sets every token but `kept` to -inf.
-fn keep_only(lp: &mut [f32], kept: &[u32]) {
-    let mut keep = vec![false; lp.len()];
-    for &t in kept {
-        keep[t as usize] = true;
-    }
-    for (x, keep) in lp.iter_mut().zip(keep) {
-        if !keep {
-            *x = f32::NEG_INFINITY;
-        }
-    }
-}
-
-/// argmax(logprob / T + Gumbel noise): a draw from softmax(logprob / T). The noise of each
-/// token depends only on (seed, step, token); ties go to the lower token id.
-///
-/// Drawing the noise of every token of a real vocabulary (two logarithms each) would cost a
-/// sizeable part of a decode step, so tokens are visited most likely first, a nat of scaled
-/// log-probability at a time. Against the best score so far, a nat's tokens can only win with
-/// noise above a bound, that is with a uniform above `exp(-exp(-bound))`: each token's uniform,
-/// one hash, is compared with that, and only the few above it get their logarithms. The noise
-/// never exceeds -ln(-ln(1 - 2⁻⁵⁴)) < 37.5 (`uniform`'s largest value), so tokens further
-/// below the best score are not visited at all. The result is the argmax over every token.
-pub fn gumbel_argmax(logprobs: &[f32], temperature: f32, seed: u64, step: u64) -> u32 {
-    let key = step_key(seed, step);
-    // Each half's best, then the better of the two (ties to the lower token, the first half's).
-    let (lower, upper) = on_halves(logprobs, |half, offset| best_draw(half, offset as u32, temperature, key));
-    match (lower, upper) {
-        (Some(a), Some(b)) if b.0 > a.0 => b.1,
-        (Some(a), _) => a.1,
-        (None, Some(b)) => b.1,
-        (None, None) => 0,
-    }
-}
-
-/// The best score and its token among `logprobs` (token ids from `offset`), if any is finite.
-fn best_draw(logprobs: &[f32], offset: u32, temperature: f32, key: u64) -> Option<(f64, u32)> {
-    const MAX_NOISE: f64 = 37.5;
-    // Bounds are lowered by this much, far above the rounding of the scores, so that a token
-    // passed over scores strictly below the best.
-    const SLACK: f64 = 1e-6;
-    let t = temperature as f64;
-    let scaled = |lp: f32| lp as f64 / t;
-    let top = logprobs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    if top == f32::NEG_INFINITY {
-        return None;
-    }
-    let top = scaled(top);
-    // Bucket b holds the tokens scaled b to b + 1 nats below the top; the noise's least value
-    // (-ln(-ln(2⁻⁵⁴)) > -3.7) puts the best score above top - 3.7, so no token more than
-    // MAX_NOISE + 3.7 below it can win.
-    const BUCKETS: usize = (MAX_NOISE + 3.7) as usize + 1;
-    // Bucketing may round differently from `scaled` (a product, not a quotient): SLACK covers it.
-    let inverse = 1.0 / t;
-    let bucket_of = |lp: f32| -> Option<usize> {
-        let below = top - lp as f64 * inverse;
-        (lp > f32::NEG_INFINITY && below < BUCKETS as f64).then_some(below as usize)
-    };
-    // Tokens in bucket order (a counting sort): bucket b's are order[starts[b]..starts[b + 1]].
-    const NONE: u8 = u8::MAX;
-    let buckets: Vec<u8> = logprobs.iter().map(|&lp| bucket_of(lp).map_or(NONE, |b| b as u8)).collect();
-    let mut starts = [0usize; BUCKETS + 1];
-    for &b in &buckets {
-        if b != NONE {
-            starts[b as usize + 1] += 1;
-        }
-    }
-    for b in 0..BUCKETS {
-        starts[b + 1] += starts[b];
-    }
-    let mut order = vec![0u32; starts[BUCKETS]];
-    let mut next = starts;
-    for (token, &b) in buckets.iter().enumerate() {
-        if b != NONE {
-            order[next[b as usize]] = token as u32;
-            next[b as usize] += 1;
-        }
-    }
-    let mut best = (f64::NEG_INFINITY, 0u32);
-    for b in 0..BUCKETS {
-        let highest = top - b as f64;
-        if highest + MAX_NOISE < best.0 {
-            break;
-        }
-        // Noise at or below `needed` cannot lift a token of this bucket to the best score. The
-        // uniform giving that noise, exp(-exp(-needed)), is lowered by far more than the two
-        // exponentials' rounding (relative 1e-14 against at most e^3.7 ulps), so that a uniform
-        // below it is one whose noise is below `needed`.
-        let needed = best.0 - highest - SLACK;
-        let least_uniform = if needed == f64::NEG_INFINITY { 0.0 } else { (-(-needed).exp()).exp() * (1.0 - 1e-14) };
-        for &index in &order[starts[b]..starts[b + 1]] {
-            let token = offset + index;
-            let u = uniform(key, token as u64);
-            if u < least_uniform {
-                continue;
-            }
-            let score = scaled(logprobs[index as usize]) - (-u.ln()).ln();
-            if score > best.0 || (score == best.0 && token < best.1) {
-                best = (score, token);
-            }
-        }
-    }
-    Some(best)
-}
-
 pub use plugin_api::random::{step_key, uniform};
 
 #[cfg(test)]
@@ -680,6 +410,50 @@ mod tests {
                     assert_eq!(gumbel_argmax(&fast, t, case, 7), gumbel_over_every_token(&full, t, case, 7));
                     assert_eq!(gumbel_argmax(&lp, t, case, 9), gumbel_over_every_token(&lp, t, case, 9));
                 }
+            }
+        }
+    }
+
+    /// Vocabularies of Gemma 4's order of size, split across the helper thread: likely tokens
+    /// spread out, all in one place (a sorted vocabulary), a flat distribution (the nucleus is
+    /// everything), and runs of removed tokens.
+    #[test]
+    fn on_large_vocabularies_the_fast_filters_and_draw_equal_a_full_sort_and_a_full_draw() {
+        let vocab = 70_001;
+        let spread = |i: usize| ((uniform(11, i as u64) - 0.5) * 30.0) as f32;
+        let shapes: [(&str, Vec<f32>); 4] = [
+            ("spread", (0..vocab).map(spread).collect()),
+            ("sorted", (0..vocab).map(|i| 20.0 - i as f32 * 1e-3).collect()),
+            ("flat", vec![0.25; vocab]),
+            (
+                "removed runs",
+                (0..vocab).map(|i| if (i / 640) % 3 == 1 { f32::NEG_INFINITY } else { spread(i) }).collect(),
+            ),
+        ];
+        for (shape, logits) in shapes {
+            let lp = filtered_logprobs(&logits, &SamplingParams::default());
+            for p in [0.5f32, 0.95] {
+                let (mut fast, mut full) = (lp.clone(), lp.clone());
+                top_p(&mut fast, p);
+                top_p_by_full_sort(&mut full, p);
+                assert_eq!(fast, full, "{shape}, top_p {p}");
+            }
+            for k in [1usize, 40, 5000] {
+                let (mut fast, mut full) = (lp.clone(), lp.clone());
+                top_k(&mut fast, k);
+                top_k_by_full_sort(&mut full, k);
+                assert_eq!(fast, full, "{shape}, top_k {k}");
+            }
+            for (t, step) in [(0.3f32, 1u64), (0.7, 2), (1.0, 3), (2.5, 4)] {
+                assert_eq!(gumbel_argmax(&lp, t, 5, step), gumbel_over_every_token(&lp, t, 5, step), "{shape}, T {t}");
+                let top_p = SamplingParams { temperature: t, top_p: 0.95, seed: 5, ..Default::default() };
+                let mut nucleus = lp.clone();
+                top_p_by_full_sort(&mut nucleus, 0.95);
+                assert_eq!(
+                    draw(&logits, &top_p, step),
+                    gumbel_over_every_token(&nucleus, t, 5, step),
+                    "{shape}, T {t}"
+                );
             }
         }
     }
