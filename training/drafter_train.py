@@ -117,7 +117,7 @@ class Run:
         self.target = drafter_data.target_facts(self.args.target)
         layers = self.target["num_hidden_layers"]
         self.taps = default_taps(layers)
-        self.data = data_for(self.args, self.taps)
+        self.data = data_for(self.args, self.taps, self.p.get("examples"))
         self.head = TargetHead(self.args.target)
         self._last = list(self.taps).index(layers - 1) * self.target["hidden_size"]
 
@@ -193,10 +193,11 @@ def default_taps(layers: int):
 TINY_DATA = dict(examples=32, prefix=16, greedy=24, batch=32)
 
 
-def data_for(args: argparse.Namespace, taps) -> drafter_data.DrafterData:
+def data_for(args: argparse.Namespace, taps, examples: Optional[int] = None) -> drafter_data.DrafterData:
+    """The drafter data: --examples continuations, else `examples`, else the default number."""
     sizes = dict(TINY_DATA) if args.preset == "tiny" else {}
-    if args.examples:
-        sizes["examples"] = args.examples
+    if args.examples or examples:
+        sizes["examples"] = args.examples or examples
     spec = drafter_data.DataSpec(taps=tuple(taps), seed=args.seed, **sizes)
     return drafter_data.build(args.target, spec, args.data)
 

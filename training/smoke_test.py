@@ -1,7 +1,8 @@
 """Smoke test of the trainers on their tiny presets (run by `make test`, about two minutes):
 the target's loss falls, and a run interrupted halfway and resumed ends exactly where an
 uninterrupted run ends; then each drafter trainer, run as its command, learns from that tiny
-target for a few steps (its loss falls) and writes a checkpoint."""
+target for a few steps (its loss falls) and writes a checkpoint (the assistant's with its
+centroid head)."""
 
 import json
 import subprocess
@@ -64,6 +65,10 @@ def main() -> None:
             assert log[-1]["loss"] < log[0]["loss"], f"{kind}: loss did not fall: {log}"
             for name in (config, "model.safetensors", "README.md"):
                 assert (out / name).exists(), f"{kind}: no {name}"
+            if kind == "assistant":
+                cfg = json.loads((out / config).read_text())
+                assert cfg["use_ordered_embeddings"] and cfg["num_centroids"] > 0, cfg
+                assert "## Centroid head" in (out / "README.md").read_text()
             print(f"smoke: {kind} loss {log[0]['loss']:.3f} -> {log[-1]['loss']:.3f}, wrote "
                   f"{config}, model.safetensors and its card")
 

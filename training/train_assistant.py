@@ -9,7 +9,9 @@ input token and a hidden state in the target's space (the target's own final hid
 first step, then the assistant's `post_projection` of its last one), projects them in, and runs
 Gemma 4 layers whose attention is query-only over the target's K/V (the last sliding and the
 last full layer that own a cache), every step querying at the pending token's position; the
-head is its own tied embedding. This is the network the assistant plugin serves.
+head is its own tied embedding, served through a centroid head fitted after training
+(fit_centroids.py) that scores only the likeliest groups of tokens. This is the network the
+assistant plugin serves.
 
 The objective is per-step prediction unrolled over a round, as Gemma 4's multi-token drafters
 are trained (each step fed the true previous token and its own previous hidden, so the
@@ -166,6 +168,16 @@ def round_logits(model: Assistant, config: dict, head: dt.TargetHead, final_hidd
                  tokens: mx.array, anchors: mx.array, donors: dict, steps: int):
     """The assistant's logits [B, A, steps, V] for a round at every anchor p: step k reads
     token p+k and predicts token p+k+1; the first step's hidden is the target's at p−1."""
+    out = []
+    for h in round_hidden(model, config, head, final_hidden, tokens, anchors, donors, steps):
+        logits = h @ model.model.embed_tokens.weight.T
+        out.append(mx.tanh(logits / head.softcap) * head.softcap if head.softcap else logits)
+    return mx.stack(out, axis=2)
+
+
+def round_hidden(model: Assistant, config: dict, head: dt.TargetHead, final_hidden: mx.array,
+                 tokens: mx.array, anchors: mx.array, donors: dict, steps: int):
+    """What the head reads at each step of those rounds: the normed hidden [B, A, D] per step."""
     text = config["text_config"]
     b, a = anchors.shape
     length = tokens.shape[1]
@@ -195,10 +207,9 @@ def round_logits(model: Assistant, config: dict, head: dt.TargetHead, final_hidd
             h = h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
             h = h * layer.layer_scalar
         h = model.model.norm(h)
-        logits = h @ model.model.embed_tokens.weight.T
-        out.append(mx.tanh(logits / head.softcap) * head.softcap if head.softcap else logits)
+        out.append(h)
         hidden = model.post_projection(h)
-    return mx.stack(out, axis=2)
+    return out
 
 
 def export(model: Assistant, config: dict, out: Path) -> None:
@@ -238,7 +249,13 @@ def main() -> None:
     last = dt.train("assistant", args, p, model, loss_fn, run.data, steps + 1, steps,
                     extra=donors_of)
     export(model, config, args.out)
+    import fit_centroids  # it builds on this module
+    centroid = fit_centroids.PRESETS[args.preset]
+    figures = fit_centroids.add_centroid_head(run, model, config, donors, args.out, centroid,
+                                              centroid["steps"], args.seed)
     dt.write_card(args.out, "assistant", "a Gemma 4 assistant drafter", args, p, last, __doc__)
+    fit_centroids.add_card_section(args.out, fit_centroids.card_section(figures, args.preset))
+    dt.refresh_target_card(args.target)
     print(f"wrote {args.out}")
 
 

@@ -298,6 +298,28 @@ mod conformance {
     }
 
     #[test]
+    fn refuses_a_token_ordering_outside_the_vocabulary() {
+        // The centroid fixture with one id of its token ordering past the vocabulary's end.
+        let src = artifact("centroids");
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::copy(src.join("config.json"), dir.path().join("config.json")).unwrap();
+        let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+        let tensors = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let name = "masked_embedding.token_ordering";
+        let ordering = tensors.tensor(name).unwrap();
+        let mut ids = ordering.data().to_vec();
+        let width = ids.len() / ordering.shape()[0];
+        ids[..width].copy_from_slice(&99_999i64.to_le_bytes()[..width]);
+        let bad = safetensors::tensor::TensorView::new(ordering.dtype(), ordering.shape().to_vec(), &ids).unwrap();
+        let mut kept: Vec<_> = tensors.tensors().into_iter().filter(|(n, _)| n != name).collect();
+        kept.push((name.to_owned(), bad));
+        std::fs::write(dir.path().join("model.safetensors"), safetensors::serialize(kept, &None).unwrap()).unwrap();
+
+        let why = crate::Assistant::load(dir.path()).err().expect("refused").to_string();
+        assert!(why.contains("masked_embedding.token_ordering holds token id 99999, outside the vocabulary of 512"), "{why}");
+    }
+
+    #[test]
     fn refuses_a_target_with_other_head_dims() {
         let report = check::<super::AssistantDrafter>(&Config { global_head_dim: 64, ..config("centroids") });
         let why = report.failures()[0].1.as_ref().unwrap_err().clone();

@@ -6,6 +6,7 @@ use std::path::Path;
 
 use plugin_api::mlx_rs::error::Exception;
 use plugin_api::mlx_rs::{Array, Dtype};
+use plugin_api::nn::kernels::{bits16, row_major, with_floats};
 use plugin_api::nn::layout::{add, reshape, scale, swap_axes_1_2};
 use plugin_api::nn::ops::{attention, rms_norm, Mask};
 use plugin_api::nn::{Embedding, Linear, Mlp, Rope, Weights};
@@ -110,10 +111,16 @@ impl Assistant {
                     c.vocab_size
                 )));
             }
-            Some(MaskedEmbedding {
-                centroids,
-                token_ordering: token_ordering.as_dtype(Dtype::Int32).map_err(PluginError::from)?,
-            })
+            let token_ordering = token_ordering.as_dtype(Dtype::Int32).map_err(PluginError::from)?;
+            let ids = token_ordering.try_as_slice::<i32>().map_err(|e| PluginError::invalid_artifact(format!("{}: masked_embedding.token_ordering: {e}", dir.display())))?;
+            if let Some(bad) = ids.iter().find(|&&t| t < 0 || t >= c.vocab_size) {
+                return Err(PluginError::invalid_artifact(format!(
+                    "{}: masked_embedding.token_ordering holds token id {bad}, outside the vocabulary of {}",
+                    dir.display(),
+                    c.vocab_size
+                )));
+            }
+            Some(MaskedEmbedding { centroids, token_ordering })
         } else {
             None
         };
@@ -171,6 +178,9 @@ impl Assistant {
                 Ok(Array::from_slice(&plugin_api::nn::ops::argmax_rows(&logits)?, &[b]))
             }
             Some(m) => {
+                if let Some(tokens) = self.centroid_head_on_host(m, h)? {
+                    return Ok(tokens);
+                }
                 let c = &self.config;
                 let per_centroid = c.vocab_size / c.num_centroids;
                 let k = c.centroid_intermediate_top_k;
@@ -191,6 +201,119 @@ impl Assistant {
             }
         }
     }
+}
+
+impl Assistant {
+    /// [`Self::head`]'s centroid path in host loops, where MLX runs on the CPU and the table is
+    /// plain (bfloat16 or float32): the centroids' product, the best k of their scores, then one
+    /// dot product per candidate token, each a few hundred multiply-adds. The same steps as MLX
+    /// ops cost a dispatch each, together more than the tied head's whole product (2.5x its
+    /// draft time on the demo assistant, measured); this path reads k·V/C rows of the table
+    /// where the tied head reads all V. `None` where it does not apply.
+    fn centroid_head_on_host(&self, m: &MaskedEmbedding, h: &Array) -> Result<Option<Array>, Exception> {
+        let table = &self.embed_tokens.weight;
+        if !plugin_api::nn::wide::on_cpu() || self.embed_tokens.scales.is_some() {
+            return Ok(None);
+        }
+        let c = &self.config;
+        let (d, per_centroid, k) =
+            (c.hidden_size as usize, (c.vocab_size / c.num_centroids) as usize, c.centroid_intermediate_top_k as usize);
+        let h = row_major(h)?;
+        let scores = row_major(&m.centroids.forward(&h)?)?;
+        let hs = with_floats(&h, <[f32]>::to_vec)?;
+        let scores = with_floats(&scores, <[f32]>::to_vec)?;
+        let ordering = m.token_ordering.as_slice::<i32>();
+        let mut tokens = Vec::new();
+        for (x, scores) in hs.chunks(d).zip(scores.chunks(c.num_centroids as usize)) {
+            // The best k centroids, higher score first, ties to the lower index.
+            let mut order: Vec<usize> = (0..scores.len()).collect();
+            order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+            let candidates: Vec<i32> = order[..k.min(order.len())]
+                .iter()
+                .flat_map(|&centroid| &ordering[centroid * per_centroid..(centroid + 1) * per_centroid])
+                .copied()
+                .collect();
+            // Scores rounded as the tied head's product rounds its outputs: to the activations'
+            // dtype, where ties go to the lowest id.
+            let to_bf16 = h.dtype() == Dtype::Bfloat16;
+            let best = match (table.dtype(), bits16(table)) {
+                (Dtype::Bfloat16, Some(bits)) => best_token(bits, x, &candidates, to_bf16),
+                (Dtype::Float32, _) => match table.try_as_slice::<f32>() {
+                    Ok(floats) => best_token(floats, x, &candidates, to_bf16),
+                    Err(_) => return Ok(None),
+                },
+                _ => return Ok(None),
+            };
+            tokens.push(best);
+        }
+        Ok(Some(Array::from_slice(&tokens, &[tokens.len() as i32])))
+    }
+}
+
+/// A table's rows: bfloat16 bits or float32.
+trait Row: Copy {
+    fn widen(self) -> f32;
+}
+
+impl Row for u16 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        f32::from_bits((self as u32) << 16)
+    }
+}
+
+impl Row for f32 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self
+    }
+}
+
+/// The candidate whose row of `table` has the largest dot product with `x` (its length is the
+/// row length), each rounded to bfloat16 if asked; among equal scores the lowest id.
+fn best_token<T: Row>(table: &[T], x: &[f32], candidates: &[i32], to_bf16: bool) -> i32 {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU has AVX2 and FMA (checked above).
+        return unsafe { best_token_avx2(table, x, candidates, to_bf16) };
+    }
+    best_token_body(table, x, candidates, to_bf16)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn best_token_avx2<T: Row>(table: &[T], x: &[f32], candidates: &[i32], to_bf16: bool) -> i32 {
+    best_token_body(table, x, candidates, to_bf16)
+}
+
+/// Eight running sums a lane each per row, which the compiler turns into vector code.
+#[inline(always)]
+fn best_token_body<T: Row>(table: &[T], x: &[f32], candidates: &[i32], to_bf16: bool) -> i32 {
+    let d = x.len();
+    let mut best = (f32::NEG_INFINITY, i32::MAX);
+    for &t in candidates {
+        let row = &table[t as usize * d..(t as usize + 1) * d];
+        let mut sums = [0f32; 8];
+        let (rows, xs) = (row.chunks_exact(8), x.chunks_exact(8));
+        let rest: f32 = rows.remainder().iter().zip(xs.remainder()).map(|(&r, &x)| r.widen() * x).sum();
+        for (r, x) in rows.zip(xs) {
+            for i in 0..8 {
+                sums[i] += r[i].widen() * x[i];
+            }
+        }
+        let score = sums.iter().sum::<f32>() + rest;
+        let score = if to_bf16 { rounded_to_bf16(score) } else { score };
+        if score > best.0 || (score == best.0 && t < best.1) {
+            best = (score, t);
+        }
+    }
+    best.1
+}
+
+/// `x` rounded to the nearest bfloat16, ties to even (x is finite).
+fn rounded_to_bf16(x: f32) -> f32 {
+    let bits = x.to_bits();
+    f32::from_bits(bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) & 0xffff_0000)
 }
 
 impl Layer {
