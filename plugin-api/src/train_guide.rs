@@ -16,7 +16,10 @@
 //!    progress bar and resumes from its last saved step when started again; the demo drafters
 //!    took 12 to 30 minutes each on two cores. Scale the preset in `training/train_<kind>.py`
 //!    (layers, width, steps) to your target: a drafter is worth it only while it costs a small
-//!    share of a target step.
+//!    share of a target step. The assistant also gets a centroid head after training
+//!    (`training/fit_centroids.py`, also runnable alone on a trained assistant), so that a
+//!    draft step scores a few groups of tokens instead of the whole vocabulary; its card says
+//!    how often the draft still lies in the groups kept.
 //! 3. **Check it against its reference.** `tests/oracle/{dflash,deepspec,dspark,assistant}_oracle.py
 //!    --trained DIR-<kind>` records what the kind's reference implementation (dflash 0.1.0,
 //!    dspark-mlx 0.1.0, the NumPy equations, transformers 5.23.0 in `tests/oracle/.venv-hf`)
