@@ -316,7 +316,10 @@ mod conformance {
         std::fs::write(dir.path().join("model.safetensors"), safetensors::serialize(kept, &None).unwrap()).unwrap();
 
         let why = crate::Assistant::load(dir.path()).err().expect("refused").to_string();
-        assert!(why.contains("masked_embedding.token_ordering holds token id 99999, outside the vocabulary of 512"), "{why}");
+        assert!(
+            why.contains("masked_embedding.token_ordering holds token id 99999, outside the vocabulary of 512"),
+            "{why}"
+        );
     }
 
     #[test]

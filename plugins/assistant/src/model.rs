@@ -112,7 +112,9 @@ impl Assistant {
                 )));
             }
             let token_ordering = token_ordering.as_dtype(Dtype::Int32).map_err(PluginError::from)?;
-            let ids = token_ordering.try_as_slice::<i32>().map_err(|e| PluginError::invalid_artifact(format!("{}: masked_embedding.token_ordering: {e}", dir.display())))?;
+            let ids = token_ordering.try_as_slice::<i32>().map_err(|e| {
+                PluginError::invalid_artifact(format!("{}: masked_embedding.token_ordering: {e}", dir.display()))
+            })?;
             if let Some(bad) = ids.iter().find(|&&t| t < 0 || t >= c.vocab_size) {
                 return Err(PluginError::invalid_artifact(format!(
                     "{}: masked_embedding.token_ordering holds token id {bad}, outside the vocabulary of {}",
@@ -201,9 +203,7 @@ impl Assistant {
             }
         }
     }
-}
 
-impl Assistant {
     /// [`Self::head`]'s centroid path in host loops, where MLX runs on the CPU and the table is
     /// plain (bfloat16 or float32): the centroids' product, the best k of their scores, then one
     /// dot product per candidate token, each a few hundred multiply-adds. The same steps as MLX
@@ -223,6 +223,9 @@ impl Assistant {
         let hs = with_floats(&h, <[f32]>::to_vec)?;
         let scores = with_floats(&scores, <[f32]>::to_vec)?;
         let ordering = m.token_ordering.as_slice::<i32>();
+        // Scores rounded as the tied head's product rounds its outputs: to the activations'
+        // dtype, where ties go to the lowest id.
+        let to_bf16 = h.dtype() == Dtype::Bfloat16;
         let mut tokens = Vec::new();
         for (x, scores) in hs.chunks(d).zip(scores.chunks(c.num_centroids as usize)) {
             // The best k centroids, higher score first, ties to the lower index.
@@ -233,9 +236,6 @@ impl Assistant {
                 .flat_map(|&centroid| &ordering[centroid * per_centroid..(centroid + 1) * per_centroid])
                 .copied()
                 .collect();
-            // Scores rounded as the tied head's product rounds its outputs: to the activations'
-            // dtype, where ties go to the lowest id.
-            let to_bf16 = h.dtype() == Dtype::Bfloat16;
             let best = match (table.dtype(), bits16(table)) {
                 (Dtype::Bfloat16, Some(bits)) => best_token(bits, x, &candidates, to_bf16),
                 (Dtype::Float32, _) => match table.try_as_slice::<f32>() {
@@ -244,7 +244,11 @@ impl Assistant {
                 },
                 _ => return Ok(None),
             };
-            tokens.push(best);
+            match best {
+                Some(t) => tokens.push(t),
+                // No finite score (broken weights): the MLX path reports it as it does.
+                None => return Ok(None),
+            }
         }
         Ok(Some(Array::from_slice(&tokens, &[tokens.len() as i32])))
     }
@@ -270,8 +274,9 @@ impl Row for f32 {
 }
 
 /// The candidate whose row of `table` has the largest dot product with `x` (its length is the
-/// row length), each rounded to bfloat16 if asked; among equal scores the lowest id.
-fn best_token<T: Row>(table: &[T], x: &[f32], candidates: &[i32], to_bf16: bool) -> i32 {
+/// row length), each rounded to bfloat16 if asked; among equal scores the lowest id. `None` if
+/// no score is above -inf.
+fn best_token<T: Row>(table: &[T], x: &[f32], candidates: &[i32], to_bf16: bool) -> Option<i32> {
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
         // SAFETY: the CPU has AVX2 and FMA (checked above).
@@ -282,13 +287,13 @@ fn best_token<T: Row>(table: &[T], x: &[f32], candidates: &[i32], to_bf16: bool)
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn best_token_avx2<T: Row>(table: &[T], x: &[f32], candidates: &[i32], to_bf16: bool) -> i32 {
+unsafe fn best_token_avx2<T: Row>(table: &[T], x: &[f32], candidates: &[i32], to_bf16: bool) -> Option<i32> {
     best_token_body(table, x, candidates, to_bf16)
 }
 
 /// Eight running sums a lane each per row, which the compiler turns into vector code.
 #[inline(always)]
-fn best_token_body<T: Row>(table: &[T], x: &[f32], candidates: &[i32], to_bf16: bool) -> i32 {
+fn best_token_body<T: Row>(table: &[T], x: &[f32], candidates: &[i32], to_bf16: bool) -> Option<i32> {
     let d = x.len();
     let mut best = (f32::NEG_INFINITY, i32::MAX);
     for &t in candidates {
@@ -307,7 +312,7 @@ fn best_token_body<T: Row>(table: &[T], x: &[f32], candidates: &[i32], to_bf16: 
             best = (score, t);
         }
     }
-    best.1
+    (best.1 != i32::MAX).then_some(best.1)
 }
 
 /// `x` rounded to the nearest bfloat16, ties to even (x is finite).
