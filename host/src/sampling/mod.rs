@@ -369,6 +369,23 @@ mod tests {
         }
     }
 
+    /// `lp` through top-p, the fast way, checked against the full sort.
+    fn top_p_both_ways(lp: &[f32], p: f32, what: &str) -> Vec<f32> {
+        let (mut fast, mut full) = (lp.to_vec(), lp.to_vec());
+        top_p(&mut fast, p);
+        top_p_by_full_sort(&mut full, p);
+        assert_eq!(fast, full, "{what}, top_p {p}");
+        fast
+    }
+
+    /// `lp` through top-k, the fast way, checked against the full sort.
+    fn top_k_both_ways(lp: &[f32], k: usize, what: &str) {
+        let (mut fast, mut full) = (lp.to_vec(), lp.to_vec());
+        top_k(&mut fast, k);
+        top_k_by_full_sort(&mut full, k);
+        assert_eq!(fast, full, "{what}, top_k {k}");
+    }
+
     fn gumbel_over_every_token(logprobs: &[f32], temperature: f32, seed: u64, step: u64) -> u32 {
         let key = step_key(seed, step);
         let mut best = (f64::NEG_INFINITY, 0u32);
@@ -396,18 +413,12 @@ mod tests {
             let log_sum = logits.iter().map(|&x| ((x - max) as f64).exp()).sum::<f64>().ln() as f32 + max;
             let lp: Vec<f32> = logits.iter().map(|&x| x - log_sum).collect();
             for p in [0.3f32, 0.9, 0.95, 0.999] {
-                let (mut fast, mut full) = (lp.clone(), lp.clone());
-                top_p(&mut fast, p);
-                top_p_by_full_sort(&mut full, p);
-                assert_eq!(fast, full, "case {case}, top_p {p}");
+                let nucleus = top_p_both_ways(&lp, p, &format!("case {case}"));
                 for k in [1usize, 7, 40] {
-                    let (mut fast, mut full) = (lp.clone(), lp.clone());
-                    top_k(&mut fast, k);
-                    top_k_by_full_sort(&mut full, k);
-                    assert_eq!(fast, full, "case {case}, top_k {k}");
+                    top_k_both_ways(&lp, k, &format!("case {case}"));
                 }
                 for t in [0.3f32, 0.7, 1.5] {
-                    assert_eq!(gumbel_argmax(&fast, t, case, 7), gumbel_over_every_token(&full, t, case, 7));
+                    assert_eq!(gumbel_argmax(&nucleus, t, case, 7), gumbel_over_every_token(&nucleus, t, case, 7));
                     assert_eq!(gumbel_argmax(&lp, t, case, 9), gumbel_over_every_token(&lp, t, case, 9));
                 }
             }
@@ -433,16 +444,10 @@ mod tests {
         for (shape, logits) in shapes {
             let lp = filtered_logprobs(&logits, &SamplingParams::default());
             for p in [0.5f32, 0.95] {
-                let (mut fast, mut full) = (lp.clone(), lp.clone());
-                top_p(&mut fast, p);
-                top_p_by_full_sort(&mut full, p);
-                assert_eq!(fast, full, "{shape}, top_p {p}");
+                top_p_both_ways(&lp, p, shape);
             }
             for k in [1usize, 40, 5000] {
-                let (mut fast, mut full) = (lp.clone(), lp.clone());
-                top_k(&mut fast, k);
-                top_k_by_full_sort(&mut full, k);
-                assert_eq!(fast, full, "{shape}, top_k {k}");
+                top_k_both_ways(&lp, k, shape);
             }
             for (t, step) in [(0.3f32, 1u64), (0.7, 2), (1.0, 3), (2.5, 4)] {
                 assert_eq!(gumbel_argmax(&lp, t, 5, step), gumbel_over_every_token(&lp, t, 5, step), "{shape}, T {t}");

@@ -275,18 +275,24 @@ mod conformance {
         assert!(why.contains("backbone_hidden_size is 64, the target's hidden_size is 48"), "{why}");
     }
 
+    /// A copy of the centroid fixture's config with these tensors as its weights.
+    fn centroid_fixture_with(tensors: Vec<(String, safetensors::tensor::TensorView<'_>)>) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::copy(artifact("centroids").join("config.json"), dir.path().join("config.json")).unwrap();
+        std::fs::write(dir.path().join("model.safetensors"), safetensors::serialize(tensors, &None).unwrap()).unwrap();
+        dir
+    }
+
     #[test]
     fn declared_centroids_without_their_tensors_fall_back_to_the_tied_head() {
         // The centroid fixture's config (use_ordered_embeddings on, num_centroids 16) with the
         // centroid tensors left out of its weights.
         let src = artifact("centroids");
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::copy(src.join("config.json"), dir.path().join("config.json")).unwrap();
         let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
         let tensors = safetensors::SafeTensors::deserialize(&bytes).unwrap();
         let kept: Vec<_> =
             tensors.tensors().into_iter().filter(|(name, _)| !name.starts_with("masked_embedding.")).collect();
-        std::fs::write(dir.path().join("model.safetensors"), safetensors::serialize(kept, &None).unwrap()).unwrap();
+        let dir = centroid_fixture_with(kept);
 
         let declared = crate::Assistant::load(&src).unwrap();
         assert!(declared.config.use_ordered_embeddings && declared.masked_embedding.is_some());
@@ -300,10 +306,7 @@ mod conformance {
     #[test]
     fn refuses_a_token_ordering_outside_the_vocabulary() {
         // The centroid fixture with one id of its token ordering past the vocabulary's end.
-        let src = artifact("centroids");
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::copy(src.join("config.json"), dir.path().join("config.json")).unwrap();
-        let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+        let bytes = std::fs::read(artifact("centroids").join("model.safetensors")).unwrap();
         let tensors = safetensors::SafeTensors::deserialize(&bytes).unwrap();
         let name = "masked_embedding.token_ordering";
         let ordering = tensors.tensor(name).unwrap();
@@ -313,7 +316,7 @@ mod conformance {
         let bad = safetensors::tensor::TensorView::new(ordering.dtype(), ordering.shape().to_vec(), &ids).unwrap();
         let mut kept: Vec<_> = tensors.tensors().into_iter().filter(|(n, _)| n != name).collect();
         kept.push((name.to_owned(), bad));
-        std::fs::write(dir.path().join("model.safetensors"), safetensors::serialize(kept, &None).unwrap()).unwrap();
+        let dir = centroid_fixture_with(kept);
 
         let why = crate::Assistant::load(dir.path()).err().expect("refused").to_string();
         assert!(
