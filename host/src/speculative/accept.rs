@@ -2,7 +2,7 @@
 //! drafts while they agree (match), or by rejection sampling when the drafter gave its
 //! probabilities.
 
-use mlx_rs::{Array, Dtype};
+use plugin_api::nn::kernels::{row_major, with_floats};
 
 use super::{Row, Verify};
 use crate::generate::{Flow, GenerateError, Request, StopReason};
@@ -29,12 +29,17 @@ pub(super) fn accept(
     for d in row.by_position.iter_mut().take(drafts.len()) {
         d.0 += 1;
     }
+    // The drafter's distributions [drafts, V], read once.
+    let q = match (verify, &proposal.probabilities) {
+        (Verify::Rejection, Some(q)) => Some(with_floats(&row_major(q)?, <[f32]>::to_vec)?),
+        _ => None,
+    };
     let mut accepted = 0;
     for i in 0..=drafts.len() {
         let draft = drafts.get(i).copied();
-        let (token, took_draft) = match (verify, draft, &proposal.probabilities, window.row(i)) {
+        let (token, took_draft) = match (verify, draft, &q, window.row(i)) {
             (Verify::Rejection, Some(d), Some(q), Some(row)) => {
-                rejection_step(&row, q, i, d, request, step + i as u64)?
+                rejection_step(&row, &q[i * row.len()..(i + 1) * row.len()], d, request, step + i as u64)?
             }
             _ => {
                 let t = window
@@ -74,55 +79,64 @@ pub(super) fn accept(
 
 /// One position of rejection sampling: accept draft `d` with probability min(1, p(d)/q(d)),
 /// else draw from the residual max(p − q, 0). p is the target's distribution after the
-/// request's filters and temperature; q is the drafter's row `i`.
+/// request's filters and temperature; `q` is the drafter's at this position.
 fn rejection_step(
     target_logits: &[f32],
-    q: &Array,
-    i: usize,
+    q: &[f32],
     d: u32,
     request: &Request,
     step: u64,
 ) -> Result<(u32, bool), GenerateError> {
     let params = &request.sampling;
     let lp = filtered_logprobs(target_logits, params);
-    let p = softmax_at_temperature(&lp, params.temperature);
-    let q_row = q.take_axis(Array::from_int(i as i32), 0)?.as_dtype(Dtype::Float32)?;
-    let q_row = q_row.as_slice::<f32>();
+    let (support, p) = softmax_at_temperature(&lp, params.temperature);
     let key = step_key(params.seed ^ REJECTION_STREAM, step);
-    let (pd, qd) = (p[d as usize] as f64, q_row[d as usize] as f64);
+    let (pd, qd) = (p[d as usize] as f64, q[d as usize] as f64);
     if qd <= 0.0 || uniform(key, 0) < (pd / qd).min(1.0) {
         return Ok((d, true));
     }
-    let residual: Vec<f64> = p.iter().zip(q_row).map(|(&p, &q)| (p as f64 - q as f64).max(0.0)).collect();
-    let mass: f64 = residual.iter().sum();
+    // The residual is zero off p's support: the draw below walks the support in token order,
+    // which skips only zeros, and so draws what a walk over every token draws.
+    let residual: Vec<(usize, f64)> = support.iter().map(|&t| (t, (p[t] as f64 - q[t] as f64).max(0.0))).collect();
+    let mass: f64 = residual.iter().map(|&(_, r)| r).sum();
     if mass <= 1e-12 {
         return Ok((gumbel_argmax(&lp, params.temperature, params.seed, step), false));
     }
     let mut u = uniform(key, 1) * mass;
-    for (token, &r) in residual.iter().enumerate() {
+    for &(token, r) in &residual {
         if u < r {
             return Ok((token as u32, false));
         }
         u -= r;
     }
-    Ok((residual.iter().rposition(|&r| r > 0.0).unwrap_or(0) as u32, false))
+    Ok((residual.iter().rfind(|&&(_, r)| r > 0.0).map_or(0, |&(t, _)| t) as u32, false))
 }
 
 /// Keeps rejection draws apart from the coupled draws of the same step.
 const REJECTION_STREAM: u64 = 0x5EC0_17AB_1E5A_3B1D;
 
-fn softmax_at_temperature(logprobs: &[f32], temperature: f32) -> Vec<f32> {
-    let scaled: Vec<f64> = logprobs.iter().map(|&x| x as f64 / temperature as f64).collect();
-    let max = scaled.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    let exp: Vec<f64> = scaled.iter().map(|&x| (x - max).exp()).collect();
+/// The tokens not removed (above -inf), in order, and softmax(logprobs / T) in double
+/// precision, 0 for removed tokens. Those get no exponential each: after top-p they are nearly
+/// the whole vocabulary, and a double-precision exponential per token was a third of a
+/// rejection step. Their zeros would not change the sum, so the result is the same.
+fn softmax_at_temperature(logprobs: &[f32], temperature: f32) -> (Vec<usize>, Vec<f32>) {
+    let scaled = |x: f32| x as f64 / temperature as f64;
+    let support: Vec<usize> = (0..logprobs.len()).filter(|&t| logprobs[t] > f32::NEG_INFINITY).collect();
+    let max = support.iter().map(|&t| scaled(logprobs[t])).fold(f64::NEG_INFINITY, f64::max);
+    let exp: Vec<f64> = support.iter().map(|&t| (scaled(logprobs[t]) - max).exp()).collect();
     let total: f64 = exp.iter().sum();
-    exp.iter().map(|&e| (e / total) as f32).collect()
+    let mut p = vec![0f32; logprobs.len()];
+    for (&t, &e) in support.iter().zip(&exp) {
+        p[t] = (e / total) as f32;
+    }
+    (support, p)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::sampling::SamplingParams;
+    use mlx_rs::Array;
 
     const V: usize = 8;
     const EOS: u32 = 1;
@@ -211,7 +225,7 @@ mod tests {
         // q = p: min(1, p/q) = 1 at every position, whatever was drafted.
         let logits: Vec<f32> = (0..V).map(|v| v as f32 * 0.3).collect();
         let request = request(10, 1.0);
-        let p = softmax_at_temperature(&filtered_logprobs(&logits, &request.sampling), 1.0);
+        let (_, p) = softmax_at_temperature(&filtered_logprobs(&logits, &request.sampling), 1.0);
         let proposal = Proposal { tokens: vec![0, 3, 6], probabilities: Some(probabilities(&p, 3)) };
         let window = Array::from_slice(&logits.repeat(4), &[4, V as i32]);
         let mut row = Row::new(&request, 4);
