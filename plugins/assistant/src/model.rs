@@ -39,6 +39,8 @@ pub struct MaskedEmbedding {
     pub centroids: Linear,
     /// [V] token ids grouped by centroid: row c of its [C, V/C] view holds centroid c's tokens.
     pub token_ordering: Array,
+    /// `token_ordering`'s ids on the host, read once (reading the array each step waits on MLX).
+    pub token_ordering_ids: Vec<i32>,
 }
 
 pub struct Assistant {
@@ -122,7 +124,8 @@ impl Assistant {
                     c.vocab_size
                 )));
             }
-            Some(MaskedEmbedding { centroids, token_ordering })
+            let token_ordering_ids = ids.to_vec();
+            Some(MaskedEmbedding { centroids, token_ordering, token_ordering_ids })
         } else {
             None
         };
@@ -222,7 +225,7 @@ impl Assistant {
         let scores = row_major(&m.centroids.forward(&h)?)?;
         let hs = with_floats(&h, <[f32]>::to_vec)?;
         let scores = with_floats(&scores, <[f32]>::to_vec)?;
-        let ordering = m.token_ordering.as_slice::<i32>();
+        let ordering = &m.token_ordering_ids;
         // Scores rounded as the tied head's product rounds its outputs: to the activations'
         // dtype, where ties go to the lowest id.
         let to_bf16 = h.dtype() == Dtype::Bfloat16;
@@ -296,7 +299,20 @@ unsafe fn best_token_avx2<T: Row>(table: &[T], x: &[f32], candidates: &[i32], to
 fn best_token_body<T: Row>(table: &[T], x: &[f32], candidates: &[i32], to_bf16: bool) -> Option<i32> {
     let d = x.len();
     let mut best = (f32::NEG_INFINITY, i32::MAX);
-    for &t in candidates {
+    for (c, &t) in candidates.iter().enumerate() {
+        // Candidates' rows lie anywhere in the table, where the hardware cannot guess the next:
+        // the row two ahead is asked for while this one is summed.
+        #[cfg(target_arch = "x86_64")]
+        if let Some(&ahead) = candidates.get(c + 2) {
+            let ahead = &table[ahead as usize * d..(ahead as usize + 1) * d];
+            for line in (0..std::mem::size_of_val(ahead)).step_by(64) {
+                // SAFETY: the address lies inside `ahead`; a prefetch reads nothing.
+                unsafe {
+                    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+                    _mm_prefetch::<_MM_HINT_T0>((ahead.as_ptr() as *const i8).add(line));
+                }
+            }
+        }
         let row = &table[t as usize * d..(t as usize + 1) * d];
         let mut sums = [0f32; 8];
         let (rows, xs) = (row.chunks_exact(8), x.chunks_exact(8));
