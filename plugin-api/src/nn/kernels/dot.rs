@@ -17,7 +17,9 @@
 //!   in another order.
 //! - quantized weights where the CPU has AVX-512 ([`super::quantized_avx512`]): dequantized in
 //!   registers straight from their packed bytes;
-//! - AVX2 with FMA for everything else where the CPU has it;
+//! - AVX2 with FMA for everything else where the CPU has it; up to six rows of half-precision
+//!   or quantized weights widened in registers ([`super::narrow_avx2`]), summed as these loops
+//!   sum.
 //! - a portable loop elsewhere.
 //!
 //! A route depends only on the CPU, the weight's format and the dtype x was widened from, never
@@ -45,6 +47,9 @@ pub enum Params<'a> {
 }
 
 impl Params<'_> {
+    /// Inlined into the product loops, which read one scale and one bias per row and group:
+    /// as a call it took an eighth of a quantized decode step.
+    #[inline(always)]
     pub fn get(&self, i: usize) -> f32 {
         match self {
             Params::F32(p) => p[i],
@@ -197,6 +202,9 @@ pub(super) mod avx2 {
         };
         if !supported {
             return portable::product(x, rows, k, w, outputs, n, y);
+        }
+        if rows <= super::super::narrow_avx2::MAX_ROWS && super::super::narrow_avx2::takes(w, k) {
+            return super::super::narrow_avx2::product(x, rows, k, w, outputs, n, y);
         }
         // Four W rows for a single x row while their converted floats stay well inside L1, and
         // for float32 rows read in place at any row count: four rows streamed at once keep the
@@ -389,20 +397,20 @@ pub(super) mod avx2 {
 
     /// Eight bfloat16 values as floats: each is the top half of its float32.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn bf16x8(p: *const u16) -> __m256 {
+    pub(in crate::nn::kernels) unsafe fn bf16x8(p: *const u16) -> __m256 {
         let halves = _mm_loadu_si128(p as *const __m128i);
         _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16))
     }
 
     /// Eight 8-bit values (two words, low byte first) as floats.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn u8x8(p: *const u32) -> __m256 {
+    pub(in crate::nn::kernels) unsafe fn u8x8(p: *const u32) -> __m256 {
         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i)))
     }
 
     /// The eight 4-bit values of one word (low nibble first) as floats.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn u4x8(word: u32) -> __m256 {
+    pub(in crate::nn::kernels) unsafe fn u4x8(word: u32) -> __m256 {
         let shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
         let nibbles =
             _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word as i32), shifts), _mm256_set1_epi32(0xF));
@@ -410,7 +418,7 @@ pub(super) mod avx2 {
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn horizontal_sum(v: __m256) -> f32 {
+    pub(in crate::nn::kernels) unsafe fn horizontal_sum(v: __m256) -> f32 {
         let pair = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
         let quad = _mm_add_ps(pair, _mm_movehl_ps(pair, pair));
         let one = _mm_add_ss(quad, _mm_shuffle_ps(quad, quad, 1));

@@ -14,6 +14,8 @@ pub mod dot;
 #[cfg(target_arch = "x86_64")]
 mod lanes;
 #[cfg(target_arch = "x86_64")]
+pub mod narrow_avx2;
+#[cfg(target_arch = "x86_64")]
 pub mod quantized_avx512;
 pub mod weighted_sum;
 
@@ -569,30 +571,56 @@ mod tests {
         }
     }
 
-    /// A verify window of five or six rows shares one tile of quantized weights; each of its
-    /// rows still gives what it gives alone.
+    /// A verify window of five or six rows shares one tile of quantized weights, and on AVX2 up
+    /// to six rows of half-precision or quantized weights take other loops than more rows do;
+    /// each row still gives what it gives alone.
     #[test]
-    fn quantized_rows_of_a_window_equal_each_row_alone() {
+    fn rows_of_a_window_equal_each_row_alone() {
         let (k, n) = (128, 13);
         let packed: Vec<u32> = (0..n * k / 4).map(|i| (i as u32).wrapping_mul(2654435761)).collect();
         let scales: Vec<f32> = (0..n * k / 32).map(|i| 0.01 + i as f32 * 1e-3).collect();
         let biases: Vec<f32> = (0..n * k / 32).map(|i| -0.05 + i as f32 * 1e-3).collect();
-        for bits in [4, 8] {
-            let w = Weight::Quantized(dot::Quantized {
+        let quantized = |bits| {
+            Weight::Quantized(dot::Quantized {
                 packed: &packed[..n * k * bits as usize / 32],
                 scales: Params::F32(&scales),
                 biases: Params::F32(&biases),
                 bits,
                 group: 32,
-            });
-            for rows in [5, 6] {
-                let x: Vec<f32> = (0..rows * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect();
-                let mut window = vec![0f32; rows * n];
-                dot::product(&x, Dtype::Float32, rows, k, w, 0..n, n, &mut window);
-                for m in 0..rows {
-                    let mut alone = vec![0f32; n];
-                    dot::product(&x[m * k..(m + 1) * k], Dtype::Float32, 1, k, w, 0..n, n, &mut alone);
-                    assert_eq!(alone, window[m * n..(m + 1) * n], "{bits} bits, row {m} of {rows}");
+            })
+        };
+        let name = |w: Weight| match w {
+            Weight::Quantized(q) => format!("{}-bit", q.bits),
+            Weight::Bf16(_) => "bfloat16".into(),
+            Weight::F16(_) => "float16".into(),
+            Weight::F32(_) => "float32".into(),
+        };
+        // Finite in both half-precision formats, of either sign.
+        let halves: Vec<u16> = (0..n * k).map(|i| 0x3c00 ^ ((i as u16).wrapping_mul(40503) & 0x83ff)).collect();
+        for w in [quantized(4), quantized(8), Weight::Bf16(&halves), Weight::F16(&halves)] {
+            let dispatched = |x: &[f32], rows, y: &mut [f32]| dot::product(x, Dtype::Float32, rows, k, w, 0..n, n, y);
+            // The AVX2 loops too, which a CPU with AVX-512 does not take.
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: called only where the CPU has AVX2, FMA and F16C (checked below).
+            let avx2 = |x: &[f32], rows, y: &mut [f32]| unsafe { dot::avx2::product(x, rows, k, w, 0..n, n, y) };
+            let mut routes: Vec<(&str, &dyn Fn(&[f32], usize, &mut [f32]))> = vec![("dispatched", &dispatched)];
+            #[cfg(target_arch = "x86_64")]
+            if std::is_x86_feature_detected!("avx2")
+                && std::is_x86_feature_detected!("fma")
+                && std::is_x86_feature_detected!("f16c")
+            {
+                routes.push(("AVX2", &avx2));
+            }
+            for (route, product) in routes {
+                for rows in [2, 3, 5, 6, 7, 9] {
+                    let x: Vec<f32> = (0..rows * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect();
+                    let mut window = vec![0f32; rows * n];
+                    product(&x, rows, &mut window);
+                    for m in 0..rows {
+                        let mut alone = vec![0f32; n];
+                        product(&x[m * k..(m + 1) * k], 1, &mut alone);
+                        assert_eq!(alone, window[m * n..(m + 1) * n], "{route}, {}, row {m} of {rows}", name(w));
+                    }
                 }
             }
         }
