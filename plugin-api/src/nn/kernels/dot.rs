@@ -204,6 +204,7 @@ pub(super) mod avx2 {
             return portable::product(x, rows, k, w, outputs, n, y);
         }
         if rows <= super::super::narrow_avx2::MAX_ROWS && super::super::narrow_avx2::takes(w, k) {
+            // SAFETY: this function's features are those loops', and rows and format are checked.
             return super::super::narrow_avx2::product(x, rows, k, w, outputs, n, y);
         }
         // Four W rows for a single x row while their converted floats stay well inside L1, and

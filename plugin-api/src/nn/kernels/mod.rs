@@ -603,7 +603,8 @@ mod tests {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: called only where the CPU has AVX2, FMA and F16C (checked below).
             let avx2 = |x: &[f32], rows, y: &mut [f32]| unsafe { dot::avx2::product(x, rows, k, w, 0..n, n, y) };
-            let mut routes: Vec<(&str, &dyn Fn(&[f32], usize, &mut [f32]))> = vec![("dispatched", &dispatched)];
+            type Product<'a> = &'a dyn Fn(&[f32], usize, &mut [f32]);
+            let mut routes: Vec<(&str, Product)> = vec![("dispatched", &dispatched)];
             #[cfg(target_arch = "x86_64")]
             if std::is_x86_feature_detected!("avx2")
                 && std::is_x86_feature_detected!("fma")
