@@ -203,7 +203,7 @@ pub(super) mod avx2 {
         if !supported {
             return portable::product(x, rows, k, w, outputs, n, y);
         }
-        if rows <= super::super::narrow_avx2::MAX_ROWS && super::super::narrow_avx2::takes(w, k) {
+        if (1..=super::super::narrow_avx2::MAX_ROWS).contains(&rows) && super::super::narrow_avx2::takes(w, k) {
             // SAFETY: this function's features are those loops', and rows and format are checked.
             return super::super::narrow_avx2::product(x, rows, k, w, outputs, n, y);
         }

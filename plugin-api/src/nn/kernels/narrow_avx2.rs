@@ -56,7 +56,7 @@ const Q4: u8 = 3;
 /// y[m, o] for o in `outputs` and every row m of x [rows, k]; y is [rows, n].
 ///
 /// # Safety
-/// The CPU must have AVX2, FMA and F16C; `rows` is at most [`MAX_ROWS`] and `takes(w, k)` holds.
+/// The CPU must have AVX2, FMA and F16C; `rows` is 1 to [`MAX_ROWS`] and `takes(w, k)` holds.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn product(
     x: &[f32],
