@@ -303,8 +303,7 @@ pub(super) mod avx2 {
             Weight::F16(w) => {
                 let whole = k / 8 * 8;
                 for i in (0..whole).step_by(8) {
-                    let halves = _mm_loadu_si128(w.as_ptr().add(r * k + i) as *const __m128i);
-                    _mm256_storeu_ps(dst.add(i), _mm256_cvtph_ps(halves));
+                    _mm256_storeu_ps(dst.add(i), f16x8(w.as_ptr().add(r * k + i)));
                 }
                 for i in whole..k {
                     out[i] = half::f16::from_bits(w[r * k + i]).to_f32();
@@ -401,6 +400,12 @@ pub(super) mod avx2 {
     pub(in crate::nn::kernels) unsafe fn bf16x8(p: *const u16) -> __m256 {
         let halves = _mm_loadu_si128(p as *const __m128i);
         _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16))
+    }
+
+    /// Eight float16 values as floats.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(in crate::nn::kernels) unsafe fn f16x8(p: *const u16) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
     }
 
     /// Eight 8-bit values (two words, low byte first) as floats.

@@ -19,7 +19,7 @@
 
 use std::arch::x86_64::*;
 
-use super::dot::avx2::{bf16x8, horizontal_sum, prefetch_rows, u4x8, u8x8};
+use super::dot::avx2::{bf16x8, f16x8, horizontal_sum, prefetch_rows, u4x8, u8x8};
 use super::dot::Weight;
 
 /// The most rows of x these loops take; the caller keeps the buffered loops for more.
@@ -138,7 +138,7 @@ impl Tile<'_> {
                     let at = (o + j) * k + i;
                     weights[j] = match FORMAT {
                         BF16 => bf16x8((base as *const u16).add(at)),
-                        F16 => _mm256_cvtph_ps(_mm_loadu_si128((base as *const u16).add(at) as *const __m128i)),
+                        F16 => f16x8((base as *const u16).add(at)),
                         _ => {
                             let q = if FORMAT == Q8 {
                                 u8x8((base as *const u32).add(at / 4))
