@@ -117,6 +117,13 @@ pub struct Stats {
     pub decode_ms: f64,
     pub prefill_tokens_per_s: f64,
     pub decode_tokens_per_s: f64,
+    /// Of `decode_ms`, the time spent in the drafter's calls during rounds (drafting, and taking
+    /// in what the target accepted); with several rows in a batch, each row counts the whole
+    /// round it shared.
+    pub draft_ms: f64,
+    /// Of `decode_ms`, the time of the target's verify forwards with their sampling and
+    /// acceptance.
+    pub verify_ms: f64,
     /// Why the drafter was dropped mid-request, if it was; the rest was decoded plainly.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub drafter_error: Option<String>,

@@ -357,6 +357,8 @@ impl RunOutput {
                 ("drafted", s.drafted.to_string()),
                 ("accepted", format!("{} ({:.1}%)", s.accepted, 100.0 * s.acceptance_rate)),
                 ("tokens per round (τ)", format!("{:.2}", s.mean_accept_len)),
+                ("drafting", per_round(s.draft_ms, s.rounds)),
+                ("verifying", per_round(s.verify_ms, s.rounds)),
             ]);
         }
         let mut out = String::new();
@@ -381,17 +383,25 @@ fn summary(s: &Stats, stop: StopReason) -> String {
     if s.drafted > 0 || s.drafter_error.is_some() {
         let by_position: Vec<String> = s.accepted_by_position.iter().map(|r| format!("{r:.2}")).collect();
         out.push_str(&format!(
-            "speculation: {} rounds, {} drafted, {} accepted ({:.1}%), mean accepted length {:.2}, by position [{}]\n",
+            "speculation: {} rounds, {} drafted, {} accepted ({:.1}%), mean accepted length {:.2}, by position [{}]; \
+             a round {:.2} ms drafting, {:.2} ms verifying\n",
             s.rounds,
             s.drafted,
             s.accepted,
             100.0 * s.acceptance_rate,
             s.mean_accept_len,
-            by_position.join(", ")
+            by_position.join(", "),
+            s.draft_ms / s.rounds.max(1) as f64,
+            s.verify_ms / s.rounds.max(1) as f64,
         ));
     }
     if let Some(e) = &s.drafter_error {
         out.push_str(&format!("the drafter was dropped, the rest decoded plainly: {e}\n"));
     }
     out
+}
+
+/// `ms` in all and per round.
+fn per_round(ms: f64, rounds: usize) -> String {
+    format!("{ms:.1} ms, {:.3} ms a round", ms / rounds.max(1) as f64)
 }

@@ -156,6 +156,8 @@ fn run_prints_the_contracts_json_and_speculation_changes_nothing_but_speed() {
         "prefill_ms",
         "decode_ms",
         "decode_tokens_per_s",
+        "draft_ms",
+        "verify_ms",
     ] {
         assert!(plain["stats"].get(key).is_some(), "stats lack `{key}`: {}", plain["stats"]);
     }

@@ -300,6 +300,15 @@ fn stats_count_what_happened() {
         "acceptance cannot rise with position: {:?}",
         s.accepted_by_position
     );
+    // Drafting and verifying are parts of the rounds, which are part of decoding.
+    assert!(s.draft_ms > 0.0 && s.verify_ms > 0.0, "{} ms drafting, {} ms verifying", s.draft_ms, s.verify_ms);
+    assert!(
+        s.draft_ms + s.verify_ms <= s.decode_ms,
+        "{} + {} ms of {} ms decoding",
+        s.draft_ms,
+        s.verify_ms,
+        s.decode_ms
+    );
 }
 
 // --- rejection sampling keeps the target's distribution --------------------------------

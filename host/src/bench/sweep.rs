@@ -74,6 +74,12 @@ pub struct SweepRow {
     pub speedup_max: f64,
     /// Prompts whose output equalled plain decoding's (expected of all but `rejection`).
     pub identical: usize,
+    /// Mean time a round spent in the drafter's calls, and in the target's verify forward with
+    /// its sampling and acceptance (`Stats::draft_ms`, `Stats::verify_ms`).
+    pub draft_ms_per_round: f64,
+    pub verify_ms_per_round: f64,
+    /// Plain decoding's mean time per token on the same prompts, timed around this row's runs.
+    pub plain_ms_per_token: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -103,6 +109,11 @@ struct Tally {
     accepted: Vec<usize>,
     speedups: Vec<f64>,
     identical: usize,
+    rounds: usize,
+    draft_ms: f64,
+    verify_ms: f64,
+    plain_ms: f64,
+    plain_tokens: usize,
 }
 
 pub fn sweep(options: &SweepOptions) -> Result<SweepReport, SweepError> {
@@ -175,7 +186,7 @@ pub fn sweep(options: &SweepOptions) -> Result<SweepReport, SweepError> {
                 plain_rates.push(plain.tokens.len() as f64 / plain_s);
             }
             for (c, seconds, g) in spec_runs {
-                tallies[c].add(&plain, &g, plain_s / seconds);
+                tallies[c].add(&plain, plain_s, &g, seconds);
             }
         }
     }
@@ -208,8 +219,13 @@ fn timed_plain(model: &Gemma4, request: &Request) -> Result<(f64, Generation), G
 }
 
 impl Tally {
-    fn add(&mut self, plain: &Generation, spec: &Generation, speedup: f64) {
+    fn add(&mut self, plain: &Generation, plain_s: f64, spec: &Generation, spec_s: f64) {
         let s = &spec.stats;
+        self.rounds += s.rounds;
+        self.draft_ms += s.draft_ms;
+        self.verify_ms += s.verify_ms;
+        self.plain_ms += plain_s * 1e3;
+        self.plain_tokens += plain.tokens.len();
         self.generated += s.generated_tokens;
         self.forwards += s.target_forwards;
         self.plain_forwards += plain.stats.target_forwards;
@@ -221,7 +237,7 @@ impl Tally {
             self.drafted[k] += drafted;
             self.accepted[k] += (rate * drafted as f64).round() as usize;
         }
-        self.speedups.push(speedup);
+        self.speedups.push(plain_s / spec_s);
         self.identical += usize::from(plain.tokens == spec.tokens);
     }
 
@@ -246,6 +262,9 @@ impl Tally {
             speedup_min: min,
             speedup_max: max,
             identical: self.identical,
+            draft_ms_per_round: self.draft_ms / self.rounds.max(1) as f64,
+            verify_ms_per_round: self.verify_ms / self.rounds.max(1) as f64,
+            plain_ms_per_token: self.plain_ms / self.plain_tokens.max(1) as f64,
         }
     }
 }
@@ -309,25 +328,31 @@ impl SweepReport {
     pub fn text(&self) -> String {
         let mut out = format!(
             "{} held-out prompts × {} tokens; plain decoding {:.1} tok/s (greedy, median). Speed-up is plain \
-             time over speculative time per prompt: median [min, max].\n\n\
-             | drafter | mode | γ | τ | speed-up | range | target forwards (plain) | identical | acceptance by position |\n\
-             |---|---|---|---|---|---|---|---|---|\n",
+             time over speculative time per prompt: median [min, max]. A round's cost is its mean time drafting + verifying, \
+             in ms and in plain decoding's steps (its time per token on the same prompts).\n\n\
+             | drafter | mode | γ | τ | speed-up | range | a round: draft + verify, ms (steps) | target forwards (plain) | identical | acceptance by position |\n\
+             |---|---|---|---|---|---|---|---|---|---|\n",
             self.prompts, self.max_tokens, self.plain_tokens_per_s,
         );
         for r in &self.rows {
+            let step = r.plain_ms_per_token.max(f64::MIN_POSITIVE);
             let by_position: Vec<String> = r.acceptance_by_position.iter().map(|a| format!("{a:.2}")).collect();
             let mode = match r.mode.as_str() {
                 "greedy" => "greedy".to_owned(),
                 m => format!("T={} {m}", self.temperature.unwrap_or(0.0)),
             };
             out.push_str(&format!(
-                "| {} | {mode} | {} | {:.2} | {:.2}× | [{:.2}, {:.2}] | {} ({}) | {}/{} | {} |\n",
+                "| {} | {mode} | {} | {:.2} | {:.2}× | [{:.2}, {:.2}] | {:.2} + {:.2} ({:.1} + {:.1}) | {} ({}) | {}/{} | {} |\n",
                 r.drafter,
                 r.draft_tokens,
                 r.tau,
                 r.speedup_median,
                 r.speedup_min,
                 r.speedup_max,
+                r.draft_ms_per_round,
+                r.verify_ms_per_round,
+                r.draft_ms_per_round / step,
+                r.verify_ms_per_round / step,
                 r.target_forwards,
                 r.plain_forwards,
                 r.identical,

@@ -282,7 +282,7 @@ fn stream(reply: Reply, events: UnboundedReceiver<JobEvent>, stop: Arc<AtomicBoo
 
 enum Outcome {
     /// The generation, and whether a stop string ended its text.
-    Finished(Generation, bool),
+    Finished(Box<Generation>, bool),
     Failed(String),
     /// The client left.
     Gone,
@@ -326,7 +326,7 @@ async fn drive(
                         return Outcome::Gone;
                     }
                 }
-                return Outcome::Finished(generation, stopped);
+                return Outcome::Finished(Box::new(generation), stopped);
             }
             JobEvent::Failed(message) => return Outcome::Failed(message),
         }

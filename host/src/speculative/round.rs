@@ -2,6 +2,7 @@
 //! accept per row → rollback → commit.
 
 use std::cell::RefCell;
+use std::time::Instant;
 
 use mlx_rs::Array;
 
@@ -32,7 +33,10 @@ pub(super) fn round(
     catch_up: &mut CatchUp,
     on_event: &mut impl FnMut(usize, Event) -> Flow,
 ) -> Result<(), GenerateError> {
+    let drafting = Instant::now();
     let proposals = draft(batch, rows, slot, catch_up)?;
+    let draft_ms = ms_since(drafting);
+    let verifying = Instant::now();
 
     // One forward over every row's [pending, drafts…], right-padded to the longest.
     let width = 1 + proposals.iter().map(|p| p.tokens.len()).max().unwrap_or(0);
@@ -71,14 +75,26 @@ pub(super) fn round(
     for cache in batch.caches.borrow_mut().iter_mut() {
         cache.rollback(&rollback).map_err(|e| GenerateError::Internal(e.to_string()))?;
     }
+    let verify_ms = ms_since(verifying);
+    let committing = Instant::now();
     let flat: Vec<u32> = windows.concat();
     if width == 1 {
         // Nothing was drafted: the drafter sees these tokens when it next drafts.
-        return catch_up.push(flat, context, slot);
+        catch_up.push(flat, context, slot)?;
+    } else {
+        let counts: Vec<u32> = accepted.iter().map(|&a| a as u32).collect();
+        slot.call(|g| g.commit(&flat, &counts, context.as_ref()));
     }
-    let counts: Vec<u32> = accepted.iter().map(|&a| a as u32).collect();
-    slot.call(|g| g.commit(&flat, &counts, context.as_ref()));
+    let draft_ms = draft_ms + ms_since(committing);
+    for &r in &batch.active {
+        rows[r].stats.draft_ms += draft_ms;
+        rows[r].stats.verify_ms += verify_ms;
+    }
     Ok(())
+}
+
+fn ms_since(start: Instant) -> f64 {
+    start.elapsed().as_secs_f64() * 1e3
 }
 
 /// Each active row's proposal, no deeper than the round's draft length and its remaining budget
