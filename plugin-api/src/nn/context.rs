@@ -4,6 +4,7 @@
 use mlx_rs::error::Exception;
 use mlx_rs::Array;
 
+use super::layout::{concat, slice};
 use crate::sdk::Snapshot;
 
 /// One row's context: per layer, keys and values [1, kv heads, N, head dim] of positions
@@ -27,8 +28,8 @@ impl LayerContext {
     /// Appends the keys and values of new positions to `layer`.
     pub fn push(&mut self, layer: usize, keys: Array, values: Array) -> Result<(), Exception> {
         if layer < self.keys.len() {
-            self.keys[layer] = mlx_rs::ops::concatenate(&[&self.keys[layer], &keys], 2)?;
-            self.values[layer] = mlx_rs::ops::concatenate(&[&self.values[layer], &values], 2)?;
+            self.keys[layer] = concat(&[&self.keys[layer], &keys], 2)?;
+            self.values[layer] = concat(&[&self.values[layer], &values], 2)?;
         } else {
             self.keys.push(keys);
             self.values.push(values);
@@ -45,11 +46,13 @@ impl LayerContext {
         row: usize,
         count: usize,
     ) -> Result<(), Exception> {
-        use mlx_rs::ops::indexing::TryIndexOp;
         let whole = keys.shape()[0] == 1 && keys.shape()[2] as usize == count;
         let part = |a: &Array| match whole {
             true => Ok(a.clone()),
-            false => a.try_index((row as i32..row as i32 + 1, .., ..count as i32)),
+            false => {
+                let s = a.shape();
+                slice(a, &[row..row + 1, 0..s[1] as usize, 0..count, 0..s[3] as usize])
+            }
         };
         self.push(layer, part(keys)?, part(values)?)
     }
@@ -57,9 +60,7 @@ impl LayerContext {
     /// Layer `layer`'s keys and values followed by `keys`/`values` of a block, for attention.
     pub fn with_block(&self, layer: usize, keys: Array, values: Array) -> Result<(Array, Array), Exception> {
         match (self.keys.get(layer), self.values.get(layer)) {
-            (Some(k), Some(v)) => {
-                Ok((mlx_rs::ops::concatenate(&[k, &keys], 2)?, mlx_rs::ops::concatenate(&[v, &values], 2)?))
-            }
+            (Some(k), Some(v)) => Ok((concat(&[k, &keys], 2)?, concat(&[v, &values], 2)?)),
             _ => Ok((keys, values)),
         }
     }
@@ -78,7 +79,5 @@ impl LayerContext {
 
 /// Row `r` of x [B, L, F], positions `from..to`, as [1, to − from, F].
 pub fn row_span(x: &Array, r: usize, from: usize, to: usize) -> Result<Array, Exception> {
-    let row = x.take_axis(Array::from_slice(&[r as i32], &[1]), 0)?;
-    let span: Vec<i32> = (from as i32..to as i32).collect();
-    row.take_axis(Array::from_slice(&span, &[span.len() as i32]), 1)
+    slice(x, &[r..r + 1, from..to, 0..x.shape().get(2).map_or(0, |&f| f as usize)])
 }

@@ -107,26 +107,94 @@ pub fn rows(x: &Array, range: std::ops::Range<usize>) -> Result<Array, Exception
 
 /// Arrays of one dtype and of equal shapes past the first axis, end to end along it.
 pub fn concat_rows(parts: &[&Array]) -> Result<Array, Exception> {
-    let Some(first) = parts.first() else { return mlx_rs::ops::concatenate(parts, 0) };
-    let fits =
-        |p: &&Array| p.dtype() == first.dtype() && p.ndim() == first.ndim() && p.shape()[1..] == first.shape()[1..];
-    if first.ndim() == 0 || !parts.iter().all(|p| on_host(p) && fits(p)) {
-        return mlx_rs::ops::concatenate(parts, 0);
+    concat(parts, 0)
+}
+
+/// Arrays of one dtype and of equal shapes but for `axis`, end to end along it: a drafter's
+/// [embedding; hidden] input, its context's keys grown by a block's.
+pub fn concat(parts: &[&Array], axis: usize) -> Result<Array, Exception> {
+    let Some(first) = parts.first() else { return mlx_rs::ops::concatenate(parts, axis as i32) };
+    let n = first.ndim();
+    let fits = |p: &&Array| {
+        p.dtype() == first.dtype() && p.ndim() == n && (0..n).all(|a| a == axis || p.shape()[a] == first.shape()[a])
+    };
+    if axis >= n || !parts.iter().all(|p| on_host(p) && fits(p)) {
+        return mlx_rs::ops::concatenate(parts, axis as i32);
     }
     let parts = parts.iter().map(|p| row_major(p)).collect::<Result<Vec<_>, _>>()?;
+    let outer: usize = first.shape()[..axis].iter().map(|&d| d as usize).product();
+    let inner: usize = first.shape()[axis + 1..].iter().map(|&d| d as usize).product();
+    // Per part, the elements one index of the axes before `axis` holds.
+    let runs: Vec<usize> = parts.iter().map(|p| p.shape()[axis] as usize * inner).collect();
     let mut shape = first.shape().to_vec();
-    shape[0] = parts.iter().map(|p| p.shape()[0]).sum();
-    let size = parts.iter().map(|p| p.size()).sum();
+    shape[axis] = parts.iter().map(|p| p.shape()[axis]).sum();
     let head = &parts[0];
     Ok(with_elements!(head, |elements| {
         // Typed after the first part's elements.
         let mut data = elements[..0].to_vec();
-        data.reserve(size);
-        for p in &parts {
-            data.extend_from_slice(p.as_slice());
+        data.reserve(outer * runs.iter().sum::<usize>());
+        for o in 0..outer {
+            for (p, &run) in parts.iter().zip(&runs) {
+                data.extend_from_slice(&p.as_slice()[o * run..(o + 1) * run]);
+            }
         }
         Array::from_slice(&data, &shape)
     }))
+}
+
+/// x's elements at `ranges`, one range per axis (MLX's slice with unit strides): the rows,
+/// positions or slots a drafter keeps.
+pub fn slice(x: &Array, ranges: &[std::ops::Range<usize>]) -> Result<Array, Exception> {
+    let shape = x.shape().to_vec();
+    let fits =
+        ranges.len() == shape.len() && ranges.iter().zip(&shape).all(|(r, &d)| r.start <= r.end && r.end <= d as usize);
+    if !fits {
+        return Err(Exception::custom(format!("slice {ranges:?} of an array of shape {shape:?}")));
+    }
+    if !on_host(x) || shape.is_empty() {
+        let mut y = x.clone();
+        for (axis, r) in ranges.iter().enumerate() {
+            if r.len() != shape[axis] as usize {
+                let index = Array::from_iter(r.start as i32..r.end as i32, &[r.len() as i32]);
+                y = y.take_axis(index, axis as i32)?;
+            }
+        }
+        return Ok(y);
+    }
+    let x = row_major(x)?;
+    let out: Vec<i32> = ranges.iter().map(|r| r.len() as i32).collect();
+    Ok(with_elements!(x, |data| Array::from_slice(&sliced(data, &shape, ranges), &out)))
+}
+
+fn sliced<T: Copy>(data: &[T], shape: &[i32], ranges: &[std::ops::Range<usize>]) -> Vec<T> {
+    let n = shape.len();
+    let mut strides = vec![1usize; n];
+    for a in (0..n - 1).rev() {
+        strides[a] = strides[a + 1] * shape[a + 1] as usize;
+    }
+    let mut out = Vec::with_capacity(ranges.iter().map(|r| r.len()).product());
+    if out.capacity() == 0 {
+        return out;
+    }
+    let last = &ranges[n - 1];
+    // An index over every axis but the last, counted up like an odometer.
+    let mut index: Vec<usize> = ranges[..n - 1].iter().map(|r| r.start).collect();
+    loop {
+        let base: usize = index.iter().zip(&strides).map(|(i, s)| i * s).sum();
+        out.extend_from_slice(&data[base + last.start..base + last.end]);
+        let mut axis = n - 1;
+        loop {
+            if axis == 0 {
+                return out;
+            }
+            axis -= 1;
+            index[axis] += 1;
+            if index[axis] < ranges[axis].end {
+                break;
+            }
+            index[axis] = ranges[axis].start;
+        }
+    }
 }
 
 /// x [B, H, S, D] with row r's new slots (`new` [B, H, n, D]) written into slots `slots[r]`
@@ -343,6 +411,17 @@ mod tests {
             assert!(identical(&rows(&z, 1..3).unwrap(), &rows_1_3), "{dtype:?}");
             let joined = mlx_rs::ops::concatenate(&[&x, &z, &rows_1_3], 0).unwrap();
             assert!(identical(&concat_rows(&[&x, &z, &rows_1_3]).unwrap(), &joined), "{dtype:?}");
+            let wide = normal(&[2, 3, 5, 8], 8, dtype);
+            for (axis, other) in [(2, &wide), (3, &normal(&[2, 3, 4, 3], 9, dtype))] {
+                let joined = mlx_rs::ops::concatenate(&[&x, other, &y], axis as i32).unwrap();
+                assert!(identical(&concat(&[&x, other, &y], axis).unwrap(), &joined), "{dtype:?}, axis {axis}");
+            }
+            use mlx_rs::ops::indexing::TryIndexOp;
+            let part = wide.try_index((1..2, .., 1..4, 2..7)).unwrap();
+            assert!(identical(&slice(&wide, &[1..2, 0..3, 1..4, 2..7]).unwrap(), &part), "{dtype:?}");
+            let empty = wide.try_index((.., .., 2..2, ..)).unwrap();
+            assert!(identical(&slice(&wide, &[0..2, 0..3, 2..2, 0..8]).unwrap(), &empty), "{dtype:?}");
+            assert!(slice(&wide, &[0..2, 0..3, 0..6, 0..8]).is_err(), "{dtype:?}: past the end");
             // Slots: written, cut and gathered as MLX's ops do it.
             let cache = normal(&[2, 3, 6, 8], 4, dtype);
             let new = normal(&[2, 3, 2, 8], 5, dtype);

@@ -118,8 +118,11 @@ pub struct AssistantRow {
 }
 
 /// Position `at` of a row's context [1, L, T], as [1, 1, T].
+/// The hidden states [B, 1, D] at position `at` of `context` [B, L, D].
 fn position(context: &Array, at: usize) -> Result<Array, PluginError> {
-    Ok(context.take_axis(Array::from_slice(&[at as i32], &[1]), 1)?)
+    let s = context.shape();
+    let all = |axis: usize| 0..s.get(axis).map_or(0, |&d| d as usize);
+    Ok(plugin_api::nn::layout::slice(context, &[all(0), at..at + 1, all(2)])?)
 }
 
 impl Shared {
@@ -132,7 +135,13 @@ impl Shared {
         depth: usize,
     ) -> Result<Vec<Vec<u32>>, PluginError> {
         let donors = self.target.read_donors()?;
+        // Every row of the batch, in order (one request alone, say): the donors as they are.
+        let all_rows =
+            |a: &Array| a.shape().first() == Some(&(rows.len() as i32)) && rows.iter().copied().eq(0..rows.len());
         let take = |a: &Array| -> Result<Array, PluginError> {
+            if all_rows(a) {
+                return Ok(a.clone());
+            }
             let index: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
             Ok(a.take_axis(Array::from_slice(&index, &[rows.len() as i32]), 0)?)
         };
@@ -145,7 +154,7 @@ impl Shared {
             })
         };
         let (sliding, full) = (select(&donors.sliding)?, select(&donors.full)?);
-        let mut hidden = plugin_api::mlx_rs::ops::concatenate(hiddens, 0)?;
+        let mut hidden = plugin_api::nn::layout::concat_rows(&hiddens.iter().collect::<Vec<_>>())?;
         let mut ids: Vec<i32> = pending.iter().map(|&t| t as i32).collect();
         let mut drafted = vec![Vec::with_capacity(depth); rows.len()];
         // Every step of a round queries at the pending token's position: one past the target's

@@ -7,7 +7,7 @@ use std::path::Path;
 use plugin_api::mlx_rs::error::Exception;
 use plugin_api::mlx_rs::{Array, Dtype};
 use plugin_api::nn::kernels::{bits16, row_major, with_floats};
-use plugin_api::nn::layout::{add, reshape, scale, swap_axes_1_2};
+use plugin_api::nn::layout::{add, concat, reshape, scale, swap_axes_1_2};
 use plugin_api::nn::ops::{attention, rms_norm, Mask};
 use plugin_api::nn::{Embedding, Linear, Mlp, Rope, Weights};
 use plugin_api::target::DonorLayer;
@@ -153,7 +153,7 @@ impl Assistant {
         full: &DonorLayer,
     ) -> Result<Step, Exception> {
         let eps = self.config.rms_norm_eps;
-        let x = plugin_api::mlx_rs::ops::concatenate(&[embedded, hidden], -1)?;
+        let x = concat(&[embedded, hidden], 2)?;
         let mut h = self.pre_projection.forward(&x)?;
         for layer in &self.layers {
             let donors = match layer.layer_type {

@@ -196,7 +196,7 @@ impl Deepspec {
         let mut ids = vec![anchor as i32];
         ids.extend(std::iter::repeat_n(c.mask_token_id as i32, c.block_size - 1));
         let embedded = self.embed_tokens.embed(&Array::from_slice(&ids, &[1, gamma]))?;
-        let mut h = embedded.multiply(scalar((c.hidden_size as f32).sqrt(), embedded.dtype())?)?;
+        let mut h = scale(&embedded, &scalar((c.hidden_size as f32).sqrt(), embedded.dtype())?)?;
         for (i, layer) in self.layers.iter().enumerate() {
             let a = &layer.self_attn;
             let x = rms_norm(&h, Some(&layer.input_layernorm), eps)?;

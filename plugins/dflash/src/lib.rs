@@ -246,9 +246,10 @@ impl Shared {
             .collect();
         let embedded = self.target.embed(&Array::from_slice(&ids, &[rows, width]), true)?;
         let hidden = m.block(contexts, &embedded)?;
-        let after_first: Vec<i32> = (1..width).collect();
-        let hidden = hidden.take_axis(Array::from_slice(&after_first, &[depth as i32]), 1)?;
-        let logits = self.target.logits_from_hidden(&hidden)?.reshape(&[rows * depth as i32, -1])?;
+        let s = hidden.shape();
+        let hidden = plugin_api::nn::layout::slice(&hidden, &[0..s[0] as usize, 1..s[1] as usize, 0..s[2] as usize])?;
+        let logits = self.target.logits_from_hidden(&hidden)?;
+        let logits = plugin_api::nn::layout::reshape(&logits, &[rows * depth as i32, logits.shape()[2]])?;
         if !self.settings.sample_drafts {
             let tokens = plugin_api::nn::ops::argmax_rows(&logits)?;
             return Ok(tokens.chunks(depth).map(|row| Proposal::tokens(row.to_vec())).collect());
