@@ -208,9 +208,10 @@ fn forward(
     let mut layers = taps.to_vec();
     layers.sort_unstable();
     layers.dedup();
-    let ordered: Vec<Array> =
-        taps.iter().map(|l| t.captured[layers.binary_search(l).expect("every tap captured")].clone()).collect();
-    Ok((hidden, Some(mlx_rs::ops::concatenate(&ordered, -1)?)))
+    let ordered: Vec<&Array> =
+        taps.iter().map(|l| &t.captured[layers.binary_search(l).expect("every tap captured")]).collect();
+    let axis = ordered.first().map_or(0, |a| a.ndim().saturating_sub(1));
+    Ok((hidden, Some(plugin_api::nn::layout::concat(&ordered, axis)?)))
 }
 
 fn per_second(tokens: usize, ms: f64) -> f64 {
