@@ -45,7 +45,8 @@
 //!    times every drafter at every draft length against plain decoding on each prompt (one
 //!    JSON object with a `prompt` per line; take them from text the drafter never saw), and
 //!    prints a Markdown table: τ (tokens per target forward), acceptance by draft position,
-//!    target forwards, and the wall-clock speed-up with its range over the prompts. Pick the
+//!    target forwards, the wall-clock speed-up with its range over the prompts, and a round's
+//!    mean time drafting and verifying, in milliseconds and in plain decoding's steps. Pick the
 //!    draft length with the best median and put it in the manifest.
 //!
 //! What decides the speed-up: τ against the cost of a round (the drafter's pass plus a
@@ -54,4 +55,6 @@
 //! target's step. So the larger the target's step against the drafter's pass, the more τ buys:
 //! on the 10M-parameter demo target, whose step is 0.43 ms, only prompt lookup (which drafts
 //! for free) beats plain decoding, while the learned drafters reach τ 2.4–3.2 at γ 3.
-//! `host run --stats` shows τ and acceptance by position for one request.
+//! The speed-up is about τ over the round's cost in plain steps (drafting + verifying, the
+//! sweep's column). `host run --stats` shows τ, acceptance by position and a round's drafting
+//! and verifying time for one request.
