@@ -4,6 +4,7 @@
 use std::time::Instant;
 
 use mlx_rs::Array;
+use plugin_api::nn::layout;
 use serde::Serialize;
 
 use crate::model::{Gemma4, ModelError};
@@ -226,11 +227,12 @@ pub fn generate<R: Into<Flow>>(
     Ok(Generation { tokens, stop, stats })
 }
 
-/// Logits [V] of the last position of hidden [1, L, H].
+/// Logits [1, V] of the last position of hidden [1, L, H], cut on the host (an MLX op would
+/// cost a round trip to MLX's thread every token).
 pub fn last_logits(model: &Gemma4, hidden: &Array) -> Result<Array, mlx_rs::error::Exception> {
-    let l = hidden.shape()[1];
-    let last = hidden.take_axis(Array::from_int(l - 1), 1)?;
-    model.logits_from_hidden(&last)
+    let s: Vec<usize> = hidden.shape().iter().map(|&d| d as usize).collect();
+    let last = layout::slice(hidden, &[0..s[0], s[1] - 1..s[1], 0..s[2]])?;
+    model.logits_from_hidden(&layout::reshape(&last, &[s[0] as i32, s[2] as i32])?)
 }
 
 fn ms(since: Instant) -> f64 {

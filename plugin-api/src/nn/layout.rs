@@ -105,13 +105,8 @@ pub fn rows(x: &Array, range: std::ops::Range<usize>) -> Result<Array, Exception
     Ok(with_elements!(x, |data| Array::from_slice(&data[range.start * per_row..range.end * per_row], &shape)))
 }
 
-/// Arrays of one dtype and of equal shapes past the first axis, end to end along it.
-pub fn concat_rows(parts: &[&Array]) -> Result<Array, Exception> {
-    concat(parts, 0)
-}
-
-/// Arrays of one dtype and of equal shapes but for `axis`, end to end along it: a drafter's
-/// [embedding; hidden] input, its context's keys grown by a block's.
+/// Arrays of one dtype and of equal shapes but for `axis`, end to end along it: rows of a
+/// batch, a drafter's [embedding; hidden] input, its context's keys grown by a block's.
 pub fn concat(parts: &[&Array], axis: usize) -> Result<Array, Exception> {
     let Some(first) = parts.first() else { return mlx_rs::ops::concatenate(parts, axis as i32) };
     let n = first.ndim();
@@ -410,7 +405,7 @@ mod tests {
             let rows_1_3 = z.take_axis(Array::from_slice(&[1, 2], &[2]), 0).unwrap();
             assert!(identical(&rows(&z, 1..3).unwrap(), &rows_1_3), "{dtype:?}");
             let joined = mlx_rs::ops::concatenate(&[&x, &z, &rows_1_3], 0).unwrap();
-            assert!(identical(&concat_rows(&[&x, &z, &rows_1_3]).unwrap(), &joined), "{dtype:?}");
+            assert!(identical(&concat(&[&x, &z, &rows_1_3], 0).unwrap(), &joined), "{dtype:?}");
             let wide = normal(&[2, 3, 5, 8], 8, dtype);
             for (axis, other) in [(2, &wide), (3, &normal(&[2, 3, 4, 3], 9, dtype))] {
                 let joined = mlx_rs::ops::concatenate(&[&x, other, &y], axis as i32).unwrap();

@@ -118,7 +118,6 @@ pub struct AssistantRow {
 }
 
 /// Position `at` of a row's context [1, L, T], as [1, 1, T].
-/// The hidden states [B, 1, D] at position `at` of `context` [B, L, D].
 fn position(context: &Array, at: usize) -> Result<Array, PluginError> {
     let s = context.shape();
     let all = |axis: usize| 0..s.get(axis).map_or(0, |&d| d as usize);
@@ -154,7 +153,7 @@ impl Shared {
             })
         };
         let (sliding, full) = (select(&donors.sliding)?, select(&donors.full)?);
-        let mut hidden = plugin_api::nn::layout::concat_rows(&hiddens.iter().collect::<Vec<_>>())?;
+        let mut hidden = plugin_api::nn::layout::concat(&hiddens.iter().collect::<Vec<_>>(), 0)?;
         let mut ids: Vec<i32> = pending.iter().map(|&t| t as i32).collect();
         let mut drafted = vec![Vec::with_capacity(depth); rows.len()];
         // Every step of a round queries at the pending token's position: one past the target's

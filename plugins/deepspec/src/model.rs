@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use plugin_api::mlx_rs::error::Exception;
 use plugin_api::mlx_rs::{Array, Dtype};
 use plugin_api::nn::kernels::{rounded, with_floats};
-use plugin_api::nn::layout::{add, concat_rows, reshape, rows, scale, swap_axes_1_2};
+use plugin_api::nn::layout::{add, concat, reshape, rows, scale, swap_axes_1_2};
 use plugin_api::nn::ops::{attention, first_max, rms_norm, scalar, softcap, Mask};
 use plugin_api::nn::{Embedding, Linear, Mlp, Rope, Weights};
 use plugin_api::PluginError;
@@ -251,7 +251,7 @@ impl Deepspec {
             previous = token;
         }
         if !corrected.is_empty() {
-            block.logits = concat_rows(&corrected.iter().collect::<Vec<_>>())?;
+            block.logits = concat(&corrected.iter().collect::<Vec<_>>(), 0)?;
         }
         Ok(block)
     }

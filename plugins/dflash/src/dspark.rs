@@ -10,7 +10,7 @@ use plugin_api::config::ConfigFile;
 use plugin_api::mlx_rs::error::Exception;
 use plugin_api::mlx_rs::{Array, Dtype};
 use plugin_api::nn::kernels::{row_major, with_floats};
-use plugin_api::nn::layout::{add, concat_rows, reshape, rows, swap_axes_1_2};
+use plugin_api::nn::layout::{add, concat, reshape, rows, swap_axes_1_2};
 use plugin_api::nn::ops::{attention, first_max, geglu, rms_norm, Mask};
 use plugin_api::nn::{Linear, Weights};
 use plugin_api::sdk::{Draw, Target};
@@ -217,7 +217,7 @@ impl Dspark {
         let embedded = row_major(&target.embed(&Array::from_slice(&[anchor as i32], &[1, 1]), false)?)?;
         let embedded = with_floats(&embedded, |e| Array::from_slice(e, &[1, c.hidden_size]))?;
         let first = add(&self.tok_proj.forward(&embedded)?, &rows(&self.block_pos, 0..1)?)?;
-        let mut h = concat_rows(&[&first, &self.mask_rows])?; // [γ, d]
+        let mut h = concat(&[&first, &self.mask_rows], 0)?; // [γ, d]
         let scale = ((d / c.n_heads) as f32).powf(-0.5);
         for (i, layer) in self.bb.iter().enumerate() {
             let n = rms_norm(&h, Some(&layer.attn_norm), eps)?;
