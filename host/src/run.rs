@@ -357,8 +357,8 @@ impl RunOutput {
                 ("drafted", s.drafted.to_string()),
                 ("accepted", format!("{} ({:.1}%)", s.accepted, 100.0 * s.acceptance_rate)),
                 ("tokens per round (τ)", format!("{:.2}", s.mean_accept_len)),
-                ("drafting", per_round(s.draft_ms, s.rounds)),
-                ("verifying", per_round(s.verify_ms, s.rounds)),
+                ("drafting", format!("{:.1} ms, {:.3} ms a round", s.draft_ms, per_round(s.draft_ms, s.rounds))),
+                ("verifying", format!("{:.1} ms, {:.3} ms a round", s.verify_ms, per_round(s.verify_ms, s.rounds))),
             ]);
         }
         let mut out = String::new();
@@ -391,8 +391,8 @@ fn summary(s: &Stats, stop: StopReason) -> String {
             100.0 * s.acceptance_rate,
             s.mean_accept_len,
             by_position.join(", "),
-            s.draft_ms / s.rounds.max(1) as f64,
-            s.verify_ms / s.rounds.max(1) as f64,
+            per_round(s.draft_ms, s.rounds),
+            per_round(s.verify_ms, s.rounds),
         ));
     }
     if let Some(e) = &s.drafter_error {
@@ -401,7 +401,7 @@ fn summary(s: &Stats, stop: StopReason) -> String {
     out
 }
 
-/// `ms` in all and per round.
-fn per_round(ms: f64, rounds: usize) -> String {
-    format!("{ms:.1} ms, {:.3} ms a round", ms / rounds.max(1) as f64)
+/// Milliseconds a round, of `ms` over `rounds`.
+fn per_round(ms: f64, rounds: usize) -> f64 {
+    ms / rounds.max(1) as f64
 }
