@@ -50,11 +50,11 @@
 //!    draft length with the best median and put it in the manifest.
 //!
 //! What decides the speed-up: τ against the cost of a round (the drafter's pass plus a
-//! verify window of γ+1 tokens). On this repository's CPU measurements a 5-token window costs
-//! 1.5–2.5× a one-token step, and the drafter's pass pays the same fixed costs per op as the
-//! target's step. So the larger the target's step against the drafter's pass, the more τ buys:
-//! on the 10M-parameter demo target, whose step is 0.43 ms, only prompt lookup (which drafts
-//! for free) beats plain decoding, while the learned drafters reach τ 2.4–3.2 at γ 3.
-//! The speed-up is about τ over the round's cost in plain steps (drafting + verifying, the
-//! sweep's column). `host run --stats` shows τ, acceptance by position and a round's drafting
-//! and verifying time for one request.
+//! verify window of γ+1 tokens), about τ over that cost in plain steps (the sweep's "a round:
+//! draft + verify" column). On this repository's CPU measurements a 5-token window costs
+//! 1.5–2.5× a one-token step, and the drafter's pass is arithmetic of its own beside it. So
+//! the larger the target's step against the drafter's pass, the more τ buys: on the
+//! 10M-parameter demo target (a step of about 1 ms) the best learned drafters reach 1.2–1.3×
+//! with τ 2.7–3.7, a round costing 2.3–3.0 steps, and prompt lookup, which drafts for free,
+//! 1.4×. `host run --stats` shows τ, acceptance by position and a round's drafting and
+//! verifying time for one request.
