@@ -7,7 +7,7 @@ use mlx_rs::error::Exception;
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::Array;
 use plugin_api::nn::kernels::dot::SUM_PERIOD;
-use plugin_api::nn::layout::{first_slots, put_slots, take_slots};
+use plugin_api::nn::layout::{put_slots, take_slots};
 use plugin_api::nn::ops::Mask;
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -35,10 +35,12 @@ pub struct LayerCache {
     offsets: Vec<usize>,
 }
 
-/// What attention over the cache needs after a write.
+/// What attention over the cache needs after a write: the first `slots` slots of keys and
+/// values [B, H, S, D] (S ≥ slots), under `mask` [.., slots].
 pub struct Fetched {
     pub keys: Array,
     pub values: Array,
+    pub slots: usize,
     pub mask: Mask,
 }
 
@@ -192,17 +194,16 @@ impl LayerCache {
             }
             self.offsets[r] += new;
         }
-        // Keys are in position order: attention reads the slots up to the furthest row (a
-        // slice, which MLX takes without copying).
-        let fetched_k = first_slots(self.keys.as_ref().unwrap(), end)?;
-        let fetched_v = first_slots(self.values.as_ref().unwrap(), end)?;
+        // Keys are in position order: attention reads the slots up to the furthest row, where
+        // the storage holds them.
+        let (keys, values) = (self.keys.clone().unwrap(), self.values.clone().unwrap());
         // One row's keys are exactly positions 0..end: the usual causal mask.
         let mask = match (self.rows(), new) {
             (1, 1) => Mask::All,
             (1, _) => Mask::Causal,
             _ => Mask::Array(self.mask(new, end, None)?),
         };
-        Ok(Fetched { keys: fetched_k, values: fetched_v, mask })
+        Ok(Fetched { keys, values, slots: end, mask })
     }
 
     fn write_ring(&mut self, keys: &Array, values: &Array, new: usize, window: usize) -> Result<Fetched, Exception> {
@@ -255,7 +256,8 @@ impl LayerCache {
         } else {
             Mask::Array(position_mask(&positions, &starts, new, Some(window))?)
         };
-        Ok(Fetched { keys, values, mask })
+        let slots = keys.shape()[2] as usize;
+        Ok(Fetched { keys, values, slots, mask })
     }
 
     /// Writes the newest min(new, capacity) rows of each row into their ring slots.
@@ -422,8 +424,8 @@ mod tests {
     }
 
     fn visible_in(f: &Fetched, row: i32, query: usize, new: usize) -> Vec<i32> {
-        let keys = f.keys.index((row, 0)).as_slice::<f32>().to_vec();
-        let slots = keys.len() / 2;
+        let slots = f.slots;
+        let keys = f.keys.index((row, 0)).as_slice::<f32>()[..2 * slots].to_vec();
         let mask: Option<Vec<bool>> = match &f.mask {
             Mask::All => None,
             // The queries are the last `new` slots; each reads up to itself.

@@ -5,7 +5,7 @@ use mlx_rs::error::Exception;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{Array, Dtype};
 use plugin_api::nn::layout::{add, index_axis_2, reshape, scale, swap_axes_1_2};
-use plugin_api::nn::ops::{attention, geglu, rms_norm, scalar, softcap, Mask};
+use plugin_api::nn::ops::{attention_over_slots, geglu, rms_norm, scalar, softcap, Mask};
 use plugin_api::nn::{Embedding, Linear, Rope};
 
 use super::cache::LayerCache;
@@ -106,11 +106,13 @@ pub struct Taps {
     pub captured: Vec<Array>,
 }
 
-/// One layer's K/V as attention reads them, shared with the layers that reuse them.
+/// One layer's K/V as attention reads them (their first `slots` slots), shared with the layers
+/// that reuse them.
 #[derive(Clone)]
 struct SharedKv {
     keys: Array,
     values: Array,
+    slots: usize,
     mask: Mask,
 }
 
@@ -326,14 +328,19 @@ impl Attention {
                 match cache {
                     Some(cache) => {
                         let f = cache.write(&k, &v)?;
-                        SharedKv { keys: f.keys, values: f.values, mask: f.mask }
+                        SharedKv { keys: f.keys, values: f.values, slots: f.slots, mask: f.mask }
                     }
-                    None => SharedKv { mask: if l == 1 { Mask::All } else { Mask::Causal }, keys: k, values: v },
+                    None => SharedKv {
+                        mask: if l == 1 { Mask::All } else { Mask::Causal },
+                        slots: l as usize,
+                        keys: k,
+                        values: v,
+                    },
                 }
             }
             _ => return Err(ModelError::Internal("a KV-sharing layer ran before its donor".into())),
         };
-        let out = attention(&q, &kv.keys, &kv.values, 1.0, &kv.mask)?;
+        let out = attention_over_slots(&q, &kv.keys, &kv.values, kv.slots, 1.0, &kv.mask)?;
         let out = reshape(&swap_axes_1_2(&out)?, &[b, l, self.n_heads * self.head_dim])?;
         Ok((self.o_proj.forward(&out)?, kv))
     }

@@ -348,11 +348,28 @@ pub enum Mask {
 
 /// Attention of queries [B, Hq, L, D] over keys/values [B, Hkv, S, D].
 pub fn attention(q: &Array, k: &Array, v: &Array, scale: f32, mask: &Mask) -> Result<Array, Exception> {
+    attention_over_slots(q, k, v, k.shape().get(2).map_or(0, |&s| s as usize), scale, mask)
+}
+
+/// [`attention`] over the first `slots` slots of keys/values [B, Hkv, S, D]: a KV cache's
+/// storage, of which only those are written. The host's loops read them where they lie; the
+/// slice MLX would need to cut them is an op, and each op waits on MLX's thread (four per
+/// decode step of the demo target, about a tenth of it).
+pub fn attention_over_slots(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    slots: usize,
+    scale: f32,
+    mask: &Mask,
+) -> Result<Array, Exception> {
     if matches!(q.dtype(), Dtype::Bfloat16 | Dtype::Float16) && super::wide::on_cpu() {
-        if let Some(out) = half_attention(q, k, v, scale, mask)? {
+        if let Some(out) = half_attention(q, k, v, slots, scale, mask)? {
             return Ok(out);
         }
     }
+    let (k, v) = (super::layout::first_slots(k, slots)?, super::layout::first_slots(v, slots)?);
+    let (k, v) = (&k, &v);
     let mask = match mask {
         Mask::All => None,
         Mask::Causal => Some(ScaledDotProductAttentionMask::Causal),
@@ -403,20 +420,37 @@ pub fn attention_rows(q: &Array, rows: &[RowKeys], scale: f32) -> Result<Array, 
 /// the dtype's lowest value, precise softmax, ·v, every step rounded to the dtype), with the two
 /// products through the host's loops instead of MLX's generic kernel: the same roundings, the
 /// sums in another order, several times faster, and a query's result independent of how many
-/// queries share the call. `None` where the loops do not apply.
+/// queries share the call, over the first `s` slots of k and v. `None` where the loops do not
+/// apply.
 ///
 /// The products read the arrays' data per head directly rather than slicing them with MLX ops:
 /// a decode step of a small model is bound by the count of MLX ops, each costing microseconds
 /// of dispatch on the CPU.
-fn half_attention(q: &Array, k: &Array, v: &Array, scale: f32, mask: &Mask) -> Result<Option<Array>, Exception> {
+fn half_attention(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    s: usize,
+    scale: f32,
+    mask: &Mask,
+) -> Result<Option<Array>, Exception> {
     let dtype = q.dtype();
     let ks = k.shape().to_vec();
-    let (b, hkv, s) = (q.shape()[0], ks[1], ks[2] as usize);
-    if ks[0] != b || hkv == 0 || q.shape()[1] % hkv != 0 || k.dtype() != dtype || v.dtype() != dtype || v.shape() != ks
+    if ks.len() != 4 || q.ndim() != 4 {
+        return Ok(None);
+    }
+    let (b, hkv) = (q.shape()[0], ks[1]);
+    if ks[0] != b
+        || hkv == 0
+        || q.shape()[1] % hkv != 0
+        || k.dtype() != dtype
+        || v.dtype() != dtype
+        || v.shape() != ks
+        || s > ks[2] as usize
     {
         return Ok(None);
     }
-    // A KV cache's first slots come as a view of its storage (see `layout::first_slots`): read
+    // A KV cache's storage, or a view of its first slots (see `layout::first_slots`), is read
     // in place, each head's slots being contiguous, rather than copied out first.
     let (k, v) = (InPlace::of(k)?, InPlace::of(v)?);
     let (keys, values) = (k.data(), v.data());
@@ -1194,6 +1228,21 @@ mod half_attention_tests {
         assert_eq!(largest_difference(&in_place, &copied), 0.0);
         let reference = mlx_rs::fast::scaled_dot_product_attention(&q, &k, &v, 0.125, None, None).unwrap();
         assert!(largest_difference(&in_place, &reference) < 0.05);
+    }
+
+    #[test]
+    fn attends_over_a_storages_first_slots_as_over_their_copy() {
+        for dtype in [Dtype::Bfloat16, Dtype::Float32] {
+            let q = normal(&[2, 4, 3, 64], 1, dtype);
+            let (k, v) = (normal(&[2, 2, 48, 64], 2, dtype), normal(&[2, 2, 48, 64], 3, dtype));
+            let copy = |a: &Array| row_major(&a.try_index((.., .., ..37)).unwrap()).unwrap();
+            for mask in [Mask::All, Mask::Causal] {
+                let over_slots = attention_over_slots(&q, &k, &v, 37, 0.125, &mask).unwrap();
+                let over_copy = attention(&q, &copy(&k), &copy(&v), 0.125, &mask).unwrap();
+                assert_eq!(over_slots.shape(), &[2, 4, 3, 64]);
+                assert_eq!(largest_difference(&over_slots, &over_copy), 0.0, "{dtype:?}");
+            }
+        }
     }
 
     #[test]
