@@ -8,7 +8,7 @@ use plugin_api::mlx_rs::error::Exception;
 use plugin_api::mlx_rs::{Array, Dtype};
 use plugin_api::nn::kernels::{bits16, row_major, with_floats};
 use plugin_api::nn::layout::{add, concat, reshape, scale, swap_axes_1_2};
-use plugin_api::nn::ops::{attention, rms_norm, Mask};
+use plugin_api::nn::ops::{attention_over_slots, rms_norm, Mask};
 use plugin_api::nn::{Embedding, Linear, Mlp, Rope, Weights};
 use plugin_api::target::DonorLayer;
 use plugin_api::PluginError;
@@ -405,27 +405,51 @@ impl Layer {
             LayerType::Sliding => Some(c.sliding_window),
             LayerType::Full => None,
         };
-        let mask = donor_mask(&donors.slot_positions.borrow().to_array(), positions, window)?;
+        let (mask, slots) = donor_mask(&donors.slot_positions.borrow().to_array(), positions, window)?;
         // QK-norm replaces the 1/√d scale, as in the target.
-        let out = attention(&q, &keys, &values, 1.0, &Mask::Array(mask))?;
+        let out = attention_over_slots(&q, &keys, &values, slots, 1.0, &Mask::Array(mask))?;
         let out = reshape(&swap_axes_1_2(&out)?, &[b, 1, c.num_attention_heads * hd])?;
         self.self_attn.o_proj.forward(&out)
     }
 }
 
-/// [B, 1, 1, S]: a query at position p (the pending token, whose key the target has not
+/// [B, 1, 1, s]: a query at position p (the pending token, whose key the target has not
 /// written) reads every cached position before p, and in a sliding layer of window W only the
 /// last W + 1 of them, p − 1 − W ..= p − 1: transformers' assistant mask, |q − k| <= W flipped
-/// to look back from the last cached key.
-fn donor_mask(slot_positions: &Array, positions: &[i32], window: Option<usize>) -> Result<Array, Exception> {
+/// to look back from the last cached key. The mask covers the first s slots, up to the last that
+/// any row reads: a full layer's storage grows ahead of its writes, and the slots past them
+/// would cost attention a masked score and a zero weight each.
+fn donor_mask(slot_positions: &Array, positions: &[i32], window: Option<usize>) -> Result<(Array, usize), Exception> {
     let slots = slot_positions.as_dtype(Dtype::Int32)?;
     let s = slots.shape()[1] as usize;
     let data = slots.as_slice::<i32>();
-    let mut mask = Vec::with_capacity(positions.len() * s);
-    for (row, &p) in positions.iter().enumerate() {
-        for &k in &data[row * s..(row + 1) * s] {
-            mask.push(k >= 0 && k < p && window.is_none_or(|w| p - k <= w as i32 + 1));
-        }
+    let reads = |row: usize, slot: usize| {
+        let (k, p) = (data[row * s + slot], positions[row]);
+        k >= 0 && k < p && window.is_none_or(|w| p - k <= w as i32 + 1)
+    };
+    // At least one slot, so that a row that reads none still meets MLX's masked softmax.
+    let used = (0..s).rev().find(|&slot| (0..positions.len()).any(|row| reads(row, slot))).map_or(s.min(1), |j| j + 1);
+    let mask: Vec<bool> = (0..positions.len()).flat_map(|row| (0..used).map(move |slot| reads(row, slot))).collect();
+    Ok((Array::from_slice(&mask, &[positions.len() as i32, 1, 1, used as i32]), used))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_donor_mask_ends_at_the_last_slot_any_row_reads() {
+        // Two rows of a storage of 8 slots: row 0 holds positions 0..3, row 1 positions 0..5.
+        let slots = Array::from_slice(&[0, 1, 2, -1, -1, -1, -1, -1, 0, 1, 2, 3, 4, -1, -1, -1], &[2, 8]);
+        let (mask, used) = donor_mask(&slots, &[3, 5], None).unwrap();
+        assert_eq!((used, mask.shape()), (5, &[2, 1, 1, 5][..]));
+        let (t, f) = (true, false);
+        assert_eq!(mask.as_slice::<bool>(), &[t, t, t, f, f, t, t, t, t, t]);
+        // A window of 1 reads the last two positions before each query's.
+        let (mask, used) = donor_mask(&slots, &[3, 4], Some(1)).unwrap();
+        assert_eq!((used, mask.as_slice::<bool>()), (4, &[f, t, t, f, f, f, t, t][..]));
+        // A row that reads nothing keeps one slot, all masked, as attention's softmax needs.
+        let (mask, used) = donor_mask(&slots, &[0, 0], None).unwrap();
+        assert_eq!((used, mask.as_slice::<bool>()), (1, &[f, f][..]));
     }
-    Ok(Array::from_slice(&mask, &[positions.len() as i32, 1, 1, s as i32]))
 }
