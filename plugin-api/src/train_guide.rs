@@ -54,7 +54,7 @@
 //! draft + verify" column). On this repository's CPU measurements a 5-token window costs
 //! 1.5–2.5× a one-token step, and the drafter's pass is arithmetic of its own beside it. So
 //! the larger the target's step against the drafter's pass, the more τ buys: on the
-//! 10M-parameter demo target (a step of about 1 ms) the best learned drafters reach 1.2–1.3×
-//! with τ 2.7–3.7, a round costing 2.3–3.0 steps, and prompt lookup, which drafts for free,
+//! 10M-parameter demo target (a step of under 1 ms) the best learned drafters reach 1.2–1.4×
+//! with τ 2.6–3.7, a round costing 2.3–3.0 steps, and prompt lookup, which drafts for free,
 //! 1.4×. `host run --stats` shows τ, acceptance by position and a round's drafting and
 //! verifying time for one request.
