@@ -19,6 +19,8 @@ pub struct Report {
     pub plugins_dir: PathBuf,
     /// Median f32 throughput of a 512×512×512 matrix product.
     pub matmul_gflops: f64,
+    /// Whether bfloat16 products take AMX's tile unit (`HOST_AMX=on`), could, or cannot here.
+    pub amx_tiles: String,
 }
 
 impl Report {
@@ -34,6 +36,7 @@ impl Report {
             device: Device::default().to_string(),
             plugins_dir,
             matmul_gflops,
+            amx_tiles: amx_tiles().into(),
         })
     }
 
@@ -41,7 +44,7 @@ impl Report {
         let or_unknown = |v: Option<String>| v.unwrap_or_else(|| "not found".into());
         let paths: Vec<String> = self.libmlx_path.iter().map(|p| p.display().to_string()).collect();
         format!(
-            "MLX          {}\nlibmlx.so    {}\nBLAS         {}\n             {}\ndevice       {}\nplugins dir  {}\nmatmul f32   {:.1} GFLOP/s (512×512×512)\n",
+            "MLX          {}\nlibmlx.so    {}\nBLAS         {}\n             {}\ndevice       {}\nplugins dir  {}\nmatmul f32   {:.1} GFLOP/s (512×512×512)\nAMX tiles    {}\n",
             self.mlx_version,
             if paths.is_empty() { "not mapped".into() } else { paths.join(", ") },
             or_unknown(self.blas.clone()),
@@ -49,7 +52,17 @@ impl Report {
             self.device,
             self.plugins_dir.display(),
             self.matmul_gflops,
+            self.amx_tiles,
         )
+    }
+}
+
+fn amx_tiles() -> &'static str {
+    use plugin_api::nn::kernels::amx_bf16;
+    match (amx_bf16::available(), amx_bf16::supported()) {
+        (true, _) => "in use for bfloat16 products (HOST_AMX=on)",
+        (false, true) => "on this CPU, not used (HOST_AMX=on uses them, at twice the bfloat16 weights' memory)",
+        (false, false) => "not on this CPU",
     }
 }
 

@@ -69,7 +69,7 @@ struct Format {
 
 fn formats() -> Result<Vec<Format>, Exception> {
     let w = random::normal::<f32>(&[SIDE, SIDE], None, 0.02, &random::key(0)?)?;
-    let plain = |w: Array| Linear { weight: w, scales: None, biases: None, quantization: None };
+    let plain = Linear::plain;
     let mut out = vec![
         Format { name: "float32".into(), linear: plain(w.clone()), activations: Dtype::Float32 },
         Format { name: "bfloat16".into(), linear: plain(w.as_dtype(Dtype::Bfloat16)?), activations: Dtype::Bfloat16 },
@@ -87,6 +87,7 @@ fn formats() -> Result<Vec<Format>, Exception> {
                     scales: Some(scales),
                     biases: Some(biases),
                     quantization: Some(Quantization { group_size, bits }),
+                    tiles: Default::default(),
                 },
                 activations,
             });

@@ -231,9 +231,7 @@ fn load_experts(
 ) -> Result<Linear, WeightsError> {
     let name = format!("{path}.weight");
     Ok(match q {
-        None => {
-            Linear { weight: w.shaped(&name, &[experts, out, inp])?, scales: None, biases: None, quantization: None }
-        }
+        None => Linear::plain(w.shaped(&name, &[experts, out, inp])?),
         Some(q) => {
             let weight = w.packed(&name, &[experts, out, inp * q.bits / 32])?;
             let groups = inp / q.group_size;
@@ -242,6 +240,7 @@ fn load_experts(
                 scales: Some(w.shaped(&format!("{path}.scales"), &[experts, out, groups])?),
                 biases: Some(w.shaped(&format!("{path}.biases"), &[experts, out, groups])?),
                 quantization: Some(q),
+                tiles: Default::default(),
             }
         }
     })

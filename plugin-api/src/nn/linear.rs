@@ -1,9 +1,12 @@
 //! Linear layers and embeddings, plain or MLX-quantized (affine, per-group scales and biases),
 //! loaded by tensor name with their shapes checked.
 
+use std::sync::{Arc, OnceLock};
+
 use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype};
 
+use super::kernels::amx_bf16::{self, Tiles};
 use super::weights::{Weights, WeightsError};
 use super::{kernels, wide};
 
@@ -22,6 +25,25 @@ pub struct Linear {
     pub scales: Option<Array>,
     pub biases: Option<Array>,
     pub quantization: Option<Quantization>,
+    pub tiles: TileCache,
+}
+
+/// A bfloat16 weight repacked for AMX's tile unit on its first product, where the CPU has one
+/// and `HOST_AMX=on` ([`amx_bf16`]), shared by clones. The repacked copy sits beside MLX's own
+/// array (an embedding's rows are read from that), so the bfloat16 weights then take twice
+/// their memory.
+#[derive(Clone, Default)]
+pub struct TileCache(Arc<OnceLock<Option<Tiles>>>);
+
+impl TileCache {
+    /// The tiles of `w` [n, k], made on first call; `None` where they do not apply.
+    fn of(&self, w: &Array) -> Option<&Tiles> {
+        if w.dtype() != Dtype::Bfloat16 || w.ndim() != 2 || !wide::on_cpu() || !amx_bf16::available() {
+            return None;
+        }
+        let (n, k) = (w.shape()[0] as usize, w.shape()[1] as usize);
+        self.0.get_or_init(|| kernels::bits16(w).map(|bits| Tiles::pack(bits, n, k))).as_ref()
+    }
 }
 
 impl Linear {
@@ -35,7 +57,7 @@ impl Linear {
         q: Option<Quantization>,
     ) -> Result<Linear, WeightsError> {
         let (weight, scales, biases) = load_matrix(w, prefix, out_dims, in_dims, q)?;
-        Ok(Linear { weight, scales, biases, quantization: q })
+        Ok(Linear { weight, scales, biases, quantization: q, tiles: TileCache::default() })
     }
 
     /// A plain weight stored [in, out] and used as x·W (the DSpark format's layout), held as
@@ -43,11 +65,16 @@ impl Linear {
     pub fn from_in_out(w: &Array) -> Result<Linear, Exception> {
         let weight = kernels::row_major(&w.t())?;
         weight.eval()?;
-        Ok(Linear { weight, scales: None, biases: None, quantization: None })
+        Ok(Linear::plain(weight))
+    }
+
+    /// An unquantized weight [out, in].
+    pub fn plain(weight: Array) -> Linear {
+        Linear { weight, scales: None, biases: None, quantization: None, tiles: TileCache::default() }
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array, Exception> {
-        times_transposed(x, &self.weight, self.scales.as_ref(), self.biases.as_ref(), self.quantization)
+        times_transposed(x, &self.weight, self.scales.as_ref(), self.biases.as_ref(), self.quantization, &self.tiles)
     }
 
     pub fn nbytes(&self) -> usize {
@@ -62,6 +89,8 @@ pub struct Embedding {
     pub scales: Option<Array>,
     pub biases: Option<Array>,
     pub quantization: Option<Quantization>,
+    /// The table as the head's tiles (see [`TileCache`]).
+    pub tiles: TileCache,
 }
 
 impl Embedding {
@@ -73,7 +102,7 @@ impl Embedding {
         q: Option<Quantization>,
     ) -> Result<Embedding, WeightsError> {
         let (weight, scales, biases) = load_matrix(w, prefix, vocab, dims, q)?;
-        Ok(Embedding { weight, scales, biases, quantization: q })
+        Ok(Embedding { weight, scales, biases, quantization: q, tiles: TileCache::default() })
     }
 
     /// Rows of the table for `ids` (any shape), dequantized when needed.
@@ -99,7 +128,7 @@ impl Embedding {
 
     /// `x · tableᵀ`: logits over the vocabulary from hidden states.
     pub fn as_linear(&self, x: &Array) -> Result<Array, Exception> {
-        times_transposed(x, &self.weight, self.scales.as_ref(), self.biases.as_ref(), self.quantization)
+        times_transposed(x, &self.weight, self.scales.as_ref(), self.biases.as_ref(), self.quantization, &self.tiles)
     }
 
     pub fn nbytes(&self) -> usize {
@@ -119,7 +148,15 @@ fn times_transposed(
     scales: Option<&Array>,
     biases: Option<&Array>,
     q: Option<Quantization>,
+    tiles: &TileCache,
 ) -> Result<Array, Exception> {
+    // A weight's tiles serve every product of bfloat16 rows with it, whatever their count, so
+    // that a row's result does not depend on it (see `kernels::small_product`).
+    if let Some(tiles) = tiles.of(w).filter(|_| x.dtype() == Dtype::Bfloat16) {
+        if let Some(y) = kernels::tiled_product(x, tiles)? {
+            return Ok(y);
+        }
+    }
     if let Some(y) = kernels::small_product(x, w, scales, biases, q)? {
         return Ok(y);
     }

@@ -79,6 +79,7 @@ mod tests {
                 scales: Some(scales.clone()),
                 biases: Some(biases.clone()),
                 quantization: Some(q),
+                tiles: Default::default(),
             };
             let ours = linear.forward(&x).unwrap();
             let mlx = mlx_rs::ops::quantized_matmul(&x, &wq, &scales, &biases, true, group_size, bits).unwrap();

@@ -20,6 +20,7 @@ pub use dspark::Dspark;
 pub use model::{Context, Dflash};
 
 /// The two checkpoint formats this plugin drafts with.
+#[allow(clippy::large_enum_variant, reason = "one per loaded drafter")]
 pub enum Network {
     /// z-lab DFlash (`config.json` with `dflash_config`).
     Zlab(Dflash),

@@ -2,7 +2,8 @@
 //! format, with MLX's result up to summation order: float32 accumulation, the output rounded
 //! once to the activation dtype. They take one to sixteen rows (decode steps, verify windows),
 //! and half-precision weights or activations at any row count. Anything else (more float32 rows,
-//! other dtypes, another device) is left to MLX.
+//! other dtypes, another device) is left to MLX. With `HOST_AMX=on`, bfloat16 weights are
+//! repacked for AMX's tile unit and multiplied there ([`amx_bf16`], [`tiled_product`]).
 //!
 //! Quantized weights of half-precision activations are summed in float32 here, as MLX's Metal
 //! and CUDA kernels sum them. MLX's CPU kernel instead rounds to the activation dtype after
@@ -10,6 +11,7 @@
 //! operations per weight and bounds a product at a few GB/s, an eighth of the machine's read rate
 //! (measured with such a kernel), and its sums are less accurate than float32's.
 
+pub mod amx_bf16;
 pub mod dot;
 #[cfg(target_arch = "x86_64")]
 mod lanes;
@@ -93,6 +95,33 @@ pub fn small_product(
     let split = (rows * n * k >= SPLIT_WORK && n >= 2).then_some(n / 2);
     let x_dtype = x.dtype();
     outputs(x, n, split, |xs, range, y| dot::product(xs, x_dtype, rows, k, weight, range, n, y)).map(Some)
+}
+
+/// `x · wᵀ` for bfloat16 x and a bfloat16 w held as AMX tiles ([`amx_bf16`]), at any row count;
+/// `None` where the tiles do not apply (x of another dtype or width, MLX on another device, a
+/// CPU without the unit).
+pub fn tiled_product(x: &Array, tiles: &amx_bf16::Tiles) -> Result<Option<Array>, Exception> {
+    let rows = super::wide::rows(x) as usize;
+    let applies = x.dtype() == Dtype::Bfloat16
+        && x.shape().last().map(|&k| k as usize) == Some(tiles.k)
+        && rows > 0
+        && super::wide::on_cpu()
+        && amx_bf16::available();
+    if !applies {
+        return Ok(None);
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        let n = tiles.n;
+        // Each thread takes whole blocks of outputs. The tiles' time hardly grows with the rows,
+        // so the weight's size alone decides whether halving it pays for the handover.
+        let at = (n / 2).next_multiple_of(16);
+        let split = (n * tiles.k >= SPLIT_WORK && at < n).then_some(at);
+        // SAFETY: the unit is there and granted (`available`); the tiles hold an [n, k] weight.
+        outputs(x, n, split, |xs, range, y| unsafe { amx_bf16::product(xs, rows, tiles, range, y) }).map(Some)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("the tile unit is x86-64's")
 }
 
 /// Rows `ids` (any shape, int32 or uint32) of a quantized table [vocab, k], dequantized as
@@ -715,6 +744,56 @@ mod tests {
                     dot::product(&x[(rows - 1) * k..], x_dtype, 1, k, w, 0..n, n, &mut alone);
                     assert_eq!(alone, y[(rows - 1) * n..], "{x_dtype:?}, k {k}, last row alone");
                 }
+            }
+        }
+    }
+
+    /// The AMX tiles ([`amx_bf16`]) where the CPU has them: MLX's float32 product of the same
+    /// values up to summation order, a row's result the same alone, in a window of any size and
+    /// in either half of a split, and zeros appended to both operands changing no sum.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn tiled_products_equal_mlxs_and_each_row_alone() {
+        if !amx_bf16::supported() {
+            eprintln!("no AMX tiles on this CPU: the tiled route is not tested here");
+            return;
+        }
+        let tiled = |x: &[f32], rows: usize, tiles: &amx_bf16::Tiles, outputs| {
+            let mut y = vec![0f32; rows * tiles.n];
+            // SAFETY: the CPU has the unit and this process may use it (checked above).
+            unsafe { amx_bf16::product(x, rows, tiles, outputs, &mut y) };
+            y
+        };
+        for (n, k) in [(72, 264), (16, 32), (100, 36), (40, 1000)] {
+            let w = normal(&[n, k], 1).as_dtype(Dtype::Bfloat16).unwrap();
+            let (n, k) = (n as usize, k as usize);
+            let tiles = amx_bf16::Tiles::pack(bits16(&w).unwrap(), n, k);
+            // The same weight and rows with 11 zeros after each row's inputs.
+            let padded_w: Vec<u16> =
+                bits16(&w).unwrap().chunks(k).flat_map(|r| r.iter().copied().chain([0; 11])).collect();
+            let padded_tiles = amx_bf16::Tiles::pack(&padded_w, n, k + 11);
+            for rows in [1, 2, 5, 16, 21] {
+                let x = normal(&[rows, k as i32], 2 + rows as u64).as_dtype(Dtype::Bfloat16).unwrap();
+                let xs = x.as_dtype(Dtype::Float32).unwrap();
+                let xs = xs.as_slice::<f32>();
+                let rows = rows as usize;
+                let window = tiled(xs, rows, &tiles, 0..n);
+                let ours = Array::from_slice(&window, &[rows as i32, n as i32]);
+                let mlx = x.as_dtype(Dtype::Float32).unwrap().matmul(w.as_dtype(Dtype::Float32).unwrap().t()).unwrap();
+                let d = relative_difference(&ours, &mlx);
+                assert!(d <= 1e-5, "n {n}, k {k}, {rows} rows: {d}");
+                for m in 0..rows {
+                    let alone = tiled(&xs[m * k..(m + 1) * k], 1, &tiles, 0..n);
+                    assert_eq!(alone, window[m * n..(m + 1) * n], "n {n}, k {k}, row {m} of {rows}");
+                }
+                let mut halves = tiled(xs, rows, &tiles, 0..n / 3);
+                let upper = tiled(xs, rows, &tiles, n / 3..n);
+                for m in 0..rows {
+                    halves[m * n + n / 3..(m + 1) * n].copy_from_slice(&upper[m * n + n / 3..(m + 1) * n]);
+                }
+                assert_eq!(halves, window, "n {n}, k {k}, {rows} rows split at {}", n / 3);
+                let padded_x: Vec<f32> = xs.chunks(k).flat_map(|r| r.iter().copied().chain([0.0; 11])).collect();
+                assert_eq!(tiled(&padded_x, rows, &padded_tiles, 0..n), window, "n {n}, k {k} + 11 zeros");
             }
         }
     }
