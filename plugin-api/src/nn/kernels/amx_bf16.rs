@@ -63,10 +63,6 @@ impl Tiles {
     fn at(ob: usize, kb: usize, depth_blocks: usize) -> usize {
         (ob * depth_blocks + kb) * BLOCK * DEPTH
     }
-
-    pub fn nbytes(&self) -> usize {
-        self.data.len() * 2
-    }
 }
 
 /// Whether products take the tiles: `HOST_AMX=on` and [`supported`].
@@ -110,7 +106,7 @@ fn request_tiles() -> bool {
 /// holding bfloat16 values); y is [rows, n] and only its `outputs` columns are written.
 ///
 /// # Safety
-/// [`available`] must have returned true; `tiles` is a weight [n, k].
+/// [`supported`] must have returned true; `tiles` is a weight [n, k].
 #[cfg(target_arch = "x86_64")]
 pub unsafe fn product(x: &[f32], rows: usize, tiles: &Tiles, outputs: std::ops::Range<usize>, y: &mut [f32]) {
     use std::arch::asm;
