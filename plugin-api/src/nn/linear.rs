@@ -151,8 +151,10 @@ fn times_transposed(
     tiles: &TileCache,
 ) -> Result<Array, Exception> {
     // A weight's tiles serve every product of bfloat16 rows with it, whatever their count, so
-    // that a row's result does not depend on it (see `kernels::small_product`).
-    if let Some(tiles) = tiles.of(w).filter(|_| x.dtype() == Dtype::Bfloat16) {
+    // that a row's result does not depend on it (see `kernels::small_product`). Rows of
+    // another dtype never take them, and do not get the weight repacked.
+    let tiled = if x.dtype() == Dtype::Bfloat16 { tiles.of(w) } else { None };
+    if let Some(tiles) = tiled {
         if let Some(y) = kernels::tiled_product(x, tiles)? {
             return Ok(y);
         }
