@@ -19,7 +19,7 @@ pub struct Report {
     pub plugins_dir: PathBuf,
     /// Median f32 throughput of a 512×512×512 matrix product.
     pub matmul_gflops: f64,
-    /// Whether bfloat16 products take AMX's tile unit (`HOST_AMX=on`), could, or cannot here.
+    /// Whether bfloat16 products take AMX's tile unit, could (`HOST_AMX=off`), or cannot here.
     pub amx_tiles: String,
 }
 
@@ -60,8 +60,8 @@ impl Report {
 fn amx_tiles() -> &'static str {
     use plugin_api::nn::kernels::amx_bf16;
     match (amx_bf16::available(), amx_bf16::supported()) {
-        (true, _) => "in use for bfloat16 products (HOST_AMX=on)",
-        (false, true) => "on this CPU, not used (HOST_AMX=on uses them, at twice the bfloat16 weights' memory)",
+        (true, _) => "in use for bfloat16 products (HOST_AMX=off keeps MLX's layout)",
+        (false, true) => "on this CPU, not used (HOST_AMX=off)",
         (false, false) => "not on this CPU",
     }
 }

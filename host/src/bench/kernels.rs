@@ -59,21 +59,27 @@ impl KernelReport {
 /// Gemma 4's vocabulary.
 const VOCAB: i32 = 262_144;
 
-/// A weight format: its layer, the activation dtype models of that format run in, and MLX's
-/// own product for comparison.
+/// A weight format: its layer, the activation dtype models of that format run in, and the
+/// weight as MLX holds it, for MLX's own product.
 struct Format {
     name: String,
     linear: Linear,
+    mlx_weight: Array,
     activations: Dtype,
 }
 
 fn formats() -> Result<Vec<Format>, Exception> {
     let w = random::normal::<f32>(&[SIDE, SIDE], None, 0.02, &random::key(0)?)?;
-    let plain = Linear::plain;
-    let mut out = vec![
-        Format { name: "float32".into(), linear: plain(w.clone()), activations: Dtype::Float32 },
-        Format { name: "bfloat16".into(), linear: plain(w.as_dtype(Dtype::Bfloat16)?), activations: Dtype::Bfloat16 },
-    ];
+    let plain = |w: Array, activations| {
+        let linear = Linear::plain(w.clone());
+        let name = match (activations, linear.is_tiled()) {
+            (Dtype::Float32, _) => "float32",
+            (_, false) => "bfloat16",
+            (_, true) => "bfloat16 AMX",
+        };
+        Format { name: name.into(), linear, mlx_weight: w, activations }
+    };
+    let mut out = vec![plain(w.clone(), Dtype::Float32), plain(w.as_dtype(Dtype::Bfloat16)?, Dtype::Bfloat16)];
     // Quantized as mlx-lm converts float32 checkpoints (float32 scales and activations) and
     // bfloat16 ones (bfloat16 scales and activations).
     for (activations, label) in [(Dtype::Float32, "f32"), (Dtype::Bfloat16, "bf16")] {
@@ -82,13 +88,13 @@ fn formats() -> Result<Vec<Format>, Exception> {
             let (packed, scales, biases) = mlx_rs::ops::quantize(w.as_dtype(activations)?, group_size, bits)?;
             out.push(Format {
                 name: format!("{bits}-bit g{group_size} {label}"),
-                linear: Linear {
-                    weight: packed,
-                    scales: Some(scales),
-                    biases: Some(biases),
-                    quantization: Some(Quantization { group_size, bits }),
-                    tiles: Default::default(),
-                },
+                linear: Linear::quantized(
+                    packed.clone(),
+                    Some(scales),
+                    Some(biases),
+                    Some(Quantization { group_size, bits }),
+                ),
+                mlx_weight: packed,
                 activations,
             });
         }
@@ -96,12 +102,13 @@ fn formats() -> Result<Vec<Format>, Exception> {
     Ok(out)
 }
 
-fn mlx_product(l: &Linear, x: &Array) -> Result<Array, Exception> {
+fn mlx_product(f: &Format, x: &Array) -> Result<Array, Exception> {
+    let l = &f.linear;
     match (&l.scales, l.quantization) {
         (Some(s), Some(q)) => {
-            mlx_rs::ops::quantized_matmul(x, &l.weight, s, l.biases.as_ref(), true, q.group_size, q.bits)
+            mlx_rs::ops::quantized_matmul(x, &f.mlx_weight, s, l.biases.as_ref(), true, q.group_size, q.bits)
         }
-        _ => x.matmul(l.weight.t()),
+        _ => x.matmul(f.mlx_weight.t()),
     }
 }
 
@@ -122,14 +129,14 @@ pub fn kernels() -> Result<KernelReport, Exception> {
     let mut rows = Vec::new();
     for f in formats()? {
         mlx_rs::transforms::eval(
-            [&f.linear.weight].into_iter().chain(f.linear.scales.as_ref()).chain(f.linear.biases.as_ref()),
+            [&f.mlx_weight].into_iter().chain(f.linear.scales.as_ref()).chain(f.linear.biases.as_ref()),
         )?;
         let bytes = f.linear.nbytes() as f64;
         for m in ROWS {
             let x = random::normal::<f32>(&[1, m, SIDE], None, None, &random::key(1)?)?.as_dtype(f.activations)?;
             x.eval()?;
             let host = time(|| f.linear.forward(&x))?;
-            let mlx = time(|| mlx_product(&f.linear, &x))?;
+            let mlx = time(|| mlx_product(&f, &x))?;
             rows.push(KernelRow {
                 format: f.name.clone(),
                 rows: m,

@@ -399,7 +399,7 @@ fn switch_linear(l: &Linear, x: &Array, indices: &Array) -> Result<Array, Except
     match (&l.scales, l.quantization) {
         (Some(scales), Some(q)) => mlx_rs::ops::gather_qmm(
             x,
-            &l.weight,
+            l.weight(),
             scales,
             l.biases.as_ref(),
             None,
@@ -409,6 +409,6 @@ fn switch_linear(l: &Linear, x: &Array, indices: &Array) -> Result<Array, Except
             q.bits,
             false,
         ),
-        _ => mlx_rs::ops::gather_mm(x, l.weight.swap_axes(-1, -2)?, None, indices, false),
+        _ => mlx_rs::ops::gather_mm(x, l.weight().swap_axes(-1, -2)?, None, indices, false),
     }
 }

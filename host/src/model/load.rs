@@ -235,13 +235,12 @@ fn load_experts(
         Some(q) => {
             let weight = w.packed(&name, &[experts, out, inp * q.bits / 32])?;
             let groups = inp / q.group_size;
-            Linear {
+            Linear::quantized(
                 weight,
-                scales: Some(w.shaped(&format!("{path}.scales"), &[experts, out, groups])?),
-                biases: Some(w.shaped(&format!("{path}.biases"), &[experts, out, groups])?),
-                quantization: Some(q),
-                tiles: Default::default(),
-            }
+                Some(w.shaped(&format!("{path}.scales"), &[experts, out, groups])?),
+                Some(w.shaped(&format!("{path}.biases"), &[experts, out, groups])?),
+                Some(q),
+            )
         }
     })
 }

@@ -21,29 +21,43 @@ pub struct Quantization {
 /// `y = x · Wᵀ`.
 #[derive(Clone)]
 pub struct Linear {
-    pub weight: Array,
+    weight: Stored,
     pub scales: Option<Array>,
     pub biases: Option<Array>,
     pub quantization: Option<Quantization>,
-    pub tiles: TileCache,
 }
 
-/// A bfloat16 weight repacked for AMX's tile unit on its first product, where the CPU has one
-/// and `HOST_AMX=on` ([`amx_bf16`]), shared by clones. The repacked copy sits beside MLX's own
-/// array (an embedding's rows are read from that), so the bfloat16 weights then take twice
-/// their memory.
+/// Where a weight lives. A plain bfloat16 weight on a CPU whose tile unit this process may use
+/// ([`amx_bf16::available`]) is repacked once for the unit, and MLX's copy is dropped: the
+/// tiles then serve every product with it ([`kernels::tiled_product`]), and the weight takes no
+/// more memory than as loaded.
+#[derive(Clone)]
+enum Stored {
+    Mlx(Array),
+    Tiles(Arc<Tiles>),
+}
+
+/// A bfloat16 table repacked for AMX's tile unit on its first product as a head, where the
+/// unit is there, shared by clones. An embedding's rows are read from MLX's array, which stays:
+/// a tied head takes twice its memory.
 #[derive(Clone, Default)]
 pub struct TileCache(Arc<OnceLock<Option<Tiles>>>);
 
 impl TileCache {
     /// The tiles of `w` [n, k], made on first call; `None` where they do not apply.
     fn of(&self, w: &Array) -> Option<&Tiles> {
-        if w.dtype() != Dtype::Bfloat16 || w.ndim() != 2 || !wide::on_cpu() || !amx_bf16::available() {
-            return None;
-        }
-        let (n, k) = (w.shape()[0] as usize, w.shape()[1] as usize);
-        self.0.get_or_init(|| kernels::bits16(w).map(|bits| Tiles::pack(bits, n, k))).as_ref()
+        self.0.get_or_init(|| tiles_of(w)).as_ref()
     }
+}
+
+/// `w` [n, k] repacked for the tile unit, where it is a plain bfloat16 matrix, MLX runs on the
+/// CPU and the unit is available.
+fn tiles_of(w: &Array) -> Option<Tiles> {
+    if w.dtype() != Dtype::Bfloat16 || w.ndim() != 2 || !wide::on_cpu() || !amx_bf16::available() {
+        return None;
+    }
+    let (n, k) = (w.shape()[0] as usize, w.shape()[1] as usize);
+    kernels::bits16(w).map(|bits| Tiles::pack(bits, n, k))
 }
 
 impl Linear {
@@ -57,7 +71,10 @@ impl Linear {
         q: Option<Quantization>,
     ) -> Result<Linear, WeightsError> {
         let (weight, scales, biases) = load_matrix(w, prefix, out_dims, in_dims, q)?;
-        Ok(Linear { weight, scales, biases, quantization: q, tiles: TileCache::default() })
+        Ok(match q {
+            None => Linear::plain(weight),
+            Some(_) => Linear::quantized(weight, scales, biases, q),
+        })
     }
 
     /// A plain weight stored [in, out] and used as x·W (the DSpark format's layout), held as
@@ -68,17 +85,55 @@ impl Linear {
         Ok(Linear::plain(weight))
     }
 
-    /// An unquantized weight [out, in].
+    /// An unquantized weight [out, in] (or [experts, out, in]), repacked for the tile unit where
+    /// it applies (see [`Stored`]).
     pub fn plain(weight: Array) -> Linear {
-        Linear { weight, scales: None, biases: None, quantization: None, tiles: TileCache::default() }
+        let weight = match tiles_of(&weight) {
+            Some(tiles) => Stored::Tiles(Arc::new(tiles)),
+            None => Stored::Mlx(weight),
+        };
+        Linear { weight, scales: None, biases: None, quantization: None }
+    }
+
+    /// An MLX-quantized weight (packed integers) with its scales and biases, or a plain weight
+    /// kept as MLX's array where `q` is `None`.
+    pub fn quantized(weight: Array, scales: Option<Array>, biases: Option<Array>, q: Option<Quantization>) -> Linear {
+        Linear { weight: Stored::Mlx(weight), scales, biases, quantization: q }
+    }
+
+    /// The weight as an MLX array, rebuilt from the tiles where only they hold it.
+    pub fn weight(&self) -> Array {
+        match &self.weight {
+            Stored::Mlx(w) => w.clone(),
+            Stored::Tiles(tiles) => {
+                kernels::from_bits16(&tiles.unpack(), &[tiles.n as i32, tiles.k as i32], Dtype::Bfloat16)
+            }
+        }
+    }
+
+    /// Whether the weight is held as tiles for the tile unit.
+    pub fn is_tiled(&self) -> bool {
+        matches!(self.weight, Stored::Tiles(_))
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array, Exception> {
-        times_transposed(x, &self.weight, self.scales.as_ref(), self.biases.as_ref(), self.quantization, &self.tiles)
+        match &self.weight {
+            Stored::Mlx(w) => {
+                times_transposed(x, w, self.scales.as_ref(), self.biases.as_ref(), self.quantization, None)
+            }
+            Stored::Tiles(tiles) => match kernels::tiled_product(x, tiles)? {
+                Some(y) => Ok(y),
+                // x of another width: MLX's op says so.
+                None => x.matmul(self.weight().t()),
+            },
+        }
     }
 
     pub fn nbytes(&self) -> usize {
-        nbytes(&self.weight, self.scales.as_ref(), self.biases.as_ref())
+        match &self.weight {
+            Stored::Mlx(w) => nbytes(w, self.scales.as_ref(), self.biases.as_ref()),
+            Stored::Tiles(tiles) => tiles.nbytes(),
+        }
     }
 }
 
@@ -89,7 +144,7 @@ pub struct Embedding {
     pub scales: Option<Array>,
     pub biases: Option<Array>,
     pub quantization: Option<Quantization>,
-    /// The table as the head's tiles (see [`TileCache`]).
+    /// The table as the head's tiles.
     pub tiles: TileCache,
 }
 
@@ -128,7 +183,14 @@ impl Embedding {
 
     /// `x · tableᵀ`: logits over the vocabulary from hidden states.
     pub fn as_linear(&self, x: &Array) -> Result<Array, Exception> {
-        times_transposed(x, &self.weight, self.scales.as_ref(), self.biases.as_ref(), self.quantization, &self.tiles)
+        times_transposed(
+            x,
+            &self.weight,
+            self.scales.as_ref(),
+            self.biases.as_ref(),
+            self.quantization,
+            Some(&self.tiles),
+        )
     }
 
     pub fn nbytes(&self) -> usize {
@@ -141,20 +203,18 @@ impl Embedding {
     }
 }
 
-/// `x · wᵀ` for a plain or quantized w [out, in].
+/// `x · wᵀ` for a plain or quantized w [out, in], through `tiles` of w where they apply.
 fn times_transposed(
     x: &Array,
     w: &Array,
     scales: Option<&Array>,
     biases: Option<&Array>,
     q: Option<Quantization>,
-    tiles: &TileCache,
+    tiles: Option<&TileCache>,
 ) -> Result<Array, Exception> {
-    // A weight's tiles serve every product of bfloat16 rows with it, whatever their count, so
-    // that a row's result does not depend on it (see `kernels::small_product`). Rows of
-    // another dtype never take them, and do not get the weight repacked.
-    let tiled = if x.dtype() == Dtype::Bfloat16 { tiles.of(w) } else { None };
-    if let Some(tiles) = tiled {
+    // A weight's tiles serve every product with it, whatever its rows' count, so that a row's
+    // result does not depend on it (see `kernels::small_product`).
+    if let Some(tiles) = tiles.and_then(|t| t.of(w)) {
         if let Some(y) = kernels::tiled_product(x, tiles)? {
             return Ok(y);
         }
@@ -199,5 +259,34 @@ fn load_matrix(
             let biases = w.shaped(&format!("{prefix}.biases"), &[rows, groups])?;
             Ok((weight, Some(scales), Some(biases)))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bfloat16_weight_on_the_tile_unit_drops_mlxs_copy_and_gives_it_back() {
+        let key = mlx_rs::random::key(3).unwrap();
+        let w = mlx_rs::random::normal::<f32>(&[40, 96], None, None, &key).unwrap().as_dtype(Dtype::Bfloat16).unwrap();
+        let linear = Linear::plain(w.clone());
+        if !(wide::on_cpu() && amx_bf16::available()) {
+            assert!(!linear.is_tiled());
+            return;
+        }
+        assert!(linear.is_tiled());
+        assert_eq!(kernels::bits16(&linear.weight()), kernels::bits16(&w));
+        // 40 outputs take a whole group of 64 in the tiles.
+        assert_eq!(linear.nbytes(), 64 * 96 * 2);
+        let x =
+            mlx_rs::random::normal::<f32>(&[1, 3, 96], None, None, &key).unwrap().as_dtype(Dtype::Bfloat16).unwrap();
+        let ours = linear.forward(&x).unwrap().as_dtype(Dtype::Float32).unwrap();
+        let mlx = x.matmul(w.t()).unwrap().as_dtype(Dtype::Float32).unwrap();
+        assert_eq!(ours.shape(), &[1, 3, 40]);
+        let close = ours.all_close(&mlx, 1e-2, 1e-2, None).unwrap();
+        assert!(close, "the tiled product is MLX's, up to bfloat16 rounding");
+        let narrow = mlx_rs::Array::ones::<f32>(&[1, 95]).unwrap().as_dtype(Dtype::Bfloat16).unwrap();
+        assert!(linear.forward(&narrow).is_err(), "x of another width is MLX's error");
     }
 }

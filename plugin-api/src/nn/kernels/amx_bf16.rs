@@ -1,29 +1,27 @@
-//! bfloat16 products on the tile unit of Intel's AMX (Sapphire Rapids and later), for bfloat16
-//! weights held as [`Tiles`]: one `tdpbf16ps` multiplies up to 16 rows of x by 32 inputs of 16
-//! weight rows, in about the time one row of x takes. The AVX-512 BF16 loops spend a
-//! multiply-add per row of x on every weight, so a verify window of five rows costs them
-//! several one-token steps; here it costs little more than one. No crate offers AMX products,
-//! and MLX's CPU backend does not use the unit.
+//! bfloat16 products for weights repacked for the tile unit of Intel's AMX (Sapphire Rapids and
+//! later), held as [`Tiles`]. One `tdpbf16ps` multiplies up to 16 rows of x by 32 inputs of 16
+//! weight rows in the same time whatever the rows' count, so a verify window of five rows costs
+//! little more than a one-token step, where the AVX-512 BF16 loops spend a multiply-add per row
+//! on every weight. No crate offers AMX products, and MLX's CPU backend does not use the unit.
 //!
-//! The tiles: A (tmm4) is 32 inputs of each row of x; B (tmm5–tmm7, in turn) 32 inputs of 16
-//! weight rows in the pair layout `tdpbf16ps` reads, which is why the weight is repacked once
-//! ([`Tiles::pack`]): each B tile is then 1 KB in a row. Loaded in place instead, a B tile's 16
-//! rows lie far apart and each product waits on its load (a one-row product then ran at half
-//! the AVX-512 loops' speed, measured). C (tmm0–tmm3) holds the float32 sums of four blocks of
-//! 16 outputs, so that four chains of dependent products overlap.
+//! The tiles: A (tmm4, tmm5 in turn) is 32 inputs of each row of x; B (tmm6, tmm7 in turn) 32
+//! inputs of 16 weight rows in the pair layout `tdpbf16ps` reads, which is why the weight is
+//! repacked once ([`Tiles::pack`]): each B tile is then 1 KB in a row. C (tmm0–tmm3) holds the
+//! float32 sums of four blocks of 16 outputs, so that four chains of dependent products overlap.
 //!
-//! Each output is summed over its inputs 32 at a time in order, each block by the instruction,
-//! whose result for one row and output does not depend on the other rows or outputs of its
-//! tiles: a row's result is the same alone or in a window. Inputs are padded with zeros to
-//! whole blocks on both sides, so zeros appended to both operands change no sum.
+//! One row takes AVX-512 FMAs over the same tiles instead ([`fma_rows`]), summed as the unit
+//! sums, bit for bit: a tile load costs the unit 12 ns even from L1 (measured: 5 ns per product
+//! alone, 17.5 with a load), so a one-token step through it was 8% slower than through the
+//! AVX-512 BF16 loops on the demo target, and through the FMAs it is not.
+//!
+//! Each output is summed over its inputs 32 at a time in order, a block's even and odd inputs
+//! apart ([`fma_rows`] says how), and its result for one row and output does not depend on the
+//! other rows or outputs of its tiles: a row's result is the same alone or in a window. Inputs
+//! are padded with zeros to whole blocks on both sides, so zeros appended to both operands
+//! change no sum.
 //!
 //! Linux hands the tile registers to a process only on request (`arch_prctl`), made once here.
-//!
-//! The route is taken only with `HOST_AMX=on`: the repacked weights sit beside MLX's own
-//! arrays, twice the bfloat16 weights' memory, and on a model small enough to stay in the
-//! CPU's caches (the demo target) a one-token step is slower than with the AVX-512 BF16 loops,
-//! while the unit wins on weights read from memory and on every window (see the README's
-//! "AMX tiles").
+//! `HOST_AMX=off` keeps weights as MLX's arrays and products on the AVX-512 BF16 loops.
 
 /// Inputs per tile row: 64 bytes of bfloat16.
 const DEPTH: usize = 32;
@@ -33,12 +31,18 @@ const BLOCK: usize = 16;
 const X_ROWS: usize = 16;
 /// C tiles in flight.
 const BLOCKS_AT_ONCE: usize = 4;
-/// Input blocks between a tile's prefetch and its load. On the demo target's head (8192 × 256)
-/// one row took 61 µs without and 48–49 µs with (the AVX-512 BF16 loops: 48).
-const AHEAD: usize = 2;
+
+/// Outputs per group: the B tiles of one pass, one per C tile.
+pub const GROUP: usize = BLOCK * BLOCKS_AT_ONCE;
+/// How far ahead of its loads [`fma_block`] asks for the weight's lines: two input blocks of a
+/// group. On the demo target's head (8192 × 256, one row) 47–48 µs against 53–58 without,
+/// and 32 KB ahead 61–65 µs.
+const PREFETCH_BYTES: usize = 2 * BLOCKS_AT_ONCE * BLOCK * DEPTH * 2;
 
 /// A bfloat16 weight [n, k] laid out for the tile unit: per block of 16 outputs and 32 inputs,
-/// 16 rows of input pairs, each holding its pair for the 16 outputs; zeros past n and k.
+/// 16 rows of input pairs, each holding its pair for the 16 outputs; zeros past n and k. The
+/// tiles lie in the order a product reads them (per group of four blocks, per input block, the
+/// four blocks' tiles), so that the whole weight is read as one stream, front to back.
 pub struct Tiles {
     data: Vec<u16>,
     pub n: usize,
@@ -49,7 +53,7 @@ impl Tiles {
     /// Repacks w [n, k] (bfloat16 bits, row-major).
     pub fn pack(w: &[u16], n: usize, k: usize) -> Tiles {
         let depth_blocks = k.div_ceil(DEPTH);
-        let mut data = vec![0u16; n.div_ceil(BLOCK) * depth_blocks * BLOCK * DEPTH];
+        let mut data = vec![0u16; n.div_ceil(GROUP) * depth_blocks * GROUP * DEPTH];
         for (o, row) in w.chunks_exact(k).take(n).enumerate() {
             for (i, &v) in row.iter().enumerate() {
                 let (kb, pair, half) = (i / DEPTH, i % DEPTH / 2, i % 2);
@@ -59,19 +63,39 @@ impl Tiles {
         Tiles { data, n, k }
     }
 
+    /// The weight back as bfloat16 bits [n, k], row-major.
+    pub fn unpack(&self) -> Vec<u16> {
+        let depth_blocks = self.k.div_ceil(DEPTH);
+        let mut w = vec![0u16; self.n * self.k];
+        for (o, row) in w.chunks_exact_mut(self.k).enumerate() {
+            for (i, v) in row.iter_mut().enumerate() {
+                let (kb, pair, half) = (i / DEPTH, i % DEPTH / 2, i % 2);
+                *v = self.data[Self::at(o / BLOCK, kb, depth_blocks) + (pair * BLOCK + o % BLOCK) * 2 + half];
+            }
+        }
+        w
+    }
+
+    /// Bytes held.
+    pub fn nbytes(&self) -> usize {
+        self.data.len() * 2
+    }
+
     /// Where the tile of output block `ob` and input block `kb` starts.
     fn at(ob: usize, kb: usize, depth_blocks: usize) -> usize {
-        (ob * depth_blocks + kb) * BLOCK * DEPTH
+        let (group, c) = (ob / BLOCKS_AT_ONCE, ob % BLOCKS_AT_ONCE);
+        ((group * depth_blocks + kb) * BLOCKS_AT_ONCE + c) * BLOCK * DEPTH
     }
 }
 
-/// Whether products take the tiles: `HOST_AMX=on` and [`supported`].
+/// Whether weights are repacked for the unit: [`supported`], unless `HOST_AMX=off`.
 pub fn available() -> bool {
     static WANTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *WANTED.get_or_init(|| std::env::var("HOST_AMX").is_ok_and(|v| v == "on")) && supported()
+    *WANTED.get_or_init(|| std::env::var("HOST_AMX").map_or(true, |v| v != "off")) && supported()
 }
 
-/// Whether the CPU has AMX-TILE and AMX-BF16 and the kernel granted this process the tiles.
+/// Whether the CPU has AMX-TILE, AMX-BF16 and AVX-512F, and Linux granted this process the
+/// tiles.
 pub fn supported() -> bool {
     static GRANTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *GRANTED.get_or_init(|| cpu_has_tiles() && request_tiles())
@@ -80,7 +104,7 @@ pub fn supported() -> bool {
 #[cfg(target_arch = "x86_64")]
 fn cpu_has_tiles() -> bool {
     let leaf7 = std::arch::x86_64::__cpuid_count(7, 0);
-    leaf7.edx & (1 << 22) != 0 && leaf7.edx & (1 << 24) != 0
+    leaf7.edx & (1 << 22) != 0 && leaf7.edx & (1 << 24) != 0 && std::is_x86_feature_detected!("avx512f")
 }
 
 #[cfg(not(target_arch = "x86_64"))]
@@ -102,17 +126,29 @@ fn request_tiles() -> bool {
     false
 }
 
-/// y[m, o] = Σ_i w[o, i] · x[m, i] for outputs `outputs` and every row m of x [rows, k] (float32
-/// holding bfloat16 values); y is [rows, n] and only its `outputs` columns are written.
+/// y[m, o] = Σ_i w[o, i] · x[m, i] for outputs `outputs` and every row m of x [rows, k]; y is
+/// [rows, n] and only its `outputs` columns are written. Where x holds bfloat16 values
+/// (`bf16_rows`), two rows or more go to the unit and one row to [`fma_rows`], which sums as
+/// the unit does; rows of other values all go to [`fma_rows`].
 ///
 /// # Safety
 /// [`supported`] must have returned true; `tiles` is a weight [n, k].
 #[cfg(target_arch = "x86_64")]
-pub unsafe fn product(x: &[f32], rows: usize, tiles: &Tiles, outputs: std::ops::Range<usize>, y: &mut [f32]) {
+pub unsafe fn product(
+    x: &[f32],
+    rows: usize,
+    bf16_rows: bool,
+    tiles: &Tiles,
+    outputs: std::ops::Range<usize>,
+    y: &mut [f32],
+) {
     use std::arch::asm;
     let (n, k) = (tiles.n, tiles.k);
     let depth_blocks = k.div_ceil(DEPTH);
     let stride = depth_blocks * DEPTH;
+    if rows == 1 || !bf16_rows {
+        return fma_rows(x, rows, tiles, outputs, y);
+    }
     for m0 in (0..rows).step_by(X_ROWS) {
         let block = X_ROWS.min(rows - m0);
         // x's rows as bfloat16 bits (exact: they hold bfloat16 values), zero-padded.
@@ -124,32 +160,22 @@ pub unsafe fn product(x: &[f32], rows: usize, tiles: &Tiles, outputs: std::ops::
         }
         let config = Config::for_rows(block);
         asm!("ldtilecfg [{}]", in(reg) &config as *const Config, options(nostack, readonly));
-        let mut ob = outputs.start / BLOCK;
-        while ob * BLOCK < outputs.end {
-            let count = BLOCKS_AT_ONCE.min((outputs.end - ob * BLOCK).div_ceil(BLOCK));
-            for c in 0..count {
+        for group in outputs.start / GROUP..outputs.end.div_ceil(GROUP) {
+            for c in 0..BLOCKS_AT_ONCE {
                 zero(c);
             }
             for kb in 0..depth_blocks {
                 let a = xb.as_ptr().add(kb * DEPTH);
-                asm!("tileloadd tmm4, [{a} + {s}*1]", a = in(reg) a, s = in(reg) 2 * stride, options(nostack, readonly));
-                for c in 0..count {
-                    multiply_add(c, tiles.data.as_ptr().add(Tiles::at(ob + c, kb, depth_blocks)));
-                }
-                // The tiles AHEAD input blocks on (past the last, the next blocks' first ones)
-                // are asked for while these multiply: a tile load waits on its 16 lines.
-                let (pob, pkb) =
-                    if kb + AHEAD < depth_blocks { (ob, kb + AHEAD) } else { (ob + count, kb + AHEAD - depth_blocks) };
-                if pkb < depth_blocks {
-                    for tile in pob..(pob + count).min(n.div_ceil(BLOCK)) {
-                        prefetch(tiles.data.as_ptr().add(Tiles::at(tile, pkb, depth_blocks)));
-                    }
+                load_rows(kb % 2, a, 2 * stride);
+                let b = tiles.data.as_ptr().add(Tiles::at(group * BLOCKS_AT_ONCE, kb, depth_blocks));
+                for c in 0..BLOCKS_AT_ONCE {
+                    multiply_add(c, kb % 2, c % 2, b.add(c * BLOCK * DEPTH));
                 }
             }
             let mut sums = [0f32; X_ROWS * BLOCK];
-            for c in 0..count {
+            for c in 0..BLOCKS_AT_ONCE {
                 store(c, sums.as_mut_ptr());
-                let first = (ob + c) * BLOCK;
+                let first = (group * BLOCKS_AT_ONCE + c) * BLOCK;
                 let columns = first.max(outputs.start)..(first + BLOCK).min(outputs.end);
                 for m in 0..block {
                     for o in columns.clone() {
@@ -157,7 +183,6 @@ pub unsafe fn product(x: &[f32], rows: usize, tiles: &Tiles, outputs: std::ops::
                     }
                 }
             }
-            ob += count;
         }
         asm!("tilerelease", options(nostack, nomem));
     }
@@ -171,25 +196,16 @@ struct Config([u8; 64]);
 
 #[cfg(target_arch = "x86_64")]
 impl Config {
-    /// C (0–3) and A (4) with one row per row of x, B (5–7) with 16 rows of input pairs.
+    /// C (0–3) and A (4, 5) with one row per row of x, B (6, 7) with 16 rows of input pairs.
     fn for_rows(x_rows: usize) -> Config {
         let mut c = [0u8; 64];
         c[0] = 1;
         for tile in 0..8 {
-            let rows = if tile < 5 { x_rows } else { DEPTH / 2 };
+            let rows = if tile < 6 { x_rows } else { DEPTH / 2 };
             c[16 + 2 * tile..18 + 2 * tile].copy_from_slice(&64u16.to_le_bytes());
             c[48 + tile] = rows as u8;
         }
         Config(c)
-    }
-}
-
-/// Asks for the 1 KB tile at `tile` to be brought into L1.
-#[cfg(target_arch = "x86_64")]
-unsafe fn prefetch(tile: *const u16) {
-    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-    for line in 0..BLOCK * DEPTH * 2 / 64 {
-        _mm_prefetch::<_MM_HINT_T0>((tile as *const i8).add(64 * line));
     }
 }
 
@@ -205,25 +221,51 @@ unsafe fn zero(c: usize) {
     }
 }
 
-/// C tile `c` += A (tmm4) · the B tile at `b`. Consecutive blocks load B into different tiles,
-/// so that a load need not wait for the previous block's product to have read its tile.
+/// C tile `c` += A (tmm4 or tmm5, by `a`) · the B tile at `b`, loaded into tmm6 or tmm7 (by
+/// `slot`). Tiles are not renamed: a load into a tile waits until every product reading it has
+/// read it, so consecutive products take turns between two B tiles, and consecutive input
+/// blocks between two A tiles.
 #[cfg(target_arch = "x86_64")]
-unsafe fn multiply_add(c: usize, b: *const u16) {
+unsafe fn multiply_add(c: usize, a: usize, slot: usize, b: *const u16) {
     use std::arch::asm;
     let s = 2 * DEPTH;
-    match c {
-        0 => {
-            asm!("tileloadd tmm5, [{b} + {s}*1]", "tdpbf16ps tmm0, tmm4, tmm5", b = in(reg) b, s = in(reg) s, options(nostack, readonly))
-        }
-        1 => {
-            asm!("tileloadd tmm6, [{b} + {s}*1]", "tdpbf16ps tmm1, tmm4, tmm6", b = in(reg) b, s = in(reg) s, options(nostack, readonly))
-        }
-        2 => {
-            asm!("tileloadd tmm7, [{b} + {s}*1]", "tdpbf16ps tmm2, tmm4, tmm7", b = in(reg) b, s = in(reg) s, options(nostack, readonly))
-        }
-        _ => {
-            asm!("tileloadd tmm5, [{b} + {s}*1]", "tdpbf16ps tmm3, tmm4, tmm5", b = in(reg) b, s = in(reg) s, options(nostack, readonly))
-        }
+    macro_rules! product {
+        ($c:literal, $a:literal, $b:literal) => {
+            asm!(
+                concat!("tileloadd ", $b, ", [{b} + {s}*1]"),
+                concat!("tdpbf16ps ", $c, ", ", $a, ", ", $b),
+                b = in(reg) b, s = in(reg) s, options(nostack, readonly)
+            )
+        };
+    }
+    match (c, a, slot) {
+        (0, 0, 0) => product!("tmm0", "tmm4", "tmm6"),
+        (0, 0, _) => product!("tmm0", "tmm4", "tmm7"),
+        (0, _, 0) => product!("tmm0", "tmm5", "tmm6"),
+        (0, _, _) => product!("tmm0", "tmm5", "tmm7"),
+        (1, 0, 0) => product!("tmm1", "tmm4", "tmm6"),
+        (1, 0, _) => product!("tmm1", "tmm4", "tmm7"),
+        (1, _, 0) => product!("tmm1", "tmm5", "tmm6"),
+        (1, _, _) => product!("tmm1", "tmm5", "tmm7"),
+        (2, 0, 0) => product!("tmm2", "tmm4", "tmm6"),
+        (2, 0, _) => product!("tmm2", "tmm4", "tmm7"),
+        (2, _, 0) => product!("tmm2", "tmm5", "tmm6"),
+        (2, _, _) => product!("tmm2", "tmm5", "tmm7"),
+        (_, 0, 0) => product!("tmm3", "tmm4", "tmm6"),
+        (_, 0, _) => product!("tmm3", "tmm4", "tmm7"),
+        (_, _, 0) => product!("tmm3", "tmm5", "tmm6"),
+        (_, _, _) => product!("tmm3", "tmm5", "tmm7"),
+    }
+}
+
+/// Loads 32 inputs of each row of x, 64 bytes per row and `stride` bytes apart, into A tile
+/// tmm4 or tmm5 (by `a`).
+#[cfg(target_arch = "x86_64")]
+unsafe fn load_rows(a: usize, x: *const u16, stride: usize) {
+    use std::arch::asm;
+    match a {
+        0 => asm!("tileloadd tmm4, [{x} + {s}*1]", x = in(reg) x, s = in(reg) stride, options(nostack, readonly)),
+        _ => asm!("tileloadd tmm5, [{x} + {s}*1]", x = in(reg) x, s = in(reg) stride, options(nostack, readonly)),
     }
 }
 
@@ -237,5 +279,94 @@ unsafe fn store(c: usize, to: *mut f32) {
         1 => asm!("tilestored [{t} + {s}*1], tmm1", t = in(reg) to, s = in(reg) s, options(nostack)),
         2 => asm!("tilestored [{t} + {s}*1], tmm2", t = in(reg) to, s = in(reg) s, options(nostack)),
         _ => asm!("tilestored [{t} + {s}*1], tmm3", t = in(reg) to, s = in(reg) s, options(nostack)),
+    }
+}
+
+/// Rows of x through AVX-512 FMAs over the tiles, summed as `tdpbf16ps` sums (found bit for
+/// bit on this unit, as the SDM's pseudocode has it): per block of 32 inputs, the even and the
+/// odd inputs' products each summed in order from zero, then their sum added to the output,
+/// every step rounded to nearest with denormals read and written as zero (MXCSR's DAZ and FTZ,
+/// set for the call). A bfloat16 product is exact in float32, so each FMA rounds as the unit's
+/// step does, and a row's result is the same by either route.
+///
+/// Rows of float32 values go through the same loops: their products are not exact, but each
+/// row's sums still do not depend on the others'.
+#[cfg(target_arch = "x86_64")]
+unsafe fn fma_rows(x: &[f32], rows: usize, tiles: &Tiles, outputs: std::ops::Range<usize>, y: &mut [f32]) {
+    use std::arch::asm;
+    let mut saved = 0u32;
+    asm!("stmxcsr [{}]", in(reg) &mut saved as *mut u32, options(nostack));
+    let flushing = saved | 0x8040;
+    asm!("ldmxcsr [{}]", in(reg) &flushing as *const u32, options(nostack, readonly));
+    let (n, k) = (tiles.n, tiles.k);
+    let stride = k.div_ceil(DEPTH) * DEPTH;
+    let mut padded = vec![0f32; rows.min(4) * stride];
+    for m0 in (0..rows).step_by(4) {
+        let r = 4.min(rows - m0);
+        for (to, row) in padded.chunks_exact_mut(stride).zip(x[m0 * k..(m0 + r) * k].chunks_exact(k)) {
+            to[..k].copy_from_slice(row);
+        }
+        let y = &mut y[m0 * n..(m0 + r) * n];
+        match r {
+            1 => fma_block::<1, 4>(&padded, tiles, outputs.clone(), y),
+            2 => fma_block::<2, 2>(&padded, tiles, outputs.clone(), y),
+            3 => fma_block::<3, 1>(&padded, tiles, outputs.clone(), y),
+            _ => fma_block::<4, 1>(&padded, tiles, outputs.clone(), y),
+        }
+    }
+    asm!("ldmxcsr [{}]", in(reg) &saved as *const u32, options(nostack, readonly));
+}
+
+/// R rows of x (zero-padded to whole input blocks) times B output blocks at a time: 2·R·B
+/// independent chains of FMAs, eight or more to keep both FMA units busy.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn fma_block<const R: usize, const B: usize>(
+    x: &[f32],
+    tiles: &Tiles,
+    outputs: std::ops::Range<usize>,
+    y: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    let (n, k) = (tiles.n, tiles.k);
+    let depth_blocks = k.div_ceil(DEPTH);
+    let stride = depth_blocks * DEPTH;
+    let odd_mask = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
+    // Blocks past n up to a whole group hold zeros (`Tiles::pack`), and B divides a group.
+    for first in (outputs.start / BLOCK..outputs.end.div_ceil(BLOCK)).step_by(B) {
+        let mut acc = [[_mm512_setzero_ps(); B]; R];
+        for kb in 0..depth_blocks {
+            let mut even = [[_mm512_setzero_ps(); B]; R];
+            let mut odd = [[_mm512_setzero_ps(); B]; R];
+            for pair in 0..DEPTH / 2 {
+                for b in 0..B {
+                    let tile = tiles.data.as_ptr().add(Tiles::at(first + b, kb, depth_blocks));
+                    let w = _mm512_loadu_si512(tile.add(pair * 2 * BLOCK) as *const _);
+                    _mm_prefetch::<_MM_HINT_T0>((tile.add(pair * 2 * BLOCK) as *const i8).wrapping_add(PREFETCH_BYTES));
+                    let w_even = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(w));
+                    let w_odd = _mm512_castsi512_ps(_mm512_and_si512(w, odd_mask));
+                    for r in 0..R {
+                        let at = r * stride + kb * DEPTH + 2 * pair;
+                        even[r][b] = _mm512_fmadd_ps(_mm512_set1_ps(*x.get_unchecked(at)), w_even, even[r][b]);
+                        odd[r][b] = _mm512_fmadd_ps(_mm512_set1_ps(*x.get_unchecked(at + 1)), w_odd, odd[r][b]);
+                    }
+                }
+            }
+            for r in 0..R {
+                for b in 0..B {
+                    acc[r][b] = _mm512_add_ps(acc[r][b], _mm512_add_ps(even[r][b], odd[r][b]));
+                }
+            }
+        }
+        for (r, sums) in acc.iter().enumerate() {
+            for (b, block) in sums.iter().enumerate() {
+                let mut lanes = [0f32; BLOCK];
+                _mm512_storeu_ps(lanes.as_mut_ptr(), *block);
+                let start = (first + b) * BLOCK;
+                for o in start.max(outputs.start)..(start + BLOCK).min(outputs.end) {
+                    y[r * n + o] = lanes[o - start];
+                }
+            }
+        }
     }
 }

@@ -2,8 +2,8 @@
 //! format, with MLX's result up to summation order: float32 accumulation, the output rounded
 //! once to the activation dtype. They take one to sixteen rows (decode steps, verify windows),
 //! and half-precision weights or activations at any row count. Anything else (more float32 rows,
-//! other dtypes, another device) is left to MLX. With `HOST_AMX=on`, bfloat16 weights are
-//! repacked for AMX's tile unit and multiplied there ([`amx_bf16`], [`tiled_product`]).
+//! other dtypes, another device) is left to MLX. On a CPU with AMX, plain bfloat16 weights are
+//! repacked for its tile unit and multiplied there ([`amx_bf16`], [`tiled_product`]).
 //!
 //! Quantized weights of half-precision activations are summed in float32 here, as MLX's Metal
 //! and CUDA kernels sum them. MLX's CPU kernel instead rounds to the activation dtype after
@@ -97,12 +97,13 @@ pub fn small_product(
     outputs(x, n, split, |xs, range, y| dot::product(xs, x_dtype, rows, k, weight, range, n, y)).map(Some)
 }
 
-/// `x · wᵀ` for bfloat16 x and a bfloat16 w held as AMX tiles ([`amx_bf16`]), at any row count;
-/// `None` where the tiles do not apply (x of another dtype or width, MLX on another device, a
-/// CPU without the unit).
+/// `x · wᵀ` for a bfloat16 w held as AMX tiles ([`amx_bf16`]), at any row count; `None` where
+/// the tiles do not apply (x of another width or not floating-point, MLX on another device, a
+/// CPU without the unit). Rows of bfloat16 are multiplied on the unit, or through AVX-512 alone
+/// where there is one, summed as the unit sums; rows of another dtype each alone.
 pub fn tiled_product(x: &Array, tiles: &amx_bf16::Tiles) -> Result<Option<Array>, Exception> {
     let rows = super::wide::rows(x) as usize;
-    let applies = x.dtype() == Dtype::Bfloat16
+    let applies = matches!(x.dtype(), Dtype::Bfloat16 | Dtype::Float16 | Dtype::Float32)
         && x.shape().last().map(|&k| k as usize) == Some(tiles.k)
         && rows > 0
         && super::wide::on_cpu()
@@ -112,13 +113,13 @@ pub fn tiled_product(x: &Array, tiles: &amx_bf16::Tiles) -> Result<Option<Array>
     }
     #[cfg(target_arch = "x86_64")]
     {
-        let n = tiles.n;
-        // Each thread takes whole blocks of outputs. The tiles' time hardly grows with the rows,
+        let (n, bf16) = (tiles.n, x.dtype() == Dtype::Bfloat16);
+        // Each thread takes whole groups of outputs. The unit's time hardly grows with the rows,
         // so the weight's size alone decides whether halving it pays for the handover.
-        let at = (n / 2).next_multiple_of(16);
+        let at = (n / 2).next_multiple_of(amx_bf16::GROUP);
         let split = (n * tiles.k >= SPLIT_WORK && at < n).then_some(at);
         // SAFETY: the unit is there and granted (`available`); the tiles hold an [n, k] weight.
-        outputs(x, n, split, |xs, range, y| unsafe { amx_bf16::product(xs, rows, tiles, range, y) }).map(Some)
+        outputs(x, n, split, |xs, range, y| unsafe { amx_bf16::product(xs, rows, bf16, tiles, range, y) }).map(Some)
     }
     #[cfg(not(target_arch = "x86_64"))]
     unreachable!("the tile unit is x86-64's")
@@ -758,43 +759,86 @@ mod tests {
             eprintln!("no AMX tiles on this CPU: the tiled route is not tested here");
             return;
         }
-        let tiled = |x: &[f32], rows: usize, tiles: &amx_bf16::Tiles, outputs| {
+        let tiled = |x: &[f32], rows: usize, bf16_rows: bool, tiles: &amx_bf16::Tiles, outputs| {
             let mut y = vec![0f32; rows * tiles.n];
             // SAFETY: the CPU has the unit and this process may use it (checked above).
-            unsafe { amx_bf16::product(x, rows, tiles, outputs, &mut y) };
+            unsafe { amx_bf16::product(x, rows, bf16_rows, tiles, outputs, &mut y) };
             y
         };
         for (n, k) in [(72, 264), (16, 32), (100, 36), (40, 1000)] {
             let w = normal(&[n, k], 1).as_dtype(Dtype::Bfloat16).unwrap();
             let (n, k) = (n as usize, k as usize);
             let tiles = amx_bf16::Tiles::pack(bits16(&w).unwrap(), n, k);
+            assert_eq!(tiles.unpack(), bits16(&w).unwrap(), "n {n}, k {k}: the weight back from its tiles");
             // The same weight and rows with 11 zeros after each row's inputs.
             let padded_w: Vec<u16> =
                 bits16(&w).unwrap().chunks(k).flat_map(|r| r.iter().copied().chain([0; 11])).collect();
             let padded_tiles = amx_bf16::Tiles::pack(&padded_w, n, k + 11);
+            let w32 = w.as_dtype(Dtype::Float32).unwrap();
             for rows in [1, 2, 5, 16, 21] {
                 let x = normal(&[rows, k as i32], 2 + rows as u64).as_dtype(Dtype::Bfloat16).unwrap();
                 let xs = x.as_dtype(Dtype::Float32).unwrap();
                 let xs = xs.as_slice::<f32>();
                 let rows = rows as usize;
-                let window = tiled(xs, rows, &tiles, 0..n);
+                // Two rows or more take the unit, one row the FMA loops, which sum as it does.
+                let window = tiled(xs, rows, true, &tiles, 0..n);
                 let ours = Array::from_slice(&window, &[rows as i32, n as i32]);
-                let mlx = x.as_dtype(Dtype::Float32).unwrap().matmul(w.as_dtype(Dtype::Float32).unwrap().t()).unwrap();
+                let mlx = x.as_dtype(Dtype::Float32).unwrap().matmul(w32.t()).unwrap();
                 let d = relative_difference(&ours, &mlx);
                 assert!(d <= 1e-5, "n {n}, k {k}, {rows} rows: {d}");
                 for m in 0..rows {
-                    let alone = tiled(&xs[m * k..(m + 1) * k], 1, &tiles, 0..n);
+                    let alone = tiled(&xs[m * k..(m + 1) * k], 1, true, &tiles, 0..n);
                     assert_eq!(alone, window[m * n..(m + 1) * n], "n {n}, k {k}, row {m} of {rows}");
                 }
-                let mut halves = tiled(xs, rows, &tiles, 0..n / 3);
-                let upper = tiled(xs, rows, &tiles, n / 3..n);
+                let mut halves = tiled(xs, rows, true, &tiles, 0..n / 3);
+                let upper = tiled(xs, rows, true, &tiles, n / 3..n);
                 for m in 0..rows {
                     halves[m * n + n / 3..(m + 1) * n].copy_from_slice(&upper[m * n + n / 3..(m + 1) * n]);
                 }
                 assert_eq!(halves, window, "n {n}, k {k}, {rows} rows split at {}", n / 3);
                 let padded_x: Vec<f32> = xs.chunks(k).flat_map(|r| r.iter().copied().chain([0.0; 11])).collect();
-                assert_eq!(tiled(&padded_x, rows, &padded_tiles, 0..n), window, "n {n}, k {k} + 11 zeros");
+                assert_eq!(tiled(&padded_x, rows, true, &padded_tiles, 0..n), window, "n {n}, k {k} + 11 zeros");
+                // Float32 rows: each through the FMA loops, near MLX's float32 product.
+                let x32 = normal(&[rows as i32, k as i32], 40 + rows as u64);
+                let floats = tiled(x32.as_slice::<f32>(), rows, false, &tiles, 0..n);
+                let mlx = x32.matmul(w32.t()).unwrap();
+                let d = relative_difference(&Array::from_slice(&floats, &[rows as i32, n as i32]), &mlx);
+                assert!(d <= 1e-5, "n {n}, k {k}, {rows} float32 rows: {d}");
+                let last = tiled(&x32.as_slice::<f32>()[(rows - 1) * k..], 1, false, &tiles, 0..n);
+                assert_eq!(last, floats[(rows - 1) * n..], "n {n}, k {k}, float32 row {rows} alone");
             }
+        }
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn the_fma_loops_sum_as_the_tile_unit_over_wide_and_denormal_values() {
+        if !amx_bf16::supported() {
+            eprintln!("no AMX tiles on this CPU: the tiled route is not tested here");
+            return;
+        }
+        // Magnitudes from 2^-140 (denormal) to 2^19, of both signs: sums that round at every
+        // step, and inputs the unit reads as zero.
+        let (n, k, rows) = (48usize, 96usize, 3usize);
+        let value = |i: usize| {
+            let h = (i as u32).wrapping_mul(2654435761) >> 7;
+            let sign = if h & 1 == 0 { 1.0 } else { -1.0 };
+            sign * (1.0 + (h % 128) as f32 / 128.0) * 2f32.powi((h % 160) as i32 - 140)
+        };
+        let bf16 = |v: f32| half::bf16::from_f32(v);
+        let w: Vec<u16> = (0..n * k).map(|i| bf16(value(i)).to_bits()).collect();
+        let x: Vec<f32> = (0..rows * k).map(|i| bf16(value(i + 7919)).to_f32()).collect();
+        assert!(x.iter().any(|v| *v != 0.0 && v.abs() < f32::MIN_POSITIVE), "denormal inputs");
+        let tiles = amx_bf16::Tiles::pack(&w, n, k);
+        let mut window = vec![0f32; rows * n];
+        // SAFETY: the CPU has the unit and this process may use it (checked above).
+        unsafe { amx_bf16::product(&x, rows, true, &tiles, 0..n, &mut window) };
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        for m in 0..rows {
+            let mut alone = vec![0f32; n];
+            // SAFETY: as above.
+            unsafe { amx_bf16::product(&x[m * k..(m + 1) * k], 1, true, &tiles, 0..n, &mut alone) };
+            assert_eq!(bits(&alone), bits(&window[m * n..(m + 1) * n]), "row {m}");
         }
     }
 
