@@ -10,7 +10,7 @@ mod model;
 use std::path::Path;
 use std::rc::Rc;
 
-use plugin_api::mlx_rs::{Array, Dtype};
+use plugin_api::mlx_rs::Array;
 use plugin_api::sdk::{
     draw, ContextDrafter, ContextRow, DraftProvider, Drafter, Options, Proposal, SourceRows, Target,
 };
@@ -140,12 +140,10 @@ impl Shared {
         let draw = |k: usize, q: &[f32]| draw(q, uniform(step + k as u64));
         let sampler: Option<plugin_api::sdk::Draw<'_>> = if self.sample { Some(&draw) } else { None };
         let block = self.model.block(context, anchor, depth, self.threshold, sampler, self.temperature)?;
-        let probabilities = if self.sample && !block.tokens.is_empty() {
-            let logits = block.logits.as_dtype(Dtype::Float32)?.divide(Array::from_f32(self.temperature))?;
-            Some(plugin_api::mlx_rs::ops::softmax_axis(&logits, -1, true)?)
-        } else {
-            None
-        };
+        let probabilities = (self.sample && !block.tokens.is_empty()).then(|| {
+            let rows = block.tokens.len() as i32;
+            Array::from_slice(&block.probabilities, &[rows, block.probabilities.len() as i32 / rows])
+        });
         Ok(Proposal { tokens: block.tokens, probabilities })
     }
 }

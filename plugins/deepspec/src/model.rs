@@ -10,7 +10,7 @@ use plugin_api::mlx_rs::error::Exception;
 use plugin_api::mlx_rs::{Array, Dtype};
 use plugin_api::nn::kernels::{rounded, with_floats};
 use plugin_api::nn::layout::{add, concat, reshape, rows, scale, swap_axes_1_2};
-use plugin_api::nn::ops::{attention, first_max, rms_norm, scalar, softcap, Mask};
+use plugin_api::nn::ops::{attention, first_max, rms_norm, scalar, softcap, tempered_softmax_rows, Mask};
 use plugin_api::nn::{Embedding, Linear, Mlp, Rope, Weights};
 use plugin_api::PluginError;
 
@@ -67,6 +67,8 @@ pub struct Block {
     pub tokens: Vec<u32>,
     pub confidences: Vec<f32>,
     pub logits: Array,
+    /// Where drafts are drawn: each token's distribution [tokens, V], flat.
+    pub probabilities: Vec<f32>,
 }
 
 impl Deepspec {
@@ -188,6 +190,7 @@ impl Deepspec {
             tokens: Vec::new(),
             confidences: Vec::new(),
             logits: Array::from_slice::<f32>(&[], &[0, c.vocab_size]),
+            probabilities: Vec::new(),
         };
         if limit == 0 {
             return Ok(block);
@@ -238,12 +241,12 @@ impl Deepspec {
             let token = match draw {
                 None => with_floats(&logits, first_max)?,
                 Some(draw) => {
-                    let q = plugin_api::mlx_rs::ops::softmax_axis(
-                        &logits.reshape(&[-1])?.as_dtype(Dtype::Float32)?.divide(Array::from_f32(temperature))?,
-                        -1,
-                        true,
-                    )?;
-                    draw(k, q.as_slice::<f32>())
+                    let mut q = with_floats(&logits, <[f32]>::to_vec)?;
+                    let vocab = q.len();
+                    tempered_softmax_rows(&mut q, vocab, temperature);
+                    let token = draw(k, &q);
+                    block.probabilities.extend_from_slice(&q);
+                    token
                 }
             };
             block.tokens.push(token);

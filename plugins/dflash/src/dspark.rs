@@ -11,7 +11,7 @@ use plugin_api::mlx_rs::error::Exception;
 use plugin_api::mlx_rs::{Array, Dtype};
 use plugin_api::nn::kernels::{row_major, with_floats};
 use plugin_api::nn::layout::{add, concat, reshape, rows, swap_axes_1_2};
-use plugin_api::nn::ops::{attention, first_max, geglu, rms_norm, Mask};
+use plugin_api::nn::ops::{attention, first_max, geglu, rms_norm, tempered_softmax_rows, Mask};
 use plugin_api::nn::{Linear, Weights};
 use plugin_api::sdk::{Draw, Target};
 use plugin_api::PluginError;
@@ -257,10 +257,10 @@ impl Dspark {
             let token = match sampling {
                 None => first_max(&logits),
                 Some((draw, temperature)) => {
-                    let tempered = Array::from_slice(&logits, &[v as i32]).divide(Array::from_f32(temperature))?;
-                    let q = plugin_api::mlx_rs::ops::softmax_axis(&tempered, -1, true)?;
-                    let token = draw(k, q.as_slice::<f32>());
-                    probabilities.extend_from_slice(q.as_slice::<f32>());
+                    let mut q = logits.clone();
+                    tempered_softmax_rows(&mut q, v, temperature);
+                    let token = draw(k, &q);
+                    probabilities.extend_from_slice(&q);
                     token
                 }
             };

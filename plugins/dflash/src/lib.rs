@@ -10,7 +10,9 @@ mod model;
 use std::path::Path;
 use std::rc::Rc;
 
-use plugin_api::mlx_rs::{Array, Dtype};
+use plugin_api::mlx_rs::Array;
+use plugin_api::nn::kernels::with_floats;
+use plugin_api::nn::ops::tempered_softmax_rows;
 use plugin_api::sdk::{
     draw, ContextDrafter, ContextRow, DraftProvider, Drafter, Options, Proposal, SourceRows, Target,
 };
@@ -257,11 +259,11 @@ impl Shared {
         }
         // Block positions are drafted independently, so position i's distribution is the
         // proposal distribution of its token whatever the drafts before it.
-        let tempered = logits.as_dtype(Dtype::Float32)?.divide(Array::from_f32(self.settings.draft_temperature))?;
-        let probabilities = plugin_api::mlx_rs::ops::softmax_axis(&tempered, -1, true)?;
-        let vocab = probabilities.shape()[1];
+        let vocab = logits.shape()[1];
+        let mut probabilities = with_floats(&logits, <[f32]>::to_vec)?;
+        tempered_softmax_rows(&mut probabilities, vocab as usize, self.settings.draft_temperature);
         // Each row's [depth, V] read off the host data, not sliced by MLX ops (one per row).
-        let per_row = probabilities.as_slice::<f32>().chunks(depth * vocab as usize);
+        let per_row = probabilities.chunks(depth * vocab as usize);
         let proposals = per_row
             .zip(steps)
             .map(|(q, &step)| {
