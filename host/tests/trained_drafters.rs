@@ -36,10 +36,10 @@ struct Trained {
 }
 
 const TRAINED: &[Trained] = &[
-    Trained { name: "dflash", kind: "dflash", gamma: 4, bench_tau: 2.85 },
-    Trained { name: "dspark", kind: "dflash", gamma: 4, bench_tau: 2.54 },
-    Trained { name: "deepspec", kind: "deepspec", gamma: 4, bench_tau: 2.88 },
-    Trained { name: "assistant", kind: "assistant", gamma: 4, bench_tau: 3.75 },
+    Trained { name: "dflash", kind: "dflash", gamma: 4, bench_tau: 2.93 },
+    Trained { name: "dspark", kind: "dflash", gamma: 4, bench_tau: 2.63 },
+    Trained { name: "deepspec", kind: "deepspec", gamma: 4, bench_tau: 2.95 },
+    Trained { name: "assistant", kind: "assistant", gamma: 4, bench_tau: 3.77 },
 ];
 
 /// The first three bench prompts (held-out chapters).

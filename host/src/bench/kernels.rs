@@ -88,12 +88,7 @@ fn formats() -> Result<Vec<Format>, Exception> {
             let (packed, scales, biases) = mlx_rs::ops::quantize(w.as_dtype(activations)?, group_size, bits)?;
             out.push(Format {
                 name: format!("{bits}-bit g{group_size} {label}"),
-                linear: Linear::quantized(
-                    packed.clone(),
-                    Some(scales),
-                    Some(biases),
-                    Some(Quantization { group_size, bits }),
-                ),
+                linear: Linear::quantized(packed.clone(), scales, biases, Quantization { group_size, bits }),
                 mlx_weight: packed,
                 activations,
             });

@@ -241,9 +241,9 @@ fn load_experts(
             let groups = inp / q.group_size;
             Linear::quantized(
                 weight,
-                Some(w.shaped(&format!("{path}.scales"), &[experts, out, groups])?),
-                Some(w.shaped(&format!("{path}.biases"), &[experts, out, groups])?),
-                Some(q),
+                w.shaped(&format!("{path}.scales"), &[experts, out, groups])?,
+                w.shaped(&format!("{path}.biases"), &[experts, out, groups])?,
+                q,
             )
         }
     })

@@ -70,10 +70,9 @@ impl Linear {
         in_dims: i32,
         q: Option<Quantization>,
     ) -> Result<Linear, WeightsError> {
-        let (weight, scales, biases) = load_matrix(w, prefix, out_dims, in_dims, q)?;
-        Ok(match q {
-            None => Linear::plain(weight),
-            Some(_) => Linear::quantized(weight, scales, biases, q),
+        Ok(match (load_matrix(w, prefix, out_dims, in_dims, q)?, q) {
+            ((weight, Some(scales), Some(biases)), Some(q)) => Linear::quantized(weight, scales, biases, q),
+            ((weight, ..), _) => Linear::plain(weight),
         })
     }
 
@@ -86,7 +85,7 @@ impl Linear {
     }
 
     /// An unquantized weight [out, in] (or [experts, out, in]), repacked for the tile unit where
-    /// it applies (see [`Stored`]).
+    /// it applies: MLX's array is then dropped, and the tiles serve every product.
     pub fn plain(weight: Array) -> Linear {
         let weight = match tiles_of(&weight) {
             Some(tiles) => Stored::Tiles(Arc::new(tiles)),
@@ -95,10 +94,9 @@ impl Linear {
         Linear { weight, scales: None, biases: None, quantization: None }
     }
 
-    /// An MLX-quantized weight (packed integers) with its scales and biases, or a plain weight
-    /// kept as MLX's array where `q` is `None`.
-    pub fn quantized(weight: Array, scales: Option<Array>, biases: Option<Array>, q: Option<Quantization>) -> Linear {
-        Linear { weight: Stored::Mlx(weight), scales, biases, quantization: q }
+    /// An MLX-quantized weight (packed integers) with its scales and biases.
+    pub fn quantized(weight: Array, scales: Array, biases: Array, q: Quantization) -> Linear {
+        Linear { weight: Stored::Mlx(weight), scales: Some(scales), biases: Some(biases), quantization: Some(q) }
     }
 
     /// The weight as an MLX array, rebuilt from the tiles where only they hold it.
@@ -123,7 +121,7 @@ impl Linear {
             }
             Stored::Tiles(tiles) => match kernels::tiled_product(x, tiles)? {
                 Some(y) => Ok(y),
-                // x of another width: MLX's op says so.
+                // Rows the tiles do not take (of another width or dtype): MLX's op decides.
                 None => x.matmul(self.weight().t()),
             },
         }

@@ -558,9 +558,9 @@ fn half_attention_rows(q: &Array, rows: &[RowKeys], scale: f32) -> Result<Option
 }
 
 /// `softmax(x / temperature)` over each row of `width` float32 values, in place, bit for bit
-/// MLX's ops on float32 (IEEE division, then [`softmax_row`]): a drafter's distribution to draw
-/// from, without MLX's softmax, which computes each exponential twice, one element at a time
-/// (65 µs a row of 8,192 values on the demo machine, the division and round trips aside).
+/// MLX's divide and precise softmax on float32: a drafter's distribution to draw from. MLX's
+/// ops compute each exponential twice, one element at a time: a row of 8,192 values took them
+/// 100 µs (evaluated and read, best of 2,000) and takes this 10.5 µs.
 pub fn tempered_softmax_rows(values: &mut [f32], width: usize, temperature: f32) {
     for v in values.iter_mut() {
         *v /= temperature;
@@ -1255,7 +1255,7 @@ mod half_attention_tests {
     fn tempered_softmax_is_mlxs_divide_and_softmax_bit_for_bit() {
         let x = normal(&[3, 8192], 8, Dtype::Float32).multiply(Array::from_f32(5.0)).unwrap();
         let x = x.as_dtype(Dtype::Bfloat16).unwrap().as_dtype(Dtype::Float32).unwrap();
-        let mlx = mlx_rs::ops::softmax_axis(&x.divide(Array::from_f32(0.7)).unwrap(), -1, true).unwrap();
+        let mlx = mlx_rs::ops::softmax_axis(x.divide(Array::from_f32(0.7)).unwrap(), -1, true).unwrap();
         let mut ours = x.as_slice::<f32>().to_vec();
         tempered_softmax_rows(&mut ours, 8192, 0.7);
         let differ = ours.iter().zip(mlx.as_slice::<f32>()).filter(|(a, b)| a.to_bits() != b.to_bits()).count();

@@ -74,7 +74,7 @@ mod tests {
             let (wq, scales, biases) = mlx_rs::ops::quantize(&w, group_size, bits).unwrap();
             let x = normal(&[WIDE_ROWS + 3, 256], 4);
             let q = Quantization { group_size, bits };
-            let linear = Linear::quantized(wq.clone(), Some(scales.clone()), Some(biases.clone()), Some(q));
+            let linear = Linear::quantized(wq.clone(), scales.clone(), biases.clone(), q);
             let ours = linear.forward(&x).unwrap();
             let mlx = mlx_rs::ops::quantized_matmul(&x, &wq, &scales, &biases, true, group_size, bits).unwrap();
             let d = relative_difference(&ours, &mlx);

@@ -9,13 +9,13 @@
 //! repacked once ([`Tiles::pack`]): each B tile is then 1 KB in a row. C (tmm0–tmm3) holds the
 //! float32 sums of four blocks of 16 outputs, so that four chains of dependent products overlap.
 //!
-//! One row takes AVX-512 FMAs over the same tiles instead ([`fma_rows`]), summed as the unit
+//! One row takes AVX-512 FMAs over the same tiles instead (`fma_rows`), summed as the unit
 //! sums, bit for bit: a tile load costs the unit 12 ns even from L1 (measured: 5 ns per product
 //! alone, 17.5 with a load), so a one-token step through it was 8% slower than through the
 //! AVX-512 BF16 loops on the demo target, and through the FMAs it is not.
 //!
 //! Each output is summed over its inputs 32 at a time in order, a block's even and odd inputs
-//! apart ([`fma_rows`] says how), and its result for one row and output does not depend on the
+//! apart (`fma_rows` says how), and its result for one row and output does not depend on the
 //! other rows or outputs of its tiles: a row's result is the same alone or in a window. Inputs
 //! are padded with zeros to whole blocks on both sides, so zeros appended to both operands
 //! change no sum.
@@ -128,8 +128,8 @@ fn request_tiles() -> bool {
 
 /// y[m, o] = Σ_i w[o, i] · x[m, i] for outputs `outputs` and every row m of x [rows, k]; y is
 /// [rows, n] and only its `outputs` columns are written. Where x holds bfloat16 values
-/// (`bf16_rows`), two rows or more go to the unit and one row to [`fma_rows`], which sums as
-/// the unit does; rows of other values all go to [`fma_rows`].
+/// (`bf16_rows`), two rows or more go to the unit and one row to `fma_rows`, which sums as
+/// the unit does; rows of other values all go to `fma_rows`.
 ///
 /// # Safety
 /// [`supported`] must have returned true; `tiles` is a weight [n, k].
@@ -332,8 +332,10 @@ unsafe fn fma_block<const R: usize, const B: usize>(
     let depth_blocks = k.div_ceil(DEPTH);
     let stride = depth_blocks * DEPTH;
     let odd_mask = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
-    // Blocks past n up to a whole group hold zeros (`Tiles::pack`), and B divides a group.
-    for first in (outputs.start / BLOCK..outputs.end.div_ceil(BLOCK)).step_by(B) {
+    // From a multiple of B blocks: blocks past n up to a whole group hold zeros (`Tiles::pack`),
+    // and B divides a group, so every block read is there.
+    for first in (outputs.start / BLOCK / B * B..outputs.end.div_ceil(BLOCK)).step_by(B) {
+        debug_assert!(first + B <= n.div_ceil(GROUP) * BLOCKS_AT_ONCE, "blocks from {first} past the tiles");
         let mut acc = [[_mm512_setzero_ps(); B]; R];
         for kb in 0..depth_blocks {
             let mut even = [[_mm512_setzero_ps(); B]; R];
