@@ -99,8 +99,8 @@ pub fn small_product(
 
 /// `x · wᵀ` for a bfloat16 w held as AMX tiles ([`amx_bf16`]), at any row count; `None` where
 /// the tiles do not apply (x of another width or not floating-point, MLX on another device, a
-/// CPU without the unit). Rows of bfloat16 are multiplied on the unit, or through AVX-512 alone
-/// where there is one, summed as the unit sums; rows of another dtype each alone.
+/// CPU without the unit). Two bfloat16 rows or more are multiplied on the unit, a single one
+/// through AVX-512 FMAs that sum as the unit does; rows of another dtype through the FMAs.
 pub fn tiled_product(x: &Array, tiles: &amx_bf16::Tiles) -> Result<Option<Array>, Exception> {
     let rows = super::wide::rows(x) as usize;
     let applies = matches!(x.dtype(), Dtype::Bfloat16 | Dtype::Float16 | Dtype::Float32)
@@ -114,8 +114,8 @@ pub fn tiled_product(x: &Array, tiles: &amx_bf16::Tiles) -> Result<Option<Array>
     #[cfg(target_arch = "x86_64")]
     {
         let (n, bf16) = (tiles.n, x.dtype() == Dtype::Bfloat16);
-        // Each thread takes whole groups of outputs. The unit's time hardly grows with the rows,
-        // so the weight's size alone decides whether halving it pays for the handover.
+        // Each thread takes whole groups of outputs, where the weight is large enough for
+        // halving it to pay for the handover.
         let at = (n / 2).next_multiple_of(amx_bf16::GROUP);
         let split = (n * tiles.k >= SPLIT_WORK && at < n).then_some(at);
         // SAFETY: the unit is there and granted (`available`); the tiles hold an [n, k] weight.
