@@ -149,7 +149,7 @@ impl Gemma4 {
             // This rank's rows of the table for the ids in its slice of the vocabulary, zeros
             // for the others: the ranks' rows add up to the table's, exactly.
             Some(g) => {
-                let rows = self.embed_tokens.weight.shape()[0];
+                let rows = self.embed_tokens.vocab();
                 let local = ids.subtract(Array::from_int(self.vocab_offset))?;
                 let here = local.ge(Array::from_int(0))?.logical_and(local.lt(Array::from_int(rows))?)?;
                 let found = self.embed_tokens.embed(&mlx_rs::ops::select(&here, &local, Array::from_int(0))?)?;

@@ -199,8 +199,10 @@ fn build(config: Gemma4Config, w: &Weights, shard: Shard) -> Result<Gemma4, Weig
             layer_scalar: w.optional(&format!("{p}.layer_scalar"))?,
         });
     }
-    let lm_head =
-        if c.tie_word_embeddings { None } else { Some(Linear::load(w, "lm_head", vocab, hidden, q("lm_head"))?) };
+    let (embed_tokens, lm_head) = match c.tie_word_embeddings {
+        true => (embed_tokens.tied_head(), None),
+        false => (embed_tokens, Some(Linear::load(w, "lm_head", vocab, hidden, q("lm_head"))?)),
+    };
     let dtype = embed_tokens.dtype();
     let expert_bytes = layers
         .iter()

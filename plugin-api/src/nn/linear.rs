@@ -1,7 +1,7 @@
 //! Linear layers and embeddings, plain or MLX-quantized (affine, per-group scales and biases),
 //! loaded by tensor name with their shapes checked.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype};
@@ -29,25 +29,13 @@ pub struct Linear {
 
 /// Where a weight lives. A plain bfloat16 weight on a CPU whose tile unit this process may use
 /// ([`amx_bf16::available`]) is repacked once for the unit, and MLX's copy is dropped: the
-/// tiles then serve every product with it ([`kernels::tiled_product`]), and the weight takes no
-/// more memory than as loaded.
+/// tiles then serve every product with it ([`kernels::tiled_product`]), whatever its rows'
+/// count, so that a row's result does not depend on it, and the weight takes no more memory
+/// than as loaded.
 #[derive(Clone)]
 enum Stored {
     Mlx(Array),
     Tiles(Arc<Tiles>),
-}
-
-/// A bfloat16 table repacked for AMX's tile unit on its first product as a head, where the
-/// unit is there, shared by clones. An embedding's rows are read from MLX's array, which stays:
-/// a tied head takes twice its memory.
-#[derive(Clone, Default)]
-pub struct TileCache(Arc<OnceLock<Option<Tiles>>>);
-
-impl TileCache {
-    /// The tiles of `w` [n, k], made on first call; `None` where they do not apply.
-    fn of(&self, w: &Array) -> Option<&Tiles> {
-        self.0.get_or_init(|| tiles_of(w)).as_ref()
-    }
 }
 
 /// `w` [n, k] repacked for the tile unit, where it is a plain bfloat16 matrix, MLX runs on the
@@ -87,11 +75,7 @@ impl Linear {
     /// An unquantized weight [out, in] (or [experts, out, in]), repacked for the tile unit where
     /// it applies: MLX's array is then dropped, and the tiles serve every product.
     pub fn plain(weight: Array) -> Linear {
-        let weight = match tiles_of(&weight) {
-            Some(tiles) => Stored::Tiles(Arc::new(tiles)),
-            None => Stored::Mlx(weight),
-        };
-        Linear { weight, scales: None, biases: None, quantization: None }
+        Linear { weight: Stored::plain(weight), scales: None, biases: None, quantization: None }
     }
 
     /// An MLX-quantized weight (packed integers) with its scales and biases.
@@ -101,12 +85,7 @@ impl Linear {
 
     /// The weight as an MLX array, rebuilt from the tiles where only they hold it.
     pub fn weight(&self) -> Array {
-        match &self.weight {
-            Stored::Mlx(w) => w.clone(),
-            Stored::Tiles(tiles) => {
-                kernels::from_bits16(&tiles.unpack(), &[tiles.n as i32, tiles.k as i32], Dtype::Bfloat16)
-            }
-        }
+        self.weight.array()
     }
 
     /// Whether the weight is held as tiles for the tile unit.
@@ -115,21 +94,35 @@ impl Linear {
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array, Exception> {
-        match &self.weight {
-            Stored::Mlx(w) => {
-                times_transposed(x, w, self.scales.as_ref(), self.biases.as_ref(), self.quantization, None)
-            }
-            Stored::Tiles(tiles) => match kernels::tiled_product(x, tiles)? {
-                Some(y) => Ok(y),
-                // Rows the tiles do not take (of another width or dtype): MLX's op decides.
-                None => x.matmul(self.weight().t()),
-            },
-        }
+        times_transposed(x, &self.weight, self.scales.as_ref(), self.biases.as_ref(), self.quantization)
     }
 
     pub fn nbytes(&self) -> usize {
-        match &self.weight {
-            Stored::Mlx(w) => nbytes(w, self.scales.as_ref(), self.biases.as_ref()),
+        self.weight.nbytes(self.scales.as_ref(), self.biases.as_ref())
+    }
+}
+
+impl Stored {
+    /// A plain weight, repacked for the tile unit where that applies.
+    fn plain(weight: Array) -> Stored {
+        match tiles_of(&weight) {
+            Some(tiles) => Stored::Tiles(Arc::new(tiles)),
+            None => Stored::Mlx(weight),
+        }
+    }
+
+    fn array(&self) -> Array {
+        match self {
+            Stored::Mlx(w) => w.clone(),
+            Stored::Tiles(tiles) => {
+                kernels::from_bits16(&tiles.unpack(), &[tiles.n as i32, tiles.k as i32], Dtype::Bfloat16)
+            }
+        }
+    }
+
+    fn nbytes(&self, scales: Option<&Array>, biases: Option<&Array>) -> usize {
+        match self {
+            Stored::Mlx(w) => w.nbytes() + scales.map_or(0, Array::nbytes) + biases.map_or(0, Array::nbytes),
             Stored::Tiles(tiles) => tiles.nbytes(),
         }
     }
@@ -138,12 +131,10 @@ impl Linear {
 /// A token embedding table [vocab, dims], which can also serve as the tied output head.
 #[derive(Clone)]
 pub struct Embedding {
-    pub weight: Array,
+    weight: Stored,
     pub scales: Option<Array>,
     pub biases: Option<Array>,
     pub quantization: Option<Quantization>,
-    /// The table as the head's tiles.
-    pub tiles: TileCache,
 }
 
 impl Embedding {
@@ -155,19 +146,47 @@ impl Embedding {
         q: Option<Quantization>,
     ) -> Result<Embedding, WeightsError> {
         let (weight, scales, biases) = load_matrix(w, prefix, vocab, dims, q)?;
-        Ok(Embedding { weight, scales, biases, quantization: q, tiles: TileCache::default() })
+        Ok(Embedding { weight: Stored::Mlx(weight), scales, biases, quantization: q })
+    }
+
+    /// The table as the model's tied head too: a plain bfloat16 table is repacked for the tile
+    /// unit where that applies (see [`Linear::plain`]), and its rows are then read from the
+    /// tiles, 4 bytes per 64-byte line: cheap for the few rows a step looks up, not for a
+    /// table whose rows are read by the hundred (the assistant's centroid head keeps MLX's).
+    pub fn tied_head(self) -> Embedding {
+        match (self.weight, &self.scales) {
+            (Stored::Mlx(w), None) => Embedding { weight: Stored::plain(w), ..self },
+            (weight, _) => Embedding { weight, ..self },
+        }
+    }
+
+    /// The table as an MLX array, rebuilt from the tiles where only they hold it.
+    pub fn weight(&self) -> Array {
+        self.weight.array()
+    }
+
+    /// Rows of the table (its vocabulary, or this rank's slice of it).
+    pub fn vocab(&self) -> i32 {
+        match &self.weight {
+            Stored::Mlx(w) => w.shape()[0],
+            Stored::Tiles(tiles) => tiles.n as i32,
+        }
     }
 
     /// Rows of the table for `ids` (any shape), dequantized when needed.
     pub fn embed(&self, ids: &Array) -> Result<Array, Exception> {
+        let weight = match &self.weight {
+            Stored::Mlx(w) => w,
+            Stored::Tiles(tiles) => return rows_from_tiles(tiles, ids),
+        };
         if let (Some(scales), Some(biases), Some(q)) = (&self.scales, &self.biases, self.quantization) {
-            if let Some(rows) = kernels::dequantized_rows(ids, &self.weight, scales, biases, q)? {
+            if let Some(rows) = kernels::dequantized_rows(ids, weight, scales, biases, q)? {
                 return Ok(rows);
             }
         }
         let rows = match self.scales {
-            None => super::layout::take_rows(&self.weight, ids)?,
-            Some(_) => self.weight.take_axis(ids, 0)?,
+            None => super::layout::take_rows(weight, ids)?,
+            Some(_) => weight.take_axis(ids, 0)?,
         };
         match (&self.scales, self.quantization) {
             (Some(scales), Some(q)) => {
@@ -181,42 +200,62 @@ impl Embedding {
 
     /// `x · tableᵀ`: logits over the vocabulary from hidden states.
     pub fn as_linear(&self, x: &Array) -> Result<Array, Exception> {
-        times_transposed(
-            x,
-            &self.weight,
-            self.scales.as_ref(),
-            self.biases.as_ref(),
-            self.quantization,
-            Some(&self.tiles),
-        )
+        times_transposed(x, &self.weight, self.scales.as_ref(), self.biases.as_ref(), self.quantization)
     }
 
     pub fn nbytes(&self) -> usize {
-        nbytes(&self.weight, self.scales.as_ref(), self.biases.as_ref())
+        self.weight.nbytes(self.scales.as_ref(), self.biases.as_ref())
     }
 
     /// The activation dtype the table produces.
     pub fn dtype(&self) -> Dtype {
-        self.scales.as_ref().map_or(self.weight.dtype(), Array::dtype)
+        match (&self.weight, &self.scales) {
+            (_, Some(scales)) => scales.dtype(),
+            (Stored::Mlx(w), None) => w.dtype(),
+            (Stored::Tiles(_), None) => Dtype::Bfloat16,
+        }
     }
 }
 
-/// `x · wᵀ` for a plain or quantized w [out, in], through `tiles` of w where they apply.
+/// Rows `ids` (int32 or uint32, any shape) of a table held as tiles, as [ids' shape…, dims]
+/// bfloat16; an id outside the table is an error that names it.
+fn rows_from_tiles(tiles: &Tiles, ids: &Array) -> Result<Array, Exception> {
+    let ids = kernels::row_major(ids)?;
+    let picked: Vec<i64> = match ids.dtype() {
+        Dtype::Int32 => ids.as_slice::<i32>().iter().map(|&i| i as i64).collect(),
+        Dtype::Uint32 => ids.as_slice::<u32>().iter().map(|&i| i as i64).collect(),
+        other => return Err(Exception::custom(format!("token ids of {other:?}, not int32 or uint32"))),
+    };
+    let mut bits = Vec::with_capacity(picked.len() * tiles.k);
+    for &id in &picked {
+        if id < 0 || id as usize >= tiles.n {
+            return Err(Exception::custom(format!("token id {id} outside the table's {} rows", tiles.n)));
+        }
+        tiles.row(id as usize, &mut bits);
+    }
+    let mut shape = ids.shape().to_vec();
+    shape.push(tiles.k as i32);
+    Ok(kernels::from_bits16(&bits, &shape, Dtype::Bfloat16))
+}
+
+/// `x · wᵀ` for a plain or quantized w [out, in].
 fn times_transposed(
     x: &Array,
-    w: &Array,
+    w: &Stored,
     scales: Option<&Array>,
     biases: Option<&Array>,
     q: Option<Quantization>,
-    tiles: Option<&TileCache>,
 ) -> Result<Array, Exception> {
-    // A weight's tiles serve every product with it, whatever its rows' count, so that a row's
-    // result does not depend on it (see `kernels::small_product`).
-    if let Some(tiles) = tiles.and_then(|t| t.of(w)) {
-        if let Some(y) = kernels::tiled_product(x, tiles)? {
-            return Ok(y);
+    let w = match w {
+        Stored::Mlx(w) => w,
+        Stored::Tiles(tiles) => {
+            return match kernels::tiled_product(x, tiles)? {
+                Some(y) => Ok(y),
+                // Rows the tiles do not take (of another width or dtype): MLX's op decides.
+                None => x.matmul(w.array().t()),
+            };
         }
-    }
+    };
     if let Some(y) = kernels::small_product(x, w, scales, biases, q)? {
         return Ok(y);
     }
@@ -234,10 +273,6 @@ fn times_transposed(
         (Some(scales), Some(q)) => mlx_rs::ops::quantized_matmul(x, w, scales, biases, true, q.group_size, q.bits),
         _ => x.matmul(w.t()),
     }
-}
-
-fn nbytes(w: &Array, scales: Option<&Array>, biases: Option<&Array>) -> usize {
-    w.nbytes() + scales.map_or(0, Array::nbytes) + biases.map_or(0, Array::nbytes)
 }
 
 fn load_matrix(
@@ -286,5 +321,33 @@ mod tests {
         assert!(close, "the tiled product is MLX's, up to bfloat16 rounding");
         let narrow = mlx_rs::Array::ones::<f32>(&[1, 95]).unwrap().as_dtype(Dtype::Bfloat16).unwrap();
         assert!(linear.forward(&narrow).is_err(), "x of another width is MLX's error");
+    }
+
+    #[test]
+    fn a_tied_head_on_the_tile_unit_looks_up_its_rows_from_the_tiles() {
+        let key = mlx_rs::random::key(4).unwrap();
+        let table =
+            mlx_rs::random::normal::<f32>(&[100, 64], None, None, &key).unwrap().as_dtype(Dtype::Bfloat16).unwrap();
+        let plain = Embedding { weight: Stored::Mlx(table.clone()), scales: None, biases: None, quantization: None };
+        let head = plain.clone().tied_head();
+        if !(wide::on_cpu() && amx_bf16::available()) {
+            assert!(matches!(head.weight, Stored::Mlx(_)));
+            return;
+        }
+        assert!(matches!(head.weight, Stored::Tiles(_)));
+        assert_eq!((head.vocab(), head.dtype()), (100, Dtype::Bfloat16));
+        assert_eq!(kernels::bits16(&head.weight()), kernels::bits16(&table));
+        let ids = mlx_rs::Array::from_slice(&[0i32, 99, 17, 17, 64, 3], &[2, 3]);
+        let (ours, mlx) = (head.embed(&ids).unwrap(), plain.embed(&ids).unwrap());
+        assert_eq!(ours.shape(), &[2, 3, 64]);
+        assert_eq!(kernels::bits16(&ours), kernels::bits16(&mlx));
+        let outside = mlx_rs::Array::from_slice(&[5i32, 100], &[2]);
+        let error = head.embed(&outside).unwrap_err().to_string();
+        assert!(error.contains("token id 100") && error.contains("100 rows"), "{error}");
+        let x =
+            mlx_rs::random::normal::<f32>(&[1, 2, 64], None, None, &key).unwrap().as_dtype(Dtype::Bfloat16).unwrap();
+        let logits = head.as_linear(&x).unwrap().as_dtype(Dtype::Float32).unwrap();
+        let mlx = plain.as_linear(&x).unwrap().as_dtype(Dtype::Float32).unwrap();
+        assert!(logits.all_close(&mlx, 1e-2, 1e-2, None).unwrap(), "the head's logits are MLX's, up to rounding");
     }
 }

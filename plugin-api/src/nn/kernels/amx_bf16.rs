@@ -65,15 +65,20 @@ impl Tiles {
 
     /// The weight back as bfloat16 bits [n, k], row-major.
     pub fn unpack(&self) -> Vec<u16> {
-        let depth_blocks = self.k.div_ceil(DEPTH);
-        let mut w = vec![0u16; self.n * self.k];
-        for (o, row) in w.chunks_exact_mut(self.k).enumerate() {
-            for (i, v) in row.iter_mut().enumerate() {
-                let (kb, pair, half) = (i / DEPTH, i % DEPTH / 2, i % 2);
-                *v = self.data[Self::at(o / BLOCK, kb, depth_blocks) + (pair * BLOCK + o % BLOCK) * 2 + half];
-            }
+        let mut w = Vec::with_capacity(self.n * self.k);
+        for o in 0..self.n {
+            self.row(o, &mut w);
         }
         w
+    }
+
+    /// Appends weight row `o` (bfloat16 bits, k of them) to `to`.
+    pub fn row(&self, o: usize, to: &mut Vec<u16>) {
+        let depth_blocks = self.k.div_ceil(DEPTH);
+        to.extend((0..self.k).map(|i| {
+            let (kb, pair, half) = (i / DEPTH, i % DEPTH / 2, i % 2);
+            self.data[Self::at(o / BLOCK, kb, depth_blocks) + (pair * BLOCK + o % BLOCK) * 2 + half]
+        }));
     }
 
     /// Bytes held.
