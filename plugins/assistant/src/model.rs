@@ -214,10 +214,10 @@ impl Assistant {
     /// draft time on the demo assistant, measured); this path reads k·V/C rows of the table
     /// where the tied head reads all V. `None` where it does not apply.
     fn centroid_head_on_host(&self, m: &MaskedEmbedding, h: &Array) -> Result<Option<Array>, Exception> {
-        let table = &self.embed_tokens.weight();
         if !plugin_api::nn::wide::on_cpu() || self.embed_tokens.scales.is_some() {
             return Ok(None);
         }
+        let table = &self.embed_tokens.weight();
         let c = &self.config;
         let (d, per_centroid, k) =
             (c.hidden_size as usize, (c.vocab_size / c.num_centroids) as usize, c.centroid_intermediate_top_k as usize);

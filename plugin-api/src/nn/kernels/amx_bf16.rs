@@ -56,8 +56,7 @@ impl Tiles {
         let mut data = vec![0u16; n.div_ceil(GROUP) * depth_blocks * GROUP * DEPTH];
         for (o, row) in w.chunks_exact(k).take(n).enumerate() {
             for (i, &v) in row.iter().enumerate() {
-                let (kb, pair, half) = (i / DEPTH, i % DEPTH / 2, i % 2);
-                data[Self::at(o / BLOCK, kb, depth_blocks) + (pair * BLOCK + o % BLOCK) * 2 + half] = v;
+                data[Self::place(o, i, depth_blocks)] = v;
             }
         }
         Tiles { data, n, k }
@@ -75,15 +74,19 @@ impl Tiles {
     /// Appends weight row `o` (bfloat16 bits, k of them) to `to`.
     pub fn row(&self, o: usize, to: &mut Vec<u16>) {
         let depth_blocks = self.k.div_ceil(DEPTH);
-        to.extend((0..self.k).map(|i| {
-            let (kb, pair, half) = (i / DEPTH, i % DEPTH / 2, i % 2);
-            self.data[Self::at(o / BLOCK, kb, depth_blocks) + (pair * BLOCK + o % BLOCK) * 2 + half]
-        }));
+        to.extend((0..self.k).map(|i| self.data[Self::place(o, i, depth_blocks)]));
     }
 
     /// Bytes held.
     pub fn nbytes(&self) -> usize {
         self.data.len() * 2
+    }
+
+    /// Where weight [o, i] lies: in its tile, row `i / 2` of its block of inputs, then column
+    /// `o` of its block of outputs, then `i`'s place in its pair.
+    fn place(o: usize, i: usize, depth_blocks: usize) -> usize {
+        let (kb, pair, half) = (i / DEPTH, i % DEPTH / 2, i % 2);
+        Self::at(o / BLOCK, kb, depth_blocks) + (pair * BLOCK + o % BLOCK) * 2 + half
     }
 
     /// Where the tile of output block `ob` and input block `kb` starts.
@@ -148,12 +151,12 @@ pub unsafe fn product(
     y: &mut [f32],
 ) {
     use std::arch::asm;
-    let (n, k) = (tiles.n, tiles.k);
-    let depth_blocks = k.div_ceil(DEPTH);
-    let stride = depth_blocks * DEPTH;
     if rows == 1 || !bf16_rows {
         return fma_rows(x, rows, tiles, outputs, y);
     }
+    let (n, k) = (tiles.n, tiles.k);
+    let depth_blocks = k.div_ceil(DEPTH);
+    let stride = depth_blocks * DEPTH;
     for m0 in (0..rows).step_by(X_ROWS) {
         let block = X_ROWS.min(rows - m0);
         // x's rows as bfloat16 bits (exact: they hold bfloat16 values), zero-padded.
@@ -181,15 +184,21 @@ pub unsafe fn product(
             for c in 0..BLOCKS_AT_ONCE {
                 store(c, sums.as_mut_ptr());
                 let first = (group * BLOCKS_AT_ONCE + c) * BLOCK;
-                let columns = first.max(outputs.start)..(first + BLOCK).min(outputs.end);
-                for m in 0..block {
-                    for o in columns.clone() {
-                        y[(m0 + m) * n + o] = sums[m * BLOCK + o - first];
-                    }
+                for (m, lanes) in sums.chunks_exact(BLOCK).take(block).enumerate() {
+                    put_block(&mut y[(m0 + m) * n..(m0 + m + 1) * n], lanes, first, &outputs);
                 }
             }
         }
         asm!("tilerelease", options(nostack, nomem));
+    }
+}
+
+/// Writes the sums of the block of 16 outputs from `first` into one row of y, those in
+/// `outputs` only.
+fn put_block(y_row: &mut [f32], lanes: &[f32], first: usize, outputs: &std::ops::Range<usize>) {
+    let columns = first.max(outputs.start)..(first + BLOCK).min(outputs.end);
+    if !columns.is_empty() {
+        y_row[columns.clone()].copy_from_slice(&lanes[columns.start - first..columns.end - first]);
     }
 }
 
@@ -305,18 +314,25 @@ unsafe fn fma_rows(x: &[f32], rows: usize, tiles: &Tiles, outputs: std::ops::Ran
     asm!("ldmxcsr [{}]", in(reg) &flushing as *const u32, options(nostack, readonly));
     let (n, k) = (tiles.n, tiles.k);
     let stride = k.div_ceil(DEPTH) * DEPTH;
-    let mut padded = vec![0f32; rows.min(4) * stride];
+    // Rows of whole input blocks are read in place; others are copied, zero-padded.
+    let mut padded = vec![0f32; if stride == k { 0 } else { rows.min(4) * stride }];
     for m0 in (0..rows).step_by(4) {
         let r = 4.min(rows - m0);
-        for (to, row) in padded.chunks_exact_mut(stride).zip(x[m0 * k..(m0 + r) * k].chunks_exact(k)) {
-            to[..k].copy_from_slice(row);
-        }
+        let rows_here = &x[m0 * k..(m0 + r) * k];
+        let x = if stride == k {
+            rows_here
+        } else {
+            for (to, row) in padded.chunks_exact_mut(stride).zip(rows_here.chunks_exact(k)) {
+                to[..k].copy_from_slice(row);
+            }
+            &padded
+        };
         let y = &mut y[m0 * n..(m0 + r) * n];
         match r {
-            1 => fma_block::<1, 4>(&padded, tiles, outputs.clone(), y),
-            2 => fma_block::<2, 2>(&padded, tiles, outputs.clone(), y),
-            3 => fma_block::<3, 1>(&padded, tiles, outputs.clone(), y),
-            _ => fma_block::<4, 1>(&padded, tiles, outputs.clone(), y),
+            1 => fma_block::<1, 4>(x, tiles, outputs.clone(), y),
+            2 => fma_block::<2, 2>(x, tiles, outputs.clone(), y),
+            3 => fma_block::<3, 1>(x, tiles, outputs.clone(), y),
+            _ => fma_block::<4, 1>(x, tiles, outputs.clone(), y),
         }
     }
     asm!("ldmxcsr [{}]", in(reg) &saved as *const u32, options(nostack, readonly));
@@ -369,10 +385,7 @@ unsafe fn fma_block<const R: usize, const B: usize>(
             for (b, block) in sums.iter().enumerate() {
                 let mut lanes = [0f32; BLOCK];
                 _mm512_storeu_ps(lanes.as_mut_ptr(), *block);
-                let start = (first + b) * BLOCK;
-                for o in start.max(outputs.start)..(start + BLOCK).min(outputs.end) {
-                    y[r * n + o] = lanes[o - start];
-                }
+                put_block(&mut y[r * n..(r + 1) * n], &lanes, (first + b) * BLOCK, &outputs);
             }
         }
     }
