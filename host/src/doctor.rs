@@ -59,6 +59,9 @@ impl Report {
 
 fn amx_tiles() -> &'static str {
     use plugin_api::nn::kernels::amx_bf16;
+    if !plugin_api::nn::wide::on_cpu() {
+        return "not used: MLX runs on another device";
+    }
     match (amx_bf16::available(), amx_bf16::supported()) {
         (true, _) => "in use for bfloat16 products (HOST_AMX=off keeps MLX's layout)",
         (false, true) => "on this CPU, not used (HOST_AMX=off)",

@@ -93,6 +93,7 @@ pub fn run(options: &RunOptions, mut on_event: impl FnMut(RunEvent) -> Flow) -> 
                 decode_ms: plain.stats.decode_ms,
                 speedup: plain.stats.decode_ms / generation.stats.decode_ms,
                 identical: plain.tokens == generation.tokens,
+                first_difference: first_difference(&plain.tokens, &generation.tokens),
                 rejection: config.verify == Verify::Rejection && !request.sampling.is_greedy(),
             })
         }
@@ -114,8 +115,15 @@ pub struct PlainComparison {
     /// Plain decode time over speculative decode time.
     pub speedup: f64,
     pub identical: bool,
+    /// The first generated position at which the two outputs differ; none when identical.
+    pub first_difference: Option<usize>,
     /// Verified by rejection sampling, which keeps the target's distribution but not its draws.
     pub rejection: bool,
+}
+
+/// The first position at which `a` and `b` differ, a shorter one ending first included.
+fn first_difference(a: &[u32], b: &[u32]) -> Option<usize> {
+    (a != b).then(|| a.iter().zip(b).position(|(x, y)| x != y).unwrap_or(a.len().min(b.len())))
 }
 
 /// What a run loads once: the target, its drafter, tokenizer and generation defaults.
@@ -334,10 +342,10 @@ impl RunOutput {
                 p.decode_ms,
                 self.stats.decode_ms,
                 p.speedup,
-                match (p.identical, p.rejection) {
-                    (true, _) => "identical",
-                    (false, true) => "differs (rejection sampling keeps the distribution, not the draws)",
-                    (false, false) => "DIFFERENT",
+                match (p.first_difference, p.rejection) {
+                    (None, _) => "identical".to_owned(),
+                    (Some(_), true) => "differs (rejection sampling keeps the distribution, not the draws)".to_owned(),
+                    (Some(at), false) => format!("DIFFERENT from generated token {at}"),
                 }
             ));
         }
@@ -408,4 +416,17 @@ fn summary(s: &Stats, stop: StopReason) -> String {
 /// Milliseconds a round, of `ms` over `rounds`.
 fn per_round(ms: f64, rounds: usize) -> f64 {
     ms / rounds.max(1) as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::first_difference;
+
+    #[test]
+    fn the_first_difference_is_the_first_unequal_token_or_where_the_shorter_ends() {
+        assert_eq!(first_difference(&[1, 2, 3], &[1, 2, 3]), None);
+        assert_eq!(first_difference(&[1, 2, 3], &[1, 5, 3]), Some(1));
+        assert_eq!(first_difference(&[1, 2], &[1, 2, 3]), Some(2));
+        assert_eq!(first_difference(&[], &[4]), Some(0));
+    }
 }

@@ -177,6 +177,19 @@ fn run_prints_the_contracts_json_and_speculation_changes_nothing_but_speed() {
     let spec_file = spec_dir.path().join("m.toml");
     let streamed = host(&["run", "--manifest", spec_file.to_str().unwrap(), "--temperature", "0"]);
     assert_eq!(stdout(&streamed), format!("{}\n", spec["text"].as_str().unwrap()));
+    // --compare-plain decodes the request plainly too and says where the outputs part, if they do.
+    let compared = run_json(&[
+        "run",
+        "--manifest",
+        spec_file.to_str().unwrap(),
+        "--temperature",
+        "0",
+        "--json",
+        "--compare-plain",
+    ]);
+    let comparison = &compared["plain"];
+    assert_eq!((&comparison["identical"], &comparison["first_difference"]), (&true.into(), &serde_json::Value::Null));
+    assert!(comparison["speedup"].as_f64().unwrap() > 0.0, "{comparison}");
 
     // Prompt ids on the command line override the manifest's prompt; sampling with a seed is
     // reproducible.
