@@ -204,19 +204,21 @@ pub trait ContextDrafter: 'static {
         extend_each(self, contexts, taps, kept)
     }
 
-    /// Up to `depth` (≥ 1) tokens after `pending` from a non-empty context.
-    fn draft(&self, context: &LayerContext, pending: u32, depth: usize, step: u64) -> Result<Proposal, PluginError>;
+    /// Up to `depth` (≥ 1) tokens after `pending` from a non-empty context. The context is
+    /// lent mutably for its scratch slots ([`LayerContext::with_block`]); what it holds stays.
+    fn draft(&self, context: &mut LayerContext, pending: u32, depth: usize, step: u64)
+        -> Result<Proposal, PluginError>;
 
     /// Each row's [`draft`](Self::draft), one row at a time by default. Override to draft the
     /// rows in one pass: a small drafter's cost is its count of MLX ops, whatever the rows.
     fn draft_rows(
         &self,
-        contexts: &[&LayerContext],
+        contexts: &mut [&mut LayerContext],
         pending: &[u32],
         depth: usize,
         steps: &[u64],
     ) -> Result<Vec<Proposal>, PluginError> {
-        (0..contexts.len()).map(|r| self.draft(contexts[r], pending[r], depth, steps[r])).collect()
+        contexts.iter_mut().enumerate().map(|(r, context)| self.draft(context, pending[r], depth, steps[r])).collect()
     }
 }
 
@@ -273,10 +275,12 @@ impl<M: ContextDrafter> DraftSource for ContextRow<M> {
         if drafting.is_empty() {
             return Ok(proposals);
         }
-        let contexts: Vec<&LayerContext> = drafting.iter().map(|&r| &rows[r].0).collect();
         let pending: Vec<u32> = drafting.iter().map(|&r| pending[r]).collect();
         let steps: Vec<u64> = drafting.iter().map(|&r| steps[r]).collect();
-        for (r, proposal) in drafting.into_iter().zip(m.draft_rows(&contexts, &pending, depth, &steps)?) {
+        let mut contexts: Vec<&mut LayerContext> =
+            rows.iter_mut().enumerate().filter(|(r, _)| drafting.contains(r)).map(|(_, row)| &mut row.0).collect();
+        let drafted = m.draft_rows(&mut contexts, &pending, depth, &steps)?;
+        for (r, proposal) in drafting.into_iter().zip(drafted) {
             proposals[r] = proposal;
         }
         Ok(proposals)

@@ -136,7 +136,13 @@ pub struct Shared {
 }
 
 impl Shared {
-    fn draft_block(&self, context: &Context, anchor: u32, depth: usize, step: u64) -> Result<Proposal, PluginError> {
+    fn draft_block(
+        &self,
+        context: &mut Context,
+        anchor: u32,
+        depth: usize,
+        step: u64,
+    ) -> Result<Proposal, PluginError> {
         let draw = |k: usize, q: &[f32]| draw(q, uniform(step + k as u64));
         let sampler: Option<plugin_api::sdk::Draw<'_>> = if self.sample { Some(&draw) } else { None };
         let block = self.model.block(context, anchor, depth, self.threshold, sampler, self.temperature)?;
@@ -153,7 +159,7 @@ impl ContextDrafter for Shared {
         Ok(self.model.extend(context, taps)?)
     }
 
-    fn draft(&self, context: &Context, anchor: u32, depth: usize, step: u64) -> Result<Proposal, PluginError> {
+    fn draft(&self, context: &mut Context, anchor: u32, depth: usize, step: u64) -> Result<Proposal, PluginError> {
         self.draft_block(context, anchor, depth, step)
     }
 }
@@ -209,7 +215,7 @@ mod conformance {
             model.extend(&mut context, &taps).unwrap();
             let ids = get("input_ids").as_dtype(Dtype::Int32).unwrap();
             let anchor = *ids.as_slice::<i32>().last().unwrap() as u32;
-            let block = model.block(&context, anchor, usize::MAX, 0.0, None, 1.0).unwrap();
+            let block = model.block(&mut context, anchor, usize::MAX, 0.0, None, 1.0).unwrap();
             let expected_tokens: Vec<u32> = get("draft_tokens")
                 .as_dtype(Dtype::Int32)
                 .unwrap()
@@ -277,7 +283,7 @@ mod conformance {
             let draft = |model: &crate::Deepspec| {
                 let mut context = crate::Context::default();
                 model.extend(&mut context, &taps).unwrap();
-                model.block(&context, anchor, usize::MAX, 0.0, None, 1.0).unwrap()
+                model.block(&mut context, anchor, usize::MAX, 0.0, None, 1.0).unwrap()
             };
             let (p, e) = (draft(&packed), draft(&exact));
             let row0 = |l: &Array| l.take_axis(Array::from_int(0), 0).unwrap();

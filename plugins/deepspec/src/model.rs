@@ -175,7 +175,7 @@ impl Deepspec {
     /// position's arithmetic.
     pub fn block(
         &self,
-        context: &Context,
+        context: &mut Context,
         anchor: u32,
         limit: usize,
         threshold: f32,

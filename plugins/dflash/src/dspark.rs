@@ -200,7 +200,7 @@ impl Dspark {
     /// position's arithmetic.
     pub fn draft(
         &self,
-        context: &Context,
+        context: &mut Context,
         target: &Target,
         anchor: u32,
         depth: usize,

@@ -213,7 +213,7 @@ impl Shared {
     fn draft_dspark(
         &self,
         m: &Dspark,
-        context: &Context,
+        context: &mut Context,
         pending: u32,
         depth: usize,
         step: u64,
@@ -236,7 +236,7 @@ impl Shared {
     fn draft_zlab(
         &self,
         m: &Dflash,
-        contexts: &[&Context],
+        contexts: &mut [&mut Context],
         pending: &[u32],
         depth: usize,
         steps: &[u64],
@@ -288,13 +288,13 @@ impl ContextDrafter for Shared {
         }
     }
 
-    fn draft(&self, context: &Context, pending: u32, depth: usize, step: u64) -> Result<Proposal, PluginError> {
-        self.draft_rows(&[context], &[pending], depth, &[step]).map(|mut rows| rows.remove(0))
+    fn draft(&self, context: &mut Context, pending: u32, depth: usize, step: u64) -> Result<Proposal, PluginError> {
+        self.draft_rows(&mut [context], &[pending], depth, &[step]).map(|mut rows| rows.remove(0))
     }
 
     fn draft_rows(
         &self,
-        contexts: &[&Context],
+        contexts: &mut [&mut Context],
         pending: &[u32],
         depth: usize,
         steps: &[u64],
@@ -302,9 +302,11 @@ impl ContextDrafter for Shared {
         let depth = depth.min(self.network.max_draft_tokens());
         match &*self.network {
             Network::Zlab(m) => self.draft_zlab(m, contexts, pending, depth, steps),
-            Network::Dspark(m) => {
-                (0..contexts.len()).map(|r| self.draft_dspark(m, contexts[r], pending[r], depth, steps[r])).collect()
-            }
+            Network::Dspark(m) => contexts
+                .iter_mut()
+                .enumerate()
+                .map(|(r, context)| self.draft_dspark(m, context, pending[r], depth, steps[r]))
+                .collect(),
         }
     }
 }

@@ -9,7 +9,7 @@ use std::path::Path;
 use plugin_api::mlx_rs::error::Exception;
 use plugin_api::mlx_rs::Array;
 use plugin_api::nn::layout::{add, reshape, swap_axes_1_2};
-use plugin_api::nn::ops::{attention_rows, rms_norm, KeyPiece, Mask, RowKeys};
+use plugin_api::nn::ops::{attention, attention_rows, rms_norm, KeyPiece, Mask, RowKeys};
 use plugin_api::nn::{Linear, Mlp, Rope, Weights};
 use plugin_api::PluginError;
 
@@ -113,7 +113,7 @@ impl Dflash {
     /// The final hidden states [B, L, H] of blocks whose embeddings are `embedded` [B, L, H], row
     /// b's first position right after `contexts[b]`. The rows share every projection and norm;
     /// each attends to its own context, as it would alone.
-    pub fn block(&self, contexts: &[&Context], embedded: &Array) -> Result<Array, Exception> {
+    pub fn block(&self, contexts: &mut [&mut Context], embedded: &Array) -> Result<Array, Exception> {
         let c = &self.config;
         let eps = c.rms_norm_eps;
         let (b, l) = (embedded.shape()[0], embedded.shape()[1]);
@@ -130,20 +130,33 @@ impl Dflash {
             let q = rotated(&a.q_proj, c.num_attention_heads, &a.q_norm)?;
             let k = rotated(&a.k_proj, c.num_key_value_heads, &a.k_norm)?;
             let v = swap_axes_1_2(&heads(&a.v_proj, c.num_key_value_heads)?)?;
-            let rows: Vec<RowKeys> = contexts
-                .iter()
-                .enumerate()
-                .map(|(row, context)| {
-                    let held = context.keys.get(i).zip(context.values.get(i));
-                    let pieces = held
-                        .map(|(keys, values)| KeyPiece { keys, values, row: 0 })
-                        .into_iter()
-                        .chain([KeyPiece { keys: &k, values: &v, row }])
+            let scale = (c.head_dim as f32).powf(-0.5);
+            let out = match contexts {
+                // One row reads its context where it lies, the block in the context's free slots.
+                [context] => {
+                    let mask = block_mask(context.len(), l as usize, layer.window);
+                    let (keys, values) = context.with_block(i, k, v)?;
+                    attention(&q, &keys, &values, scale, &mask)?
+                }
+                _ => {
+                    let held = contexts.iter().map(|context| context.layer(i)).collect::<Result<Vec<_>, _>>()?;
+                    let rows: Vec<RowKeys> = contexts
+                        .iter()
+                        .zip(&held)
+                        .enumerate()
+                        .map(|(row, (context, held))| {
+                            let pieces = held
+                                .as_ref()
+                                .map(|(keys, values)| KeyPiece { keys, values, row: 0 })
+                                .into_iter()
+                                .chain([KeyPiece { keys: &k, values: &v, row }])
+                                .collect();
+                            RowKeys { pieces, mask: block_mask(context.len(), l as usize, layer.window) }
+                        })
                         .collect();
-                    RowKeys { pieces, mask: block_mask(context.len(), l as usize, layer.window) }
-                })
-                .collect();
-            let out = attention_rows(&q, &rows, (c.head_dim as f32).powf(-0.5))?;
+                    attention_rows(&q, &rows, scale)?
+                }
+            };
             let out = reshape(&swap_axes_1_2(&out)?, &[b, l, c.num_attention_heads * c.head_dim])?;
             h = add(&h, &a.o_proj.forward(&out)?)?;
             let f = rms_norm(&h, Some(&layer.post_attention_layernorm), eps)?;
