@@ -505,8 +505,17 @@ impl InPlace {
     }
 }
 
-/// [`attention_rows`] through the host's loops: each row's pieces copied end to end per KV
-/// head, then [`half_attention_core`]. `None` where the loops do not apply.
+/// A row's keys and values for [`half_attention_rows`]: one piece read where it lies (row r of
+/// it), or several copied end to end per KV head, with their count of keys.
+enum Held {
+    InPlace(InPlace, InPlace, usize),
+    Gathered(Vec<u16>, Vec<u16>, usize),
+}
+
+/// [`attention_rows`] through the host's loops: a row of one piece read in place (a drafter's
+/// context with its block in the free slots, `LayerContext::with_block`), a row of several
+/// pieces copied end to end per KV head; then [`half_attention_core`]. `None` where the loops do
+/// not apply.
 fn half_attention_rows(q: &Array, rows: &[RowKeys], scale: f32) -> Result<Option<Array>, Exception> {
     let dtype = q.dtype();
     let (hq, d) = (q.shape()[1], q.shape()[3]);
@@ -527,10 +536,14 @@ fn half_attention_rows(q: &Array, rows: &[RowKeys], scale: f32) -> Result<Option
         return Ok(None);
     }
     let (hkv, d) = (hkv as usize, d as usize);
-    // Each row's keys and values as [Hkv, S_row, D]; head g of a piece's row r starts at
-    // ((r·Hkv + g)·S_piece)·D.
-    let mut gathered: Vec<(Vec<u16>, Vec<u16>, usize)> = Vec::with_capacity(rows.len());
+    let mut held: Vec<Held> = Vec::with_capacity(rows.len());
     for row in rows {
+        if let [piece] = row.pieces.as_slice() {
+            held.push(Held::InPlace(InPlace::of(piece.keys)?, InPlace::of(piece.values)?, piece.row));
+            continue;
+        }
+        // Each row's keys and values as [Hkv, S_row, D]; head g of a piece's row r starts at
+        // ((r·Hkv + g)·S_piece)·D.
         let pieces: Vec<(Array, Array, usize)> = row
             .pieces
             .iter()
@@ -547,11 +560,20 @@ fn half_attention_rows(q: &Array, rows: &[RowKeys], scale: f32) -> Result<Option
                 values.extend_from_slice(&v_bits[at..at + len]);
             }
         }
-        gathered.push((keys, values, s));
+        held.push(Held::Gathered(keys, values, s));
     }
-    let data: Vec<RowData> = gathered
+    let data: Vec<RowData> = held
         .iter()
-        .map(|(keys, values, s)| RowData { keys, values, key_heads: *s * d, value_heads: *s * d, s: *s })
+        .map(|held| match held {
+            Held::InPlace(k, v, r) => RowData {
+                keys: &k.data()[r * k.row..],
+                values: &v.data()[r * v.row..],
+                key_heads: k.head,
+                value_heads: v.head,
+                s: k.array.shape()[2] as usize,
+            },
+            Held::Gathered(keys, values, s) => RowData { keys, values, key_heads: *s * d, value_heads: *s * d, s: *s },
+        })
         .collect();
     let masks: Vec<&Mask> = rows.iter().map(|r| &r.mask).collect();
     half_attention_core(q, &data, hkv, scale, Masks::PerRow(&masks)).map(Some)

@@ -8,8 +8,8 @@ use std::path::Path;
 
 use plugin_api::mlx_rs::error::Exception;
 use plugin_api::mlx_rs::Array;
-use plugin_api::nn::layout::{add, reshape, swap_axes_1_2};
-use plugin_api::nn::ops::{attention, attention_rows, rms_norm, KeyPiece, Mask, RowKeys};
+use plugin_api::nn::layout::{add, reshape, slice, swap_axes_1_2};
+use plugin_api::nn::ops::{attention_rows, rms_norm, KeyPiece, Mask, RowKeys};
 use plugin_api::nn::{Linear, Mlp, Rope, Weights};
 use plugin_api::PluginError;
 
@@ -130,33 +130,20 @@ impl Dflash {
             let q = rotated(&a.q_proj, c.num_attention_heads, &a.q_norm)?;
             let k = rotated(&a.k_proj, c.num_key_value_heads, &a.k_norm)?;
             let v = swap_axes_1_2(&heads(&a.v_proj, c.num_key_value_heads)?)?;
-            let scale = (c.head_dim as f32).powf(-0.5);
-            let out = match contexts {
-                // One row reads its context where it lies, the block in the context's free slots.
-                [context] => {
-                    let mask = block_mask(context.len(), l as usize, layer.window);
-                    let (keys, values) = context.with_block(i, k, v)?;
-                    attention(&q, &keys, &values, scale, &mask)?
-                }
-                _ => {
-                    let held = contexts.iter().map(|context| context.layer(i)).collect::<Result<Vec<_>, _>>()?;
-                    let rows: Vec<RowKeys> = contexts
-                        .iter()
-                        .zip(&held)
-                        .enumerate()
-                        .map(|(row, (context, held))| {
-                            let pieces = held
-                                .as_ref()
-                                .map(|(keys, values)| KeyPiece { keys, values, row: 0 })
-                                .into_iter()
-                                .chain([KeyPiece { keys: &k, values: &v, row }])
-                                .collect();
-                            RowKeys { pieces, mask: block_mask(context.len(), l as usize, layer.window) }
-                        })
-                        .collect();
-                    attention_rows(&q, &rows, scale)?
-                }
-            };
+            // Each row's block goes into its context's free slots, read there with the context.
+            let masks: Vec<Mask> =
+                contexts.iter().map(|context| block_mask(context.len(), l as usize, layer.window)).collect();
+            let mut held = Vec::with_capacity(contexts.len());
+            for (row, context) in contexts.iter_mut().enumerate() {
+                let (k, v) = if b == 1 { (k.clone(), v.clone()) } else { (batch_row(&k, row)?, batch_row(&v, row)?) };
+                held.push(context.with_block(i, k, v)?);
+            }
+            let rows: Vec<RowKeys> = held
+                .iter()
+                .zip(masks)
+                .map(|((keys, values), mask)| RowKeys { pieces: vec![KeyPiece { keys, values, row: 0 }], mask })
+                .collect();
+            let out = attention_rows(&q, &rows, (c.head_dim as f32).powf(-0.5))?;
             let out = reshape(&swap_axes_1_2(&out)?, &[b, l, c.num_attention_heads * c.head_dim])?;
             h = add(&h, &a.o_proj.forward(&out)?)?;
             let f = rms_norm(&h, Some(&layer.post_attention_layernorm), eps)?;
@@ -164,6 +151,12 @@ impl Dflash {
         }
         rms_norm(&h, Some(&self.norm), eps)
     }
+}
+
+/// Row `row` of x [B, H, L, D], as [1, H, L, D].
+fn batch_row(x: &Array, row: usize) -> Result<Array, Exception> {
+    let s = x.shape();
+    slice(x, &[row..row + 1, 0..s[1] as usize, 0..s[2] as usize, 0..s[3] as usize])
 }
 
 /// Which keys (N context rows, then the L block rows) each block row reads. Full layers: all
