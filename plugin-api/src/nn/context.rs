@@ -108,8 +108,8 @@ impl LayerContext {
 
     /// As a row state's tensors: k0, v0, k1, v1, … of the positions held.
     pub fn snapshot(&self) -> Snapshot {
-        let views = (0..self.keys.len()).map_while(|layer| self.layer(layer).ok().flatten());
-        let tensors = views.flat_map(|(k, v)| [k, v]).collect();
+        let view = |layer| self.layer(layer).ok().flatten().expect("a held layer's slots can be viewed");
+        let tensors = (0..self.keys.len()).flat_map(|layer| <[Array; 2]>::from(view(layer))).collect();
         Snapshot { processed: self.len() as u64, ids: Vec::new(), tensors }
     }
 
