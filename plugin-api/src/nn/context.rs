@@ -45,7 +45,21 @@ impl LayerContext {
 
     /// Appends the keys and values [1, kv heads, n, head dim] of new positions to `layer`.
     pub fn push(&mut self, layer: usize, keys: Array, values: Array) -> Result<(), Exception> {
-        let added = keys.shape()[2] as usize;
+        let new = keys.shape().to_vec();
+        let fits = |have: &[i32]| new[1] == have[1] && new[3] == have[3];
+        if new.len() != 4
+            || new[0] != 1
+            || values.shape() != new
+            || !self.keys.get(layer).is_none_or(|k| fits(k.shape()))
+        {
+            let held = self.keys.get(layer).map(|k| format!(" (it holds [1, {}, N, {}])", k.shape()[1], k.shape()[3]));
+            return Err(Exception::custom(format!(
+                "layer {layer}'s context takes keys and values [1, kv heads, n, head dim]{}; got {new:?} and {:?}",
+                held.unwrap_or_default(),
+                values.shape()
+            )));
+        }
+        let added = new[2] as usize;
         if layer >= self.keys.len() {
             let capacity = added.max(FIRST_CAPACITY);
             self.keys.push(with_capacity(&keys, capacity)?);
@@ -135,4 +149,75 @@ fn with_capacity(x: &Array, capacity: usize) -> Result<Array, Exception> {
 /// Row `r` of x [B, L, F], positions `from..to`, as [1, to − from, F].
 pub fn row_span(x: &Array, r: usize, from: usize, to: usize) -> Result<Array, Exception> {
     slice(x, &[r..r + 1, from..to, 0..x.shape().get(2).map_or(0, |&f| f as usize)])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn positions(from: usize, n: usize) -> Array {
+        let values: Vec<f32> = (0..2 * n * 3).map(|i| (from * 100 + i) as f32).collect();
+        // [1, 2 heads, n, 3]: head h, position p holds from·100 + (h·n + p)·3 + j.
+        Array::from_slice(&values, &[1, 2, n as i32, 3])
+    }
+
+    fn floats(a: &Array) -> Vec<f32> {
+        crate::nn::kernels::row_major(a).unwrap().as_slice::<f32>().to_vec()
+    }
+
+    #[test]
+    fn pushes_past_the_capacity_keep_every_position_and_a_block_leaves_the_context_as_it_was() {
+        let mut context = LayerContext::default();
+        let mut expected: Vec<Array> = Vec::new();
+        for (i, n) in [5, 70, 1, 200].into_iter().enumerate() {
+            let part = positions(i, n);
+            context.push(0, part.clone(), part.clone()).unwrap();
+            expected.push(part);
+        }
+        let all = concat(&expected.iter().collect::<Vec<_>>(), 2).unwrap();
+        assert_eq!(context.len(), 276);
+        let (k, v) = context.layer(0).unwrap().unwrap();
+        assert_eq!((floats(&k), floats(&v)), (floats(&all), floats(&all)));
+
+        let block = positions(9, 4);
+        let (k, _) = context.with_block(0, block.clone(), block.clone()).unwrap();
+        assert_eq!(floats(&k), floats(&concat(&[&all, &block], 2).unwrap()));
+        drop(k);
+        assert_eq!(context.len(), 276);
+        let (k, _) = context.layer(0).unwrap().unwrap();
+        assert_eq!(floats(&k), floats(&all));
+
+        let restored = LayerContext::restore(context.snapshot());
+        assert_eq!(restored.len(), 276);
+        assert_eq!(floats(&restored.layer(0).unwrap().unwrap().0), floats(&all));
+    }
+
+    #[test]
+    fn a_push_that_fits_writes_into_the_buffer_it_has() {
+        // SAFETY: evaluated float32 arrays; only the address of their data is read.
+        let data = |a: &Array| unsafe { mlx_sys::mlx_array_data_float32(a.as_ptr()) } as usize;
+        let mut context = LayerContext::default();
+        context.push(0, positions(0, 3), positions(0, 3)).unwrap();
+        let buffer = data(&context.keys[0]);
+        context.push(0, positions(1, 7), positions(1, 7)).unwrap();
+        let block = positions(2, 4);
+        drop(context.with_block(0, block.clone(), block).unwrap());
+        context.push(0, positions(3, 1), positions(3, 1)).unwrap();
+        assert_eq!(data(&context.keys[0]), buffer, "the keys were copied");
+        // A snapshot shares the buffer: the next push copies rather than write under it.
+        let snapshot = context.snapshot();
+        context.push(0, positions(4, 1), positions(4, 1)).unwrap();
+        assert_ne!(data(&context.keys[0]), buffer);
+        assert_eq!(LayerContext::restore(snapshot).len(), 11);
+    }
+
+    #[test]
+    fn keys_of_another_shape_are_refused_with_what_the_layer_holds() {
+        let mut context = LayerContext::default();
+        context.push(0, positions(0, 2), positions(0, 2)).unwrap();
+        let wrong = Array::zeros::<f32>(&[1, 3, 2, 3]).unwrap();
+        let error = context.push(0, wrong.clone(), wrong).unwrap_err().to_string();
+        assert!(error.contains("it holds [1, 2, N, 3]") && error.contains("[1, 3, 2, 3]"), "{error}");
+        assert_eq!(context.len(), 2);
+    }
 }
