@@ -811,17 +811,28 @@ impl Visible {
         }))
     }
 
-    /// Whether query `i` of head `h` in batch entry `b` reads key `j` of `s` (`l` queries).
-    fn at(&self, [b, h, i, j]: [usize; 4], l: usize, s: usize) -> bool {
+    /// Which of `s` keys query `i` of head `h` in batch entry `b` reads (`l` queries): worked
+    /// out once per query, so that the scores are then masked in one pass that vectorizes.
+    fn keys(&self, [b, h, i]: [usize; 3], l: usize, s: usize) -> Keys<'_> {
         match self {
-            Visible::All => true,
-            Visible::Causal => j <= s.saturating_sub(l) + i,
+            Visible::All => Keys::First(s),
+            Visible::Causal => Keys::First((s.saturating_sub(l) + i + 1).min(s)),
             Visible::Bool { data, shape } => {
-                let index = [b, h, i, j].iter().zip(shape).fold(0, |at, (&c, &d)| at * d + if d == 1 { 0 } else { c });
-                data[index]
+                let at = |c: usize, d: usize| if d == 1 { 0 } else { c };
+                let query = ((at(b, shape[0]) * shape[1] + at(h, shape[1])) * shape[2] + at(i, shape[2])) * shape[3];
+                match shape[3] {
+                    1 => Keys::First(if data[query] { s } else { 0 }),
+                    _ => Keys::Marked(&data[query..query + s]),
+                }
             }
         }
     }
+}
+
+/// The keys one query reads: the first n, or those marked true.
+enum Keys<'a> {
+    First(usize),
+    Marked(&'a [bool]),
 }
 
 /// One mask for every row (rows of equal length), or one per row.
@@ -952,9 +963,15 @@ impl Queries<'_> {
                 // The query's place in its row: head h, position i.
                 let within = f - segment.row * self.hkv * self.block;
                 let (h, i) = (within / self.l, within % self.l);
-                with_round!(self.dtype, |r| {
-                    for (j, v) in scores.iter_mut().enumerate() {
-                        *v = if visible.at([b, h, i, j], self.l, s) { r.round(*v) } else { lowest };
+                with_round!(self.dtype, |r| match visible.keys([b, h, i], self.l, s) {
+                    Keys::First(n) => {
+                        scores[..n].iter_mut().for_each(|v| *v = r.round(*v));
+                        scores[n..].fill(lowest);
+                    }
+                    Keys::Marked(marks) => {
+                        for (v, &seen) in scores.iter_mut().zip(marks) {
+                            *v = if seen { r.round(*v) } else { lowest };
+                        }
                     }
                 });
                 softmax_row(self.dtype, scores);
