@@ -52,8 +52,10 @@ pub struct PlainBench {
     pub decode_ratios: Vec<f64>,
     pub prefill_ratios: Vec<f64>,
     pub weight_bytes_per_token: usize,
-    pub memory_gb_per_s: f64,
-    pub bandwidth_bound_tokens_per_s: f64,
+    /// The CPU's read bandwidth and the decode rate it bounds; none when MLX runs on another
+    /// device, whose memory this does not measure.
+    pub memory_gb_per_s: Option<f64>,
+    pub bandwidth_bound_tokens_per_s: Option<f64>,
     /// A verify window of [`WINDOW`] tokens over a one-token step, both after the prompt:
     /// medians of interleaved forwards (logits included), and their ratio.
     pub step_ms: f64,
@@ -123,7 +125,7 @@ pub fn plain(
     let sampling = sampling_cost(&logits, 20).map_err(|e| GenerateError::Internal(e.to_string()))?;
     let ratios = |f: fn(&Throughput) -> f64| host.iter().zip(&mlx_lm).map(|(h, m)| f(h) / f(m)).collect::<Vec<_>>();
     let weight_bytes_per_token = model.weight_bytes_per_token();
-    let memory_gb_per_s = memory_bandwidth_gb_per_s();
+    let memory_gb_per_s = plugin_api::nn::wide::on_cpu().then(memory_bandwidth_gb_per_s);
     Ok(PlainBench {
         decode_ratios: ratios(|t| t.decode_tokens_per_s),
         prefill_ratios: ratios(|t| t.prefill_tokens_per_s),
@@ -131,7 +133,7 @@ pub fn plain(
         mlx_lm,
         weight_bytes_per_token,
         memory_gb_per_s,
-        bandwidth_bound_tokens_per_s: memory_gb_per_s * 1e9 / weight_bytes_per_token as f64,
+        bandwidth_bound_tokens_per_s: memory_gb_per_s.map(|m| m * 1e9 / weight_bytes_per_token as f64),
         step_ms,
         window_ms,
         window_over_step: window_ms / step_ms,

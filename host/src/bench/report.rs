@@ -176,14 +176,18 @@ fn plain_text(prompt_tokens: usize, max_tokens: usize, r: &PlainBench) -> String
         "plain decoding, {prompt_tokens} prompt tokens, {max_tokens} generated, {} pairs (median; ratio range)\n\
          \x20 decode   host {hd:8.1} tok/s   mlx-lm {md:8.1} tok/s   ratio {dr:.3}x  [{dr_lo:.3}, {dr_hi:.3}]\n\
          \x20 prefill  host {hp:8.1} tok/s   mlx-lm {mp:8.1} tok/s   ratio {pr:.3}x  [{pr_lo:.3}, {pr_hi:.3}]\n\
-         \x20 bandwidth bound {:.1} tok/s ({:.1} MB of weights per token at {:.1} GB/s measured); host decode at {:.0}% of it\n\
+         \x20 {}\n\
          \x20 verify window of {} tokens {:.2} ms, one-token step {:.2} ms: {:.2}x a step (median)\n\
          {}",
         r.host.len(),
-        r.bandwidth_bound_tokens_per_s,
-        r.weight_bytes_per_token as f64 / 1e6,
-        r.memory_gb_per_s,
-        100.0 * hd / r.bandwidth_bound_tokens_per_s,
+        match (r.bandwidth_bound_tokens_per_s, r.memory_gb_per_s) {
+            (Some(bound), Some(gb_per_s)) => format!(
+                "bandwidth bound {bound:.1} tok/s ({:.1} MB of weights per token at {gb_per_s:.1} GB/s measured); host decode at {:.0}% of it",
+                r.weight_bytes_per_token as f64 / 1e6,
+                100.0 * hd / bound
+            ),
+            _ => "bandwidth bound not measured: MLX runs on another device than the CPU whose memory this measures".into(),
+        },
         super::WINDOW,
         r.window_ms,
         r.step_ms,
@@ -234,4 +238,34 @@ fn speculative_text(
         st.accepted,
         if r.identical { "yes" } else { "NO" }
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{PlainBench, Throughput};
+
+    fn bench(memory_gb_per_s: Option<f64>) -> PlainBench {
+        let run = Throughput { prefill_tokens_per_s: 400.0, decode_tokens_per_s: 100.0 };
+        PlainBench {
+            host: vec![run; 2],
+            mlx_lm: vec![run; 2],
+            decode_ratios: vec![1.0; 2],
+            prefill_ratios: vec![1.0; 2],
+            weight_bytes_per_token: 20_000_000,
+            memory_gb_per_s,
+            bandwidth_bound_tokens_per_s: memory_gb_per_s.map(|m| m * 1e9 / 20e6),
+            step_ms: 10.0,
+            window_ms: 15.0,
+            window_over_step: 1.5,
+            sampling: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn the_bandwidth_bound_is_the_cpus_and_left_out_off_it() {
+        let on_cpu = super::plain_text(8, 32, &bench(Some(10.0)));
+        assert!(on_cpu.contains("bandwidth bound 500.0 tok/s (20.0 MB of weights per token at 10.0 GB/s measured); host decode at 20% of it"), "{on_cpu}");
+        let elsewhere = super::plain_text(8, 32, &bench(None));
+        assert!(elsewhere.contains("bandwidth bound not measured: MLX runs on another device"), "{elsewhere}");
+    }
 }
