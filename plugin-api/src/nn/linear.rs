@@ -221,10 +221,8 @@ impl Embedding {
 /// bfloat16; an id outside the table is an error that names it.
 fn rows_from_tiles(tiles: &Tiles, ids: &Array) -> Result<Array, Exception> {
     let ids = kernels::row_major(ids)?;
-    let picked: Vec<i64> = match ids.dtype() {
-        Dtype::Int32 => ids.as_slice::<i32>().iter().map(|&i| i as i64).collect(),
-        Dtype::Uint32 => ids.as_slice::<u32>().iter().map(|&i| i as i64).collect(),
-        other => return Err(Exception::custom(format!("token ids of {other:?}, not int32 or uint32"))),
+    let Some(picked) = kernels::token_ids(&ids) else {
+        return Err(Exception::custom(format!("token ids of {:?}, not int32 or uint32", ids.dtype())));
     };
     let mut bits = Vec::with_capacity(picked.len() * tiles.k);
     for &id in &picked {

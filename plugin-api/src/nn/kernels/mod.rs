@@ -145,11 +145,7 @@ pub fn dequantized_rows(
     }
     let ids = row_major(ids)?;
     let mut shape = ids.shape().to_vec();
-    let ids: Vec<i64> = match ids.dtype() {
-        Dtype::Int32 => ids.as_slice::<i32>().iter().map(|&i| i as i64).collect(),
-        Dtype::Uint32 => ids.as_slice::<u32>().iter().map(|&i| i as i64).collect(),
-        _ => return Ok(None),
-    };
+    let Some(ids) = token_ids(&ids) else { return Ok(None) };
     let (Some(packed), Some(s), Some(b)) = (slice::<u32>(w), params(scales), params(biases)) else {
         return Ok(None);
     };
@@ -172,6 +168,16 @@ pub fn dequantized_rows(
     });
     shape.push(k as i32);
     Ok(Some(rounded(&out, &shape, dtype)))
+}
+
+/// Token ids of int32 or uint32 (evaluated, row-major) as i64, so that a negative int32 id is
+/// seen as one; `None` for ids of another dtype.
+pub(crate) fn token_ids(ids: &Array) -> Option<Vec<i64>> {
+    match ids.dtype() {
+        Dtype::Int32 => Some(ids.as_slice::<i32>().iter().map(|&i| i as i64).collect()),
+        Dtype::Uint32 => Some(ids.as_slice::<u32>().iter().map(|&i| i as i64).collect()),
+        _ => None,
+    }
 }
 
 /// The `n` outputs of every row of `x` as an array of x's dtype: `run(x, outputs, y)` fills
@@ -777,14 +783,23 @@ mod tests {
         }
     }
 
+    /// Whether this CPU lets the tests of the tiled route run (saying so where it does not).
+    #[cfg(target_arch = "x86_64")]
+    fn tiles_here() -> bool {
+        let here = amx_bf16::supported();
+        if !here {
+            eprintln!("no AMX tiles on this CPU: the tiled route is not tested here");
+        }
+        here
+    }
+
     /// The AMX tiles ([`amx_bf16`]) where the CPU has them: MLX's float32 product of the same
     /// values up to summation order, a row's result the same alone, in a window of any size and
     /// in either half of a split, and zeros appended to both operands changing no sum.
     #[test]
     #[cfg(target_arch = "x86_64")]
     fn tiled_products_equal_mlxs_and_each_row_alone() {
-        if !amx_bf16::supported() {
-            eprintln!("no AMX tiles on this CPU: the tiled route is not tested here");
+        if !tiles_here() {
             return;
         }
         let tiled = |x: &[f32], rows: usize, bf16_rows: bool, tiles: &amx_bf16::Tiles, outputs| {
@@ -841,8 +856,7 @@ mod tests {
     #[test]
     #[cfg(target_arch = "x86_64")]
     fn the_fma_loops_sum_as_the_tile_unit_over_wide_and_denormal_values() {
-        if !amx_bf16::supported() {
-            eprintln!("no AMX tiles on this CPU: the tiled route is not tested here");
+        if !tiles_here() {
             return;
         }
         // Magnitudes from 2^-140 (denormal) to 2^19, of both signs: sums that round at every
