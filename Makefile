@@ -54,8 +54,9 @@ demo-model:
 	training/.venv/bin/python training/train_target.py
 	training/.venv/bin/python training/evaluate_target.py
 
-# Trains a drafter of KIND (dflash, dspark, deepspec, assistant) for the Gemma 4 checkpoint in
-# TARGET and writes it to OUT (default: beside TARGET, <TARGET>-<KIND>); resumes if interrupted.
+# Trains a drafter of KIND (dflash, dspark, deepspec, assistant; lookup writes a token datastore)
+# for the Gemma 4 checkpoint in TARGET and writes it to OUT (default: beside TARGET,
+# <TARGET>-<KIND>); resumes if interrupted.
 KIND ?= dflash
 TARGET ?= models/kjv-gemma4
 OUT ?= $(TARGET)-$(KIND)
@@ -63,10 +64,11 @@ train-drafter:
 	bash training/setup.sh
 	training/.venv/bin/python training/train_$(KIND).py --target $(TARGET) --out $(OUT)
 
-# Reproduces the four demo drafters (about 25 minutes each on 2 cores) and records each one's
-# drafts in its reference implementation for the tests (tests/fixtures/kjv-demo).
+# Reproduces the demo drafters (the four learned ones about 25 minutes each on 2 cores, the
+# lookup datastore about 10) and records each learned one's drafts in its reference
+# implementation for the tests (tests/fixtures/kjv-demo).
 demo-drafters:
-	for kind in dflash dspark deepspec assistant; do $(MAKE) train-drafter KIND=$$kind || exit 1; done
+	for kind in dflash dspark deepspec assistant lookup; do $(MAKE) train-drafter KIND=$$kind || exit 1; done
 	bash tests/oracle/setup-venv.sh
 	$(ORACLE_PY) tests/oracle/dflash_oracle.py --trained models/kjv-gemma4-dflash
 	$(ORACLE_PY) tests/oracle/dspark_oracle.py --trained models/kjv-gemma4-dspark
@@ -74,10 +76,10 @@ demo-drafters:
 	bash tests/oracle/setup-venv-hf.sh
 	tests/oracle/.venv-hf/bin/python tests/oracle/assistant_oracle.py --trained models/kjv-gemma4-assistant
 
-# Every demo drafter (and prompt lookup) at every draft length on 20 held-out prompts greedy,
+# Every demo drafter (and prompt lookup alone) at every draft length on 20 held-out prompts greedy,
 # and at two lengths sampled (match, and rejection where the drafter returns probabilities),
 # against plain decoding: the README's table and plot (10 to 55 minutes on 2 cores, by machine).
-DEMO_DRAFTERS := manifests/demo-dflash.toml,manifests/demo-dspark.toml,manifests/demo-deepspec.toml,manifests/demo-assistant.toml,manifests/demo-ngram.toml,manifests/demo-dflash-rejection.toml,manifests/demo-dspark-rejection.toml,manifests/demo-deepspec-rejection.toml
+DEMO_DRAFTERS := manifests/demo-dflash.toml,manifests/demo-dspark.toml,manifests/demo-deepspec.toml,manifests/demo-assistant.toml,manifests/demo-lookup.toml,manifests/demo-ngram.toml,manifests/demo-dflash-rejection.toml,manifests/demo-dspark-rejection.toml,manifests/demo-deepspec-rejection.toml
 drafter-bench: build
 	./target/release/host bench --sweep $(DEMO_DRAFTERS) \
 	  --prompts-file models/kjv-gemma4/bench-prompts.jsonl --draft-tokens 1,2,3,4,6,8 --max-tokens 256 \

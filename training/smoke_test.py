@@ -16,6 +16,7 @@ from mlx.utils import tree_flatten
 import corpus
 import loop
 import tokenizer as tk
+import train_lookup
 import train_target as tt
 
 HERE = Path(__file__).resolve().parent
@@ -71,6 +72,25 @@ def main() -> None:
                 assert "## Centroid head" in (out / "README.md").read_text()
             print(f"smoke: {kind} loss {log[0]['loss']:.3f} -> {log[-1]['loss']:.3f}, wrote "
                   f"{config}, model.safetensors and its card")
+
+        # The lookup datastore: the target's greedy continuations of windows of the text, each
+        # example after <bos>; a second run reuses the kept batches and writes the same file.
+        text, out = Path(tmp) / "text.txt", Path(tmp) / "out-lookup"
+        text.write_text("\n\n".join(d["text"] for d in docs[:2]))
+        command = [sys.executable, str(HERE / "train_lookup.py"), "--preset", "tiny", "--target", str(target),
+                   "--out", str(out), "--text", str(text), "--run", str(Path(tmp) / "run-lookup")]
+        written = []
+        for _ in range(2):
+            subprocess.run(command, check=True)
+            written.append((out / "datastore.safetensors").read_bytes())
+        assert written[0] == written[1], "lookup: a resumed run wrote another datastore"
+        ids = mx.load(str(out / "datastore.safetensors"))["token_ids"].tolist()
+        p = train_lookup.PRESETS["tiny"]
+        stream = [tk.BOS_ID] + tok.encode(docs[0]["text"], add_special_tokens=False).ids
+        assert ids[:1 + p["prefix"]] == [tk.BOS_ID] + stream[:p["prefix"]], ids[:1 + p["prefix"]]
+        assert p["examples"] * (1 + p["prefix"]) <= len(ids) <= p["examples"] * (1 + p["prefix"] + p["greedy"])
+        assert (out / "README.md").exists(), "lookup: no README.md"
+        print(f"smoke: lookup wrote {len(ids)} token ids and its card; a second run wrote the same")
 
 
 if __name__ == "__main__":

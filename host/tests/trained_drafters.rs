@@ -27,6 +27,9 @@ struct Trained {
     name: &'static str,
     /// The plugin that serves it.
     kind: &'static str,
+    /// Whether its drafts on three target states were recorded by its reference implementation
+    /// (a learned drafter's; the lookup datastore has none).
+    reference: bool,
     /// The draft length the pinned τ was measured at.
     gamma: usize,
     /// Generated tokens per target forward, greedy, as `make drafter-bench` measured it for this
@@ -36,10 +39,11 @@ struct Trained {
 }
 
 const TRAINED: &[Trained] = &[
-    Trained { name: "dflash", kind: "dflash", gamma: 4, bench_tau: 2.93 },
-    Trained { name: "dspark", kind: "dflash", gamma: 4, bench_tau: 2.63 },
-    Trained { name: "deepspec", kind: "deepspec", gamma: 4, bench_tau: 2.95 },
-    Trained { name: "assistant", kind: "assistant", gamma: 4, bench_tau: 3.77 },
+    Trained { name: "dflash", kind: "dflash", reference: true, gamma: 4, bench_tau: 2.93 },
+    Trained { name: "dspark", kind: "dflash", reference: true, gamma: 4, bench_tau: 2.63 },
+    Trained { name: "deepspec", kind: "deepspec", reference: true, gamma: 4, bench_tau: 2.95 },
+    Trained { name: "assistant", kind: "assistant", reference: true, gamma: 4, bench_tau: 3.77 },
+    Trained { name: "lookup", kind: "lookup", reference: false, gamma: 4, bench_tau: 3.56 },
 ];
 
 /// The first three bench prompts (held-out chapters).
@@ -71,7 +75,7 @@ fn drafter(t: &Trained, model: &Rc<Gemma4>) -> LoadedDrafter {
 #[test]
 fn drafts_equal_the_reference_implementations_on_three_target_states() {
     let (model, _) = target();
-    for t in TRAINED {
+    for t in TRAINED.iter().filter(|t| t.reference) {
         let drafter = drafter(t, &model);
         let oracle = root().join(format!("tests/fixtures/kjv-demo/{}-drafts.safetensors", t.name));
         let oracle = Weights::load_file(&oracle).unwrap();
@@ -139,7 +143,14 @@ fn a_drafter_that_sat_out_rounds_catches_up() {
     let ngram =
         LoadedDrafter::load(&load_library(&common::workspace_plugin("ngram"), None).unwrap(), None, "").unwrap();
     let trained = TRAINED.iter().map(|t| (t.name, drafter(t, &model)));
-    let measured = [("ngram", 0.62), ("dflash", 0.79), ("dspark", 0.59), ("deepspec", 0.75), ("assistant", 0.93)];
+    let measured = [
+        ("ngram", 0.62),
+        ("dflash", 0.79),
+        ("dspark", 0.59),
+        ("deepspec", 0.75),
+        ("assistant", 0.93),
+        ("lookup", 0.74),
+    ];
     for ((name, drafter), (measured_name, measured)) in [("ngram", ngram)].into_iter().chain(trained).zip(measured) {
         assert_eq!(name, measured_name);
         let config = SpecConfig { draft_tokens: 3, verify: Verify::Match };

@@ -66,6 +66,7 @@ pub trait GroupedDraftProvider: 'static {
     fn capture(&mut self, row: usize) -> Result<RowState, PluginError>;
 }
 
+pub mod lookup;
 mod source;
 pub use source::{extend_each, taps, ContextDrafter, ContextRow, DraftSource, Snapshot, SourceRows};
 

@@ -5,6 +5,7 @@
 use std::path::Path;
 
 use plugin_api::mlx_rs::Array;
+use plugin_api::sdk::lookup::trailing_ngram;
 use plugin_api::sdk::{DraftProvider, DraftSource, Drafter, Options, Proposal, Snapshot, SourceRows, Target};
 use plugin_api::{Capabilities, Descriptor, PluginError, ProviderInfo};
 
@@ -65,23 +66,6 @@ impl DraftProvider for NgramProvider {
 #[derive(Clone, Default)]
 pub struct History(Vec<u32>);
 
-/// The longest trailing n-gram of `text` (n in `min..=max`) at its first earlier occurrence,
-/// and up to `depth` tokens that followed it there.
-pub fn lookup(text: &[u32], min: usize, max: usize, depth: usize) -> &[u32] {
-    for n in (min..=max).rev() {
-        if text.len() <= n {
-            continue;
-        }
-        let tail = &text[text.len() - n..];
-        // Occurrences that end before the tail starts, so at least one token follows them.
-        if let Some(start) = text[..text.len() - 1].windows(n).position(|w| w == tail) {
-            let from = start + n;
-            return &text[from..(from + depth).min(text.len())];
-        }
-    }
-    &[]
-}
-
 impl DraftSource for History {
     type Shared = Lengths;
 
@@ -92,7 +76,7 @@ impl DraftSource for History {
 
     fn draft(&mut self, n: &Lengths, _row: usize, pending: u32, depth: usize, _: u64) -> Result<Proposal, PluginError> {
         self.0.push(pending);
-        let found = lookup(&self.0, n.min, n.max, depth).to_vec();
+        let found = trailing_ngram(&self.0, n.min, n.max, depth).to_vec();
         self.0.pop();
         Ok(Proposal::tokens(found))
     }
@@ -112,31 +96,6 @@ impl DraftSource for History {
 }
 
 plugin_api::export_drafter!(Ngram);
-
-#[cfg(test)]
-mod tests {
-    use super::lookup;
-
-    #[test]
-    fn prefers_the_longest_trailing_ngram() {
-        // "1 2 3" occurs at 0; "3" alone first occurs at 2 too, but the 3-gram wins.
-        let text = [1, 2, 3, 9, 1, 2, 3];
-        assert_eq!(lookup(&text, 1, 3, 2), &[9, 1]);
-    }
-
-    #[test]
-    fn uses_the_first_earlier_occurrence() {
-        let text = [5, 1, 5, 2, 5];
-        assert_eq!(lookup(&text, 1, 1, 1), &[1]);
-    }
-
-    #[test]
-    fn falls_back_to_shorter_ngrams_and_stops_at_the_text_end() {
-        let text = [7, 8, 4, 8];
-        assert_eq!(lookup(&text, 1, 3, 5), &[4, 8]);
-        assert_eq!(lookup(&[1, 2, 3], 1, 3, 4), &[] as &[u32]);
-    }
-}
 
 #[cfg(test)]
 mod conformance {

@@ -1,0 +1,244 @@
+//! Lookup drafting without weights: prompt lookup in the row's own text first (its longest
+//! trailing n-gram, `min_ngram..=max_ngram`, where it occurred before), and where the text has
+//! none, the most frequent continuation of its trailing n-gram in a token datastore, such as
+//! the target's training text ([`datastore`]). A text repeats itself less often than a corpus
+//! of its kind repeats it, so the datastore drafts where prompt lookup cannot.
+
+use std::path::Path;
+use std::rc::Rc;
+
+use plugin_api::mlx_rs::Array;
+use plugin_api::sdk::lookup::trailing_ngram;
+use plugin_api::sdk::{DraftProvider, DraftSource, Drafter, Options, Proposal, Snapshot, SourceRows, Target};
+use plugin_api::{Capabilities, Descriptor, PluginError, ProviderInfo};
+
+pub mod datastore;
+
+use datastore::{Datastore, SORTED};
+
+pub struct Lookup;
+
+const NAMESPACE: &str = "lookup/1";
+
+impl Drafter for Lookup {
+    type Provider = LookupProvider;
+
+    fn descriptor() -> Descriptor {
+        Descriptor::new("lookup", "prompt and datastore lookup", env!("CARGO_PKG_VERSION"))
+            .summary("prompt lookup, else the most frequent continuation in a datastore of token ids (REST)")
+            .needs_artifact()
+            .option("max_ngram", "3", "longest n-gram looked up in the row's own text")
+            .option("min_ngram", "2", "shortest n-gram looked up in the row's own text")
+            .option("datastore_max_ngram", "4", "longest n-gram looked up in the datastore")
+            .option(
+                "min_share",
+                "0.2",
+                "a datastore draft stops where its most frequent next token follows less than this share of the draft's occurrences",
+            )
+    }
+
+    fn load(artifact: Option<&Path>, options: &Options) -> Result<LookupProvider, PluginError> {
+        let dir = artifact.ok_or_else(|| PluginError::invalid_artifact("lookup needs an artifact directory"))?;
+        let settings = Settings {
+            min_ngram: options.value("min_ngram")?,
+            max_ngram: options.value("max_ngram")?,
+            datastore_max_ngram: options.value("datastore_max_ngram")?,
+            min_share: options.value("min_share")?,
+        };
+        settings.check()?;
+        let id = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        Ok(LookupProvider { store: Rc::new(Datastore::load(dir)?), settings, id })
+    }
+}
+
+/// The manifest's options.
+#[derive(Clone, Copy)]
+struct Settings {
+    min_ngram: usize,
+    max_ngram: usize,
+    datastore_max_ngram: usize,
+    min_share: f64,
+}
+
+impl Settings {
+    fn check(&self) -> Result<(), PluginError> {
+        let refuse = |why: String| Err(PluginError::invalid_options(why));
+        if self.min_ngram == 0 || self.min_ngram > self.max_ngram {
+            return refuse(format!(
+                "need 1 <= min_ngram <= max_ngram, got min_ngram = {}, max_ngram = {}",
+                self.min_ngram, self.max_ngram
+            ));
+        }
+        if !(1..SORTED).contains(&self.datastore_max_ngram) {
+            return refuse(format!("datastore_max_ngram must be in 1..{SORTED}, got {}", self.datastore_max_ngram));
+        }
+        if !(0.0..=1.0).contains(&self.min_share) {
+            return refuse(format!("min_share must be in [0, 1], got {}", self.min_share));
+        }
+        Ok(())
+    }
+}
+
+pub struct LookupProvider {
+    store: Rc<Datastore>,
+    settings: Settings,
+    id: String,
+}
+
+impl DraftProvider for LookupProvider {
+    type Rows = SourceRows<History>;
+
+    fn info(&self) -> ProviderInfo {
+        ProviderInfo {
+            id: self.id.as_str().into(),
+            weights_bytes: self.store.bytes() as u64,
+            namespace: NAMESPACE.into(),
+            trained_depth: 0,
+            capabilities: Capabilities::default(),
+        }
+    }
+
+    fn open(&self, target: Target, rows: usize) -> Result<SourceRows<History>, PluginError> {
+        let vocab = target.info().vocab_size;
+        if self.store.largest_token() >= vocab {
+            return Err(PluginError::incompatible_target(format!(
+                "datastore {}: token id {} is past the target's vocabulary of {vocab}: it was made with another tokenizer",
+                self.id,
+                self.store.largest_token()
+            )));
+        }
+        let shared = Shared { store: self.store.clone(), settings: self.settings };
+        Ok(SourceRows::new(shared, History::default(), rows, NAMESPACE))
+    }
+}
+
+/// What the rows of a group share.
+pub struct Shared {
+    store: Rc<Datastore>,
+    settings: Settings,
+}
+
+/// Every token a row has committed, in order.
+#[derive(Clone, Default)]
+pub struct History(Vec<u32>);
+
+impl DraftSource for History {
+    type Shared = Shared;
+
+    fn prefill(&mut self, _: &Shared, tokens: &[u32], _context: Option<&Array>) -> Result<(), PluginError> {
+        self.0.extend_from_slice(tokens);
+        Ok(())
+    }
+
+    fn draft(&mut self, s: &Shared, _row: usize, pending: u32, depth: usize, _: u64) -> Result<Proposal, PluginError> {
+        let n = &s.settings;
+        self.0.push(pending);
+        let mut found = trailing_ngram(&self.0, n.min_ngram, n.max_ngram, depth).to_vec();
+        if found.is_empty() {
+            found = s.store.continuation(&self.0, n.datastore_max_ngram, depth, n.min_share);
+        }
+        self.0.pop();
+        Ok(Proposal::tokens(found))
+    }
+
+    fn commit(&mut self, _: &Shared, kept: &[u32], _context: Option<&Array>) -> Result<(), PluginError> {
+        self.0.extend_from_slice(kept);
+        Ok(())
+    }
+
+    fn snapshot(&self) -> Snapshot {
+        Snapshot { processed: self.0.len() as u64, ids: self.0.clone(), tensors: Vec::new() }
+    }
+
+    fn restore(_: &Shared, snapshot: Snapshot) -> Result<History, PluginError> {
+        Ok(History(snapshot.ids))
+    }
+}
+
+plugin_api::export_drafter!(Lookup);
+
+#[cfg(test)]
+mod conformance {
+    use std::path::{Path, PathBuf};
+
+    use plugin_api::conformance::{check, Config};
+    use safetensors::tensor::TensorView;
+    use safetensors::Dtype;
+
+    /// A datastore directory holding `bytes` as tensor `token_ids` of `dtype` and `shape`.
+    fn datastore(dtype: Dtype, shape: &[usize], bytes: &[u8]) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        let view = TensorView::new(dtype, shape.to_vec(), bytes).unwrap();
+        let file = safetensors::serialize([(super::datastore::TENSOR, view)], &None).unwrap();
+        std::fs::write(dir.path().join(super::datastore::FILE), file).unwrap();
+        dir
+    }
+
+    /// Token ids from the kit's small alphabet, so that its prompts' n-grams occur.
+    fn small_alphabet() -> tempfile::TempDir {
+        let ids: Vec<u16> = (0..4000u16).map(|i| (i * 7 + i / 5) % 13).collect();
+        datastore(Dtype::U16, &[ids.len()], &ids.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>())
+    }
+
+    fn with(artifact: &Path) -> Config {
+        Config { artifact: Some(artifact.to_owned()), ..Config::default() }
+    }
+
+    fn load_error(config: &Config) -> String {
+        let report = check::<super::Lookup>(config);
+        let failures = report.failures();
+        let failure = failures.first().unwrap_or_else(|| panic!("passed: {report}"));
+        failure.1.clone().unwrap_err()
+    }
+
+    #[test]
+    fn passes_the_conformance_kit_with_the_demo_datastore() {
+        let shipped = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/kjv-gemma4-lookup");
+        check::<super::Lookup>(&Config::demo_target(shipped)).assert_passed();
+    }
+
+    #[test]
+    fn drafts_from_the_datastore_in_batches_and_deep_drafts() {
+        let dir = small_alphabet();
+        // Prompt lookup off (its shortest n-gram longer than the kit's prompts), so every draft
+        // comes from the datastore.
+        let config = Config {
+            options: "min_ngram = 30\nmax_ngram = 30\n".into(),
+            rows: 5,
+            depth: 7,
+            rounds: 12,
+            ..with(dir.path())
+        };
+        let report = check::<super::Lookup>(&config);
+        assert!(report.passed(), "{report}");
+        assert!(report.drafted > 0, "no tokens drafted in {} rounds", config.rounds);
+    }
+
+    #[test]
+    fn refuses_a_datastore_it_cannot_read_naming_file_and_tensor() {
+        let empty = tempfile::tempdir().unwrap();
+        assert!(load_error(&with(empty.path())).contains("no datastore.safetensors"));
+        let floats = datastore(Dtype::F32, &[2], &[0; 8]);
+        assert!(load_error(&with(floats.path())).contains("tensor `token_ids` has dtype F32, expected U16 or U32"));
+        let matrix = datastore(Dtype::U32, &[2, 1], &[0; 8]);
+        assert!(load_error(&with(matrix.path())).contains("has shape [2, 1], expected one axis"));
+        std::fs::write(matrix.path().join(super::datastore::FILE), b"not safetensors").unwrap();
+        assert!(load_error(&with(matrix.path())).contains("not a valid safetensors file"));
+    }
+
+    #[test]
+    fn refuses_a_target_whose_vocabulary_lacks_its_tokens() {
+        let dir = datastore(Dtype::U32, &[2], &[1, 0, 0, 0, 0x10, 0x27, 0, 0]);
+        let error = load_error(&Config { vocab_size: 512, ..with(dir.path()) });
+        assert!(error.contains("token id 10000 is past the target's vocabulary of 512"), "{error}");
+    }
+
+    #[test]
+    fn refuses_bad_options() {
+        let dir = small_alphabet();
+        let options = |o: &str| Config { options: o.into(), ..with(dir.path()) };
+        assert!(load_error(&options("min_ngram = 4\nmax_ngram = 2\n")).contains("min_ngram = 4, max_ngram = 2"));
+        assert!(load_error(&options("datastore_max_ngram = 0\n")).contains("datastore_max_ngram must be in 1..32"));
+        assert!(load_error(&options("min_share = 1.5\n")).contains("min_share must be in [0, 1], got 1.5"));
+    }
+}
