@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 import corpus
 from drafter_data import load_float32_target
+from drafter_train import refresh_target_card, shown
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -92,31 +93,34 @@ def datastore(prompt_rows: np.ndarray, continuations: np.ndarray, bos: int, eos)
     return np.array(ids)
 
 
-def write_card(out: Path, target: Path, p: dict, ids: np.ndarray, text_file, minutes: float) -> None:
+def write_card(out: Path, target: Path, preset: str, p: dict, ids: np.ndarray, text_file, minutes: float) -> None:
     source = f"`{text_file}`" if text_file else "the training split of the demo corpus (`training/corpus.py`)"
-    command = f"training/.venv/bin/python training/train_lookup.py --target {target} --out {out}"
+    command = f"training/.venv/bin/python training/train_lookup.py --target {shown(target)} --out {shown(out)}"
     command += f" --text {text_file}" if text_file else ""
+    recipe = ", ".join(f"{k} {v}" for k, v in p.items())
     (out / "README.md").write_text(f"""# {out.name}: a token datastore for the lookup drafter
 
 The `lookup` plugin's artifact for [{target.name}](../{target.name}): the target's own greedy
-continuations of {p['examples']} prompts of {p['prefix']} tokens, taken at evenly spaced places of
-{source}, {p['greedy']} tokens each (cut at an end token), each example after `<bos>`:
-{len(ids)} token ids ({ids.dtype}, {ids.nbytes / 1e6:.1f} MB) in `datastore.safetensors`.
-No held-out chapter is in it.
+continuations ({p['greedy']} tokens, cut at an end token) of {p['examples']} prompts of {p['prefix']} tokens
+taken at evenly spaced places of {source},
+each example after `<bos>`, in `datastore.safetensors`. No held-out chapter is in it.
 
 Nothing is trained. Where prompt lookup finds nothing in a request's own text, the drafter
 proposes the most frequent continuation of the text's trailing n-gram in the datastore (REST,
 He et al., 2023, "REST: Retrieval-Based Speculative Decoding"); the plugin sorts the
-datastore's suffixes when it loads it. The continuations are the target's (self-distillation,
-as the learned drafters), not the corpus's: what the drafter must guess is what the target writes.
+datastore's suffixes when it loads it. The continuations are the target's, not the corpus's
+(self-distillation, as for the learned drafters): what the drafter must guess is what the
+target writes.
 
-- Written by `training/train_lookup.py` (`make train-drafter KIND=lookup`) in {minutes:.1f} min
-  on the 2-core machine that made it (float32, {p['batch']} rows at once).
+- Recipe (preset `{preset}`): {recipe}.
+- {len(ids)} token ids ({ids.dtype}), {ids.nbytes / 1e6:.1f} MB.
+- Generation time on the 2-core machine that made it: {minutes:.1f} min (float32 target).
 - Command (from the repository root): `{command}`
 
 The speed-up it buys is measured by `make drafter-bench` (the demo target's model card and the
 README).
 """)
+    refresh_target_card(target)
 
 
 def main() -> None:
@@ -133,7 +137,6 @@ def main() -> None:
     config = json.loads((args.target / "config.json").read_text())
     eos = config["eos_token_id"] if isinstance(config["eos_token_id"], list) else [config["eos_token_id"]]
 
-    started = time.time()
     rows = prompts(text_stream(args.target, documents(args.text)), p["examples"], p["prefix"])
     model = load_float32_target(args.target)
     batches = range(0, len(rows), p["batch"])
@@ -144,17 +147,22 @@ def main() -> None:
         key.update((args.target / name).read_bytes())
     run = run / key.hexdigest()[:16]
     run.mkdir(parents=True, exist_ok=True)
+    seconds = 0.0
     for b in tqdm(batches, desc="continuations", unit="batch"):
         kept = run / f"batch-{b // p['batch']:04d}.npy"
+        took = kept.with_suffix(".seconds")
         if not kept.exists():
+            started = time.time()
             np.save(kept, continue_greedily(model, rows[b:b + p["batch"]], p["greedy"]))
+            took.write_text(f"{time.time() - started:.1f}")
         continuations.append(np.load(kept))
+        seconds += float(took.read_text()) if took.exists() else 0.0
     ids = datastore(rows, np.concatenate(continuations), config["bos_token_id"], eos)
     ids = ids.astype(np.uint16 if config["vocab_size"] <= 1 << 16 else np.uint32)
 
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "datastore.safetensors"), {"token_ids": mx.array(ids)})
-    write_card(out, args.target, p, ids, args.text, (time.time() - started) / 60)
+    write_card(out, args.target, args.preset, p, ids, args.text, seconds / 60)
     print(f"{out / 'datastore.safetensors'}: {len(ids)} token ids from {len(rows)} continuations")
 
 

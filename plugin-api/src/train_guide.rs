@@ -19,7 +19,13 @@
 //!    share of a target step. The assistant also gets a centroid head after training
 //!    (`training/fit_centroids.py`, also runnable alone on a trained assistant), so that a
 //!    draft step scores a few groups of tokens instead of the whole vocabulary; its card says
-//!    how often the draft still lies in the groups kept.
+//!    how often the draft still lies in the groups kept. `make train-drafter KIND=lookup
+//!    TARGET=DIR` trains nothing: it writes a datastore of the target's own greedy
+//!    continuations of prompts taken from the text (about 10 minutes for a million tokens on
+//!    two cores), in which the `lookup` plugin looks the request's trailing n-gram up where
+//!    prompt lookup finds nothing in the request itself. It needs no reference check, and on
+//!    a small target, where a learned drafter's pass is large beside a target step, it is the
+//!    one to try first.
 //! 3. **Check it against its reference.** `tests/oracle/{dflash,deepspec,dspark,assistant}_oracle.py
 //!    --trained DIR-<kind>` records what the kind's reference implementation (dflash 0.1.0,
 //!    dspark-mlx 0.1.0, the NumPy equations, transformers 5.23.0 in `tests/oracle/.venv-hf`)
@@ -54,7 +60,7 @@
 //! draft + verify" column). On this repository's CPU measurements a 5-token window costs
 //! 1.5–2.5× a one-token step, and the drafter's pass is arithmetic of its own beside it. So
 //! the larger the target's step against the drafter's pass, the more τ buys: on the
-//! 10M-parameter demo target (a step of under 1 ms) the best learned drafters reach 1.2–1.4×
-//! with τ 2.6–3.7, a round costing 2.3–3.0 steps, and prompt lookup, which drafts for free,
-//! 1.4×. `host run --stats` shows τ, acceptance by position and a round's drafting and
+//! 10M-parameter demo target (a step of under 1 ms) the best learned drafters reach 1.2–1.5×
+//! with τ 2.7–3.8, a round costing 2.3–2.6 steps, prompt lookup, which drafts for free,
+//! 1.7×, and lookup in the target's own continuations, also free, 2.1–2.2× with τ 3.6–4.9. `host run --stats` shows τ, acceptance by position and a round's drafting and
 //! verifying time for one request.
