@@ -4,8 +4,8 @@ after the target's `<bos>`, uint16 when the vocabulary fits, else uint32).
 
     python train_lookup.py --target ../models/kjv-gemma4 --out ../models/kjv-gemma4-lookup
 
-Nothing is trained. Where prompt lookup finds nothing in a request's own text, the drafter
-proposes the most frequent continuation of the text's trailing n-gram in the datastore (REST,
+Nothing is trained. Where the datastore holds a longer match of a request's trailing n-gram
+than the request's own text, the drafter proposes its most frequent continuation there (REST,
 He et al., 2023, "REST: Retrieval-Based Speculative Decoding"). REST looks continuations up in
 a corpus; here, as every learned drafter learns from the target itself (self-distillation),
 the datastore holds what the target wrote: its greedy continuations of `--prefix` tokens taken
@@ -105,8 +105,8 @@ continuations ({p['greedy']} tokens, cut at an end token) of {p['examples']} pro
 taken at evenly spaced places of {source},
 each example after `<bos>`, in `datastore.safetensors`. No held-out chapter is in it.
 
-Nothing is trained. Where prompt lookup finds nothing in a request's own text, the drafter
-proposes the most frequent continuation of the text's trailing n-gram in the datastore (REST,
+Nothing is trained. Where the datastore holds a longer match of a request's trailing n-gram
+than the request's own text, the drafter proposes its most frequent continuation there (REST,
 He et al., 2023, "REST: Retrieval-Based Speculative Decoding"); the plugin sorts the
 datastore's suffixes when it loads it. The continuations are the target's, not the corpus's
 (self-distillation, as for the learned drafters): what the drafter must guess is what the

@@ -22,8 +22,8 @@
 //!    how often the draft still lies in the groups kept. `make train-drafter KIND=lookup
 //!    TARGET=DIR` trains nothing: it writes a datastore of the target's own greedy
 //!    continuations of prompts taken from the text (about 10 minutes for a million tokens on
-//!    two cores), in which the `lookup` plugin looks the request's trailing n-gram up where
-//!    prompt lookup finds nothing in the request itself. It needs no reference check, and on
+//!    two cores), in which the `lookup` plugin looks the request's trailing n-gram up beside
+//!    the request's own text (prompt lookup), drafting from whichever matched longer. It needs no reference check, and on
 //!    a small target, where a learned drafter's pass is large beside a target step, it is the
 //!    one to try first.
 //! 3. **Check it against its reference.** `tests/oracle/{dflash,deepspec,dspark,assistant}_oracle.py
@@ -62,5 +62,6 @@
 //! the larger the target's step against the drafter's pass, the more τ buys: on the
 //! 10M-parameter demo target (a step of under 1 ms) the best learned drafters reach 1.2–1.5×
 //! with τ 2.7–3.8, a round costing 2.3–2.6 steps, prompt lookup, which drafts for free,
-//! 1.7×, and lookup in the target's own continuations, also free, 2.1–2.2× with τ 3.6–4.9. `host run --stats` shows τ, acceptance by position and a round's drafting and
-//! verifying time for one request.
+//! 1.6×, and lookup in the target's own continuations, also free, 2.3–2.7× with τ 4.0–5.9.
+//! `host run --stats` shows τ, acceptance by position and a round's drafting and verifying
+//! time for one request.

@@ -10,16 +10,16 @@
 //!
 //! | rows | γ = 1 | γ = 2 | γ = 3 | γ = 4 | γ = 6 | γ = 8 |
 //! |---|---|---|---|---|---|---|
-//! | 1 | 1.27× | 1.50× | 1.64× | 1.69× | 1.71× | 1.63× |
-//! | 2 | 1.34× | 1.49× | 1.53× | 1.50× | 1.48× | 1.23× |
-//! | 3 | 1.15× | 1.38× | 1.41× | 1.36× | 1.17× | 1.11× |
-//! | 4 | 1.23× | 1.23× | 1.22× | 1.08× | 0.98× | 0.84× |
-//! | 8 | 1.03× | 0.96× | 0.92× | 0.80× | 0.72× | 0.62× |
-//! | 16 | 0.92× | 0.85× | 0.78× | 0.71× | 0.52× | 0.46× |
+//! | 1 | 1.29× | 1.61× | 1.68× | 1.75× | 1.74× | 1.76× |
+//! | 2 | 1.33× | 1.55× | 1.56× | 1.58× | 1.45× | 1.27× |
+//! | 3 | 1.26× | 1.42× | 1.42× | 1.40× | 1.23× | 1.12× |
+//! | 4 | 1.19× | 1.29× | 1.24× | 1.09× | 1.04× | 0.92× |
+//! | 8 | 1.04× | 0.97× | 0.92× | 0.83× | 0.71× | 0.64× |
+//! | 16 | 0.89× | 0.86× | 0.77× | 0.71× | 0.54× | 0.48× |
 //!
-//! So 4 tokens for one row (γ 6 gains 1% more and costs more under load), 3 for two or three,
-//! 2 for four, and none from five on, where the best length gained 3% at eight rows and lost
-//! at sixteen.
+//! So 4 tokens for one row (γ 8 gains 1% more and costs far more under load), 3 for two or
+//! three (γ 4 gains 1% at two), 2 for four, and none from five on, where the best length gained
+//! 4% at eight rows and lost at sixteen.
 
 /// The most tokens a row drafts under "auto" (the caches' rollback room is sized for it).
 pub const AUTO_MOST: usize = 4;

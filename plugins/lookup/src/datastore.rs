@@ -108,11 +108,11 @@ impl Datastore {
         best
     }
 
-    /// Up to `depth` tokens to follow `text`: where its longest trailing n-gram (n at most
-    /// `longest`) occurred, the most frequent next token, then the most frequent after both,
-    /// and so on, stopping where that token follows less than `min_share` of the places the
-    /// draft so far occurred.
-    pub fn continuation(&self, text: &[u32], longest: usize, depth: usize, min_share: f64) -> Vec<u32> {
+    /// The longest trailing n-gram of `text` (n at most `longest`) that occurs here: n, and up
+    /// to `depth` tokens to follow it: the most frequent next token where it occurred, then the
+    /// most frequent after both, and so on, stopping where that token follows less than
+    /// `min_share` of the places the draft so far occurred. (0, none) where no n-gram occurs.
+    pub fn continuation(&self, text: &[u32], longest: usize, depth: usize, min_share: f64) -> (usize, Vec<u32>) {
         for n in (1..=longest.min(text.len()).min(SORTED)).rev() {
             let mut range = self.occurrences(&text[text.len() - n..]);
             if range.is_empty() {
@@ -127,9 +127,9 @@ impl Datastore {
                 draft.push(token);
                 range = group;
             }
-            return draft;
+            return (n, draft);
         }
-        Vec::new()
+        (0, Vec::new())
     }
 }
 
@@ -161,25 +161,25 @@ mod tests {
     fn follows_the_most_frequent_continuation() {
         // After "1 2": "3 5" twice, "4" once.
         let store = Datastore::new(vec![1, 2, 3, 5, 0, 1, 2, 4, 0, 1, 2, 3, 5, 0]);
-        assert_eq!(store.continuation(&[7, 1, 2], 2, 3, 0.0), [3, 5, 0]);
+        assert_eq!(store.continuation(&[7, 1, 2], 2, 3, 0.0), (2, vec![3, 5, 0]));
         // "3" follows two of the three places; at a share of 0.7 the draft is empty.
-        assert_eq!(store.continuation(&[7, 1, 2], 2, 3, 0.7), [] as [u32; 0]);
+        assert_eq!(store.continuation(&[7, 1, 2], 2, 3, 0.7), (2, vec![]));
     }
 
     #[test]
     fn ties_go_to_the_lower_token_and_the_longest_ngram_wins() {
         // After "2": "8" once and "6" once; after "1 2", only "8".
         let store = Datastore::new(vec![1, 2, 8, 0, 5, 2, 6]);
-        assert_eq!(store.continuation(&[9, 2], 2, 1, 0.0), [6]);
-        assert_eq!(store.continuation(&[1, 2], 2, 1, 0.0), [8]);
+        assert_eq!(store.continuation(&[9, 2], 2, 1, 0.0), (1, vec![6]));
+        assert_eq!(store.continuation(&[1, 2], 2, 1, 0.0), (2, vec![8]));
     }
 
     #[test]
     fn stops_at_the_end_of_the_text_and_when_nothing_matches() {
         let store = Datastore::new(vec![4, 5, 6]);
-        assert_eq!(store.continuation(&[5], 3, 8, 0.0), [6]);
-        assert_eq!(store.continuation(&[6], 3, 8, 0.0), [] as [u32; 0]);
-        assert_eq!(store.continuation(&[9], 3, 8, 0.0), [] as [u32; 0]);
-        assert_eq!(store.continuation(&[], 3, 8, 0.0), [] as [u32; 0]);
+        assert_eq!(store.continuation(&[5], 3, 8, 0.0), (1, vec![6]));
+        assert_eq!(store.continuation(&[6], 3, 8, 0.0), (1, vec![]));
+        assert_eq!(store.continuation(&[9], 3, 8, 0.0), (0, vec![]));
+        assert_eq!(store.continuation(&[], 3, 8, 0.0), (0, vec![]));
     }
 }

@@ -1,7 +1,8 @@
-//! Lookup drafting without weights: prompt lookup in the row's own text first (its longest
-//! trailing n-gram, `min_ngram..=max_ngram`, where it occurred before), and where the text has
-//! none, the most frequent continuation of its trailing n-gram in a token datastore, such as
-//! the target's training text ([`datastore`]). A text repeats itself less often than a corpus
+//! Lookup drafting without weights: the tokens that followed the row's longest trailing n-gram
+//! where it occurred before in the row's own text (prompt lookup, `min_ngram..=max_ngram`),
+//! or the most frequent continuation of its longest trailing n-gram in a token datastore, such
+//! as the target's own continuations of its training text ([`datastore`]), whichever source
+//! matched the longer n-gram (the text on ties). A text repeats itself less often than a corpus
 //! of its kind repeats it, so the datastore drafts where prompt lookup cannot.
 
 use std::path::Path;
@@ -25,11 +26,11 @@ impl Drafter for Lookup {
 
     fn descriptor() -> Descriptor {
         Descriptor::new("lookup", "prompt and datastore lookup", env!("CARGO_PKG_VERSION"))
-            .summary("prompt lookup, else the most frequent continuation in a datastore of token ids (REST)")
+            .summary("prompt lookup or the most frequent continuation in a datastore of token ids (REST), whichever matched longer")
             .needs_artifact()
             .option("max_ngram", "3", "longest n-gram looked up in the row's own text")
             .option("min_ngram", "2", "shortest n-gram looked up in the row's own text")
-            .option("datastore_max_ngram", "4", "longest n-gram looked up in the datastore")
+            .option("datastore_max_ngram", "12", "longest n-gram looked up in the datastore")
             .option(
                 "min_share",
                 "0.2",
@@ -133,10 +134,14 @@ impl DraftSource for History {
     fn draft(&mut self, s: &Shared, _row: usize, pending: u32, depth: usize, _: u64) -> Result<Proposal, PluginError> {
         let n = &s.settings;
         self.0.push(pending);
-        let mut found = trailing_ngram(&self.0, n.min_ngram, n.max_ngram, depth).to_vec();
-        if found.is_empty() {
-            found = s.store.continuation(&self.0, n.datastore_max_ngram, depth, n.min_share);
-        }
+        let (in_text, from_text) = trailing_ngram(&self.0, n.min_ngram, n.max_ngram, depth);
+        let (in_store, from_store) = s.store.continuation(&self.0, n.datastore_max_ngram, depth, n.min_share);
+        // The source whose match is longer knows more of the context; the text on ties.
+        let found = if (in_store > in_text && !from_store.is_empty()) || from_text.is_empty() {
+            from_store
+        } else {
+            from_text.to_vec()
+        };
         self.0.pop();
         Ok(Proposal::tokens(found))
     }

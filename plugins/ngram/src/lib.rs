@@ -76,7 +76,7 @@ impl DraftSource for History {
 
     fn draft(&mut self, n: &Lengths, _row: usize, pending: u32, depth: usize, _: u64) -> Result<Proposal, PluginError> {
         self.0.push(pending);
-        let found = trailing_ngram(&self.0, n.min, n.max, depth).to_vec();
+        let found = trailing_ngram(&self.0, n.min, n.max, depth).1.to_vec();
         self.0.pop();
         Ok(Proposal::tokens(found))
     }
