@@ -163,6 +163,30 @@ impl DraftSource for History {
 plugin_api::export_drafter!(Lookup);
 
 #[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A row whose text is `text`, drafting `depth` tokens after `pending` against `store`.
+    fn draft(store: Vec<u32>, text: &[u32], pending: u32, depth: usize) -> Vec<u32> {
+        let settings = Settings { min_ngram: 2, max_ngram: 3, datastore_max_ngram: 12, min_share: 0.0 };
+        let shared = Shared { store: Rc::new(Datastore::new(store)), settings };
+        let mut row = History(text.to_vec());
+        row.draft(&shared, 0, pending, depth, 0).unwrap().tokens
+    }
+
+    #[test]
+    fn the_longer_match_wins_and_the_text_on_ties() {
+        // The text's own "5 6" was followed by 9; the datastore knows "4 5 6", followed by 7.
+        let text = [5, 6, 9, 1, 4, 5];
+        assert_eq!(draft(vec![4, 5, 6, 7, 8], &text, 6, 2), [7, 8]);
+        // The datastore knows only "5 6" too: a tie, and the text's continuation.
+        assert_eq!(draft(vec![5, 6, 7, 8], &text, 6, 2), [9, 1]);
+        // No n-gram of the text recurs: the datastore's, however short its match.
+        assert_eq!(draft(vec![3, 6, 7], &[1, 2], 6, 2), [7]);
+    }
+}
+
+#[cfg(test)]
 mod conformance {
     use std::path::{Path, PathBuf};
 
