@@ -28,11 +28,30 @@ pub struct Datastore {
 }
 
 impl Datastore {
-    /// Sorts the suffixes: about 0.25 s for the demo's 1.2M tokens on one core.
+    /// Sorts the suffixes, each half on its own thread (the SDK's product helper), then merges
+    /// them: for the demo's 1.2M tokens, 0.25 s on one core.
     pub fn new(tokens: Vec<u32>) -> Datastore {
-        let mut suffixes: Vec<u32> = (0..tokens.len() as u32).collect();
-        let head = |p: u32| &tokens[p as usize..(p as usize + SORTED).min(tokens.len())];
-        suffixes.sort_unstable_by(|&a, &b| head(a).cmp(head(b)).then(a.cmp(&b)));
+        let order = |a: &u32, b: &u32| {
+            let head = |p: u32| &tokens[p as usize..(p as usize + SORTED).min(tokens.len())];
+            head(*a).cmp(head(*b)).then(a.cmp(b))
+        };
+        let mut halves: Vec<u32> = (0..tokens.len() as u32).collect();
+        let (lower, upper) = halves.split_at_mut(tokens.len() / 2);
+        plugin_api::nn::helper::join(|| lower.sort_unstable_by(order), || upper.sort_unstable_by(order));
+        let (lower, upper) = halves.split_at(tokens.len() / 2);
+        let mut suffixes = Vec::with_capacity(tokens.len());
+        let (mut i, mut j) = (0, 0);
+        while i < lower.len() && j < upper.len() {
+            if order(&lower[i], &upper[j]).is_le() {
+                suffixes.push(lower[i]);
+                i += 1;
+            } else {
+                suffixes.push(upper[j]);
+                j += 1;
+            }
+        }
+        suffixes.extend_from_slice(&lower[i..]);
+        suffixes.extend_from_slice(&upper[j..]);
         Datastore { tokens, suffixes }
     }
 
