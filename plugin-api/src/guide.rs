@@ -31,6 +31,9 @@
 //!      its count of MLX ops whatever the rows, so overriding them to run every row in one pass
 //!      pays under batching (DFlash does, through
 //!      [`ContextDrafter::draft_rows`](crate::sdk::ContextDrafter::draft_rows)/`extend_rows`).
+//!      A drafter that reads only the row's tokens implements
+//!      [`FromText`](crate::sdk::lookup::FromText) instead, and
+//!      [`TextRow`](crate::sdk::lookup::TextRow) is its row (the `ngram` and `lookup` plugins).
 //!    - [`GroupedDraftProvider`](crate::sdk::GroupedDraftProvider), all B rows at once, for a
 //!      drafter whose rows cannot be handled apart.
 //!

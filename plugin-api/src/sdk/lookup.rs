@@ -1,5 +1,68 @@
-//! Looking a row's own text up, for drafters without weights: the tokens that followed the
-//! text's longest trailing n-gram where it occurred before (prompt lookup).
+//! Drafters without weights, that draft from a row's text alone: [`TextRow`] keeps the text
+//! (every token the row has committed) and asks a [`FromText`] for each draft;
+//! [`trailing_ngram`] is prompt lookup, the tokens that followed the text's longest trailing
+//! n-gram where it occurred before.
+
+use std::marker::PhantomData;
+
+use mlx_rs::Array;
+
+use super::{DraftSource, Proposal, Snapshot};
+use crate::PluginError;
+
+/// How a drafter that reads only the row's text drafts.
+pub trait FromText: 'static {
+    /// Up to `depth` tokens to follow `text` (the row's committed tokens, then its pending one).
+    fn draft(&self, text: &[u32], depth: usize) -> Vec<u32>;
+}
+
+/// A row that remembers every token it committed and drafts through `D`, the row group's
+/// shared [`FromText`].
+pub struct TextRow<D> {
+    text: Vec<u32>,
+    drafter: PhantomData<fn() -> D>,
+}
+
+impl<D> Clone for TextRow<D> {
+    fn clone(&self) -> Self {
+        TextRow { text: self.text.clone(), drafter: PhantomData }
+    }
+}
+
+impl<D> Default for TextRow<D> {
+    fn default() -> Self {
+        TextRow { text: Vec::new(), drafter: PhantomData }
+    }
+}
+
+impl<D: FromText> DraftSource for TextRow<D> {
+    type Shared = D;
+
+    fn prefill(&mut self, _: &D, tokens: &[u32], _context: Option<&Array>) -> Result<(), PluginError> {
+        self.text.extend_from_slice(tokens);
+        Ok(())
+    }
+
+    fn draft(&mut self, drafter: &D, _row: usize, pending: u32, depth: usize, _: u64) -> Result<Proposal, PluginError> {
+        self.text.push(pending);
+        let found = drafter.draft(&self.text, depth);
+        self.text.pop();
+        Ok(Proposal::tokens(found))
+    }
+
+    fn commit(&mut self, _: &D, kept: &[u32], _context: Option<&Array>) -> Result<(), PluginError> {
+        self.text.extend_from_slice(kept);
+        Ok(())
+    }
+
+    fn snapshot(&self) -> Snapshot {
+        Snapshot { processed: self.text.len() as u64, ids: self.text.clone(), tensors: Vec::new() }
+    }
+
+    fn restore(_: &D, snapshot: Snapshot) -> Result<TextRow<D>, PluginError> {
+        Ok(TextRow { text: snapshot.ids, drafter: PhantomData })
+    }
+}
 
 /// The longest trailing n-gram of `text` (n in `min..=max`) at its first earlier occurrence:
 /// n, and up to `depth` tokens that followed it there (none, and n = 0, where no n-gram

@@ -8,9 +8,8 @@
 use std::path::Path;
 use std::rc::Rc;
 
-use plugin_api::mlx_rs::Array;
-use plugin_api::sdk::lookup::trailing_ngram;
-use plugin_api::sdk::{DraftProvider, DraftSource, Drafter, Options, Proposal, Snapshot, SourceRows, Target};
+use plugin_api::sdk::lookup::{trailing_ngram, FromText, TextRow};
+use plugin_api::sdk::{DraftProvider, Drafter, Options, SourceRows, Target};
 use plugin_api::{Capabilities, Descriptor, PluginError, ProviderInfo};
 
 pub mod datastore;
@@ -87,7 +86,7 @@ pub struct LookupProvider {
 }
 
 impl DraftProvider for LookupProvider {
-    type Rows = SourceRows<History>;
+    type Rows = SourceRows<TextRow<Shared>>;
 
     fn info(&self) -> ProviderInfo {
         ProviderInfo {
@@ -99,7 +98,7 @@ impl DraftProvider for LookupProvider {
         }
     }
 
-    fn open(&self, target: Target, rows: usize) -> Result<SourceRows<History>, PluginError> {
+    fn open(&self, target: Target, rows: usize) -> Result<SourceRows<TextRow<Shared>>, PluginError> {
         let vocab = target.info().vocab_size;
         if self.store.largest_token() >= vocab {
             return Err(PluginError::incompatible_target(format!(
@@ -109,7 +108,7 @@ impl DraftProvider for LookupProvider {
             )));
         }
         let shared = Shared { store: self.store.clone(), settings: self.settings };
-        Ok(SourceRows::new(shared, History::default(), rows, NAMESPACE))
+        Ok(SourceRows::new(shared, TextRow::default(), rows, NAMESPACE))
     }
 }
 
@@ -119,44 +118,17 @@ pub struct Shared {
     settings: Settings,
 }
 
-/// Every token a row has committed, in order.
-#[derive(Clone, Default)]
-pub struct History(Vec<u32>);
-
-impl DraftSource for History {
-    type Shared = Shared;
-
-    fn prefill(&mut self, _: &Shared, tokens: &[u32], _context: Option<&Array>) -> Result<(), PluginError> {
-        self.0.extend_from_slice(tokens);
-        Ok(())
-    }
-
-    fn draft(&mut self, s: &Shared, _row: usize, pending: u32, depth: usize, _: u64) -> Result<Proposal, PluginError> {
-        let n = &s.settings;
-        self.0.push(pending);
-        let (in_text, from_text) = trailing_ngram(&self.0, n.min_ngram, n.max_ngram, depth);
-        let (in_store, from_store) = s.store.continuation(&self.0, n.datastore_max_ngram, depth, n.min_share);
+impl FromText for Shared {
+    fn draft(&self, text: &[u32], depth: usize) -> Vec<u32> {
+        let n = &self.settings;
+        let (in_text, from_text) = trailing_ngram(text, n.min_ngram, n.max_ngram, depth);
+        let (in_store, from_store) = self.store.continuation(text, n.datastore_max_ngram, depth, n.min_share);
         // The source whose match is longer knows more of the context; the text on ties.
-        let found = if (in_store > in_text && !from_store.is_empty()) || from_text.is_empty() {
+        if (in_store > in_text && !from_store.is_empty()) || from_text.is_empty() {
             from_store
         } else {
             from_text.to_vec()
-        };
-        self.0.pop();
-        Ok(Proposal::tokens(found))
-    }
-
-    fn commit(&mut self, _: &Shared, kept: &[u32], _context: Option<&Array>) -> Result<(), PluginError> {
-        self.0.extend_from_slice(kept);
-        Ok(())
-    }
-
-    fn snapshot(&self) -> Snapshot {
-        Snapshot { processed: self.0.len() as u64, ids: self.0.clone(), tensors: Vec::new() }
-    }
-
-    fn restore(_: &Shared, snapshot: Snapshot) -> Result<History, PluginError> {
-        Ok(History(snapshot.ids))
+        }
     }
 }
 
@@ -166,23 +138,22 @@ plugin_api::export_drafter!(Lookup);
 mod tests {
     use super::*;
 
-    /// A row whose text is `text`, drafting `depth` tokens after `pending` against `store`.
-    fn draft(store: Vec<u32>, text: &[u32], pending: u32, depth: usize) -> Vec<u32> {
+    /// The draft of `depth` tokens to follow `text` (its last token the pending one) against
+    /// a datastore of `store`.
+    fn draft(store: Vec<u32>, text: &[u32], depth: usize) -> Vec<u32> {
         let settings = Settings { min_ngram: 2, max_ngram: 3, datastore_max_ngram: 12, min_share: 0.0 };
-        let shared = Shared { store: Rc::new(Datastore::new(store)), settings };
-        let mut row = History(text.to_vec());
-        row.draft(&shared, 0, pending, depth, 0).unwrap().tokens
+        Shared { store: Rc::new(Datastore::new(store)), settings }.draft(text, depth)
     }
 
     #[test]
     fn the_longer_match_wins_and_the_text_on_ties() {
         // The text's own "5 6" was followed by 9; the datastore knows "4 5 6", followed by 7.
-        let text = [5, 6, 9, 1, 4, 5];
-        assert_eq!(draft(vec![4, 5, 6, 7, 8], &text, 6, 2), [7, 8]);
+        let text = [5, 6, 9, 1, 4, 5, 6];
+        assert_eq!(draft(vec![4, 5, 6, 7, 8], &text, 2), [7, 8]);
         // The datastore knows only "5 6" too: a tie, and the text's continuation.
-        assert_eq!(draft(vec![5, 6, 7, 8], &text, 6, 2), [9, 1]);
+        assert_eq!(draft(vec![5, 6, 7, 8], &text, 2), [9, 1]);
         // No n-gram of the text recurs: the datastore's, however short its match.
-        assert_eq!(draft(vec![3, 6, 7], &[1, 2], 6, 2), [7]);
+        assert_eq!(draft(vec![3, 6, 7], &[1, 2, 6], 2), [7]);
     }
 }
 

@@ -4,9 +4,8 @@
 
 use std::path::Path;
 
-use plugin_api::mlx_rs::Array;
-use plugin_api::sdk::lookup::trailing_ngram;
-use plugin_api::sdk::{DraftProvider, DraftSource, Drafter, Options, Proposal, Snapshot, SourceRows, Target};
+use plugin_api::sdk::lookup::{trailing_ngram, FromText, TextRow};
+use plugin_api::sdk::{DraftProvider, Drafter, Options, SourceRows, Target};
 use plugin_api::{Capabilities, Descriptor, PluginError, ProviderInfo};
 
 pub struct Ngram;
@@ -45,7 +44,7 @@ pub struct Lengths {
 pub struct NgramProvider(Lengths);
 
 impl DraftProvider for NgramProvider {
-    type Rows = SourceRows<History>;
+    type Rows = SourceRows<TextRow<Lengths>>;
 
     fn info(&self) -> ProviderInfo {
         ProviderInfo {
@@ -57,41 +56,14 @@ impl DraftProvider for NgramProvider {
         }
     }
 
-    fn open(&self, _target: Target, rows: usize) -> Result<SourceRows<History>, PluginError> {
-        Ok(SourceRows::new(self.0, History::default(), rows, NAMESPACE))
+    fn open(&self, _target: Target, rows: usize) -> Result<SourceRows<TextRow<Lengths>>, PluginError> {
+        Ok(SourceRows::new(self.0, TextRow::default(), rows, NAMESPACE))
     }
 }
 
-/// Every token a row has committed, in order.
-#[derive(Clone, Default)]
-pub struct History(Vec<u32>);
-
-impl DraftSource for History {
-    type Shared = Lengths;
-
-    fn prefill(&mut self, _: &Lengths, tokens: &[u32], _context: Option<&Array>) -> Result<(), PluginError> {
-        self.0.extend_from_slice(tokens);
-        Ok(())
-    }
-
-    fn draft(&mut self, n: &Lengths, _row: usize, pending: u32, depth: usize, _: u64) -> Result<Proposal, PluginError> {
-        self.0.push(pending);
-        let found = trailing_ngram(&self.0, n.min, n.max, depth).1.to_vec();
-        self.0.pop();
-        Ok(Proposal::tokens(found))
-    }
-
-    fn commit(&mut self, _: &Lengths, kept: &[u32], _context: Option<&Array>) -> Result<(), PluginError> {
-        self.0.extend_from_slice(kept);
-        Ok(())
-    }
-
-    fn snapshot(&self) -> Snapshot {
-        Snapshot { processed: self.0.len() as u64, ids: self.0.clone(), tensors: Vec::new() }
-    }
-
-    fn restore(_: &Lengths, snapshot: Snapshot) -> Result<History, PluginError> {
-        Ok(History(snapshot.ids))
+impl FromText for Lengths {
+    fn draft(&self, text: &[u32], depth: usize) -> Vec<u32> {
+        trailing_ngram(text, self.min, self.max, depth).1.to_vec()
     }
 }
 
