@@ -85,6 +85,29 @@ def continue_greedily(model, rows: np.ndarray, steps: int) -> np.ndarray:
     return np.array(mx.concatenate(out, axis=1))
 
 
+def kept_continuations(target: Path, rows: np.ndarray, p: dict, run: Path):
+    """The target's continuations of `rows`, a batch at a time, each batch kept in a directory
+    of `run` that belongs to this target, these prompts and this preset only; and the seconds
+    the batches took to make, when they were made."""
+    key = hashlib.sha256(rows.tobytes() + json.dumps(p, sort_keys=True).encode())
+    for name in ("config.json", "model.safetensors"):
+        key.update((target / name).read_bytes())
+    run = run / key.hexdigest()[:16]
+    run.mkdir(parents=True, exist_ok=True)
+    model = load_float32_target(target)
+    continuations, seconds = [], 0.0
+    for b in tqdm(range(0, len(rows), p["batch"]), desc="continuations", unit="batch"):
+        kept = run / f"batch-{b // p['batch']:04d}.npy"
+        took = kept.with_suffix(".seconds")
+        if not kept.exists():
+            started = time.time()
+            np.save(kept, continue_greedily(model, rows[b:b + p["batch"]], p["greedy"]))
+            took.write_text(f"{time.time() - started:.1f}")
+        continuations.append(np.load(kept))
+        seconds += float(took.read_text()) if took.exists() else 0.0
+    return np.concatenate(continuations), seconds
+
+
 def datastore(prompt_rows: np.ndarray, continuations: np.ndarray, bos: int, eos) -> np.ndarray:
     """Each example after `<bos>`: its prompt, then its continuation up to its first end token."""
     ids = []
@@ -141,26 +164,8 @@ def main() -> None:
     eos = config["eos_token_id"] if isinstance(config["eos_token_id"], list) else [config["eos_token_id"]]
 
     rows = prompts(text_stream(args.target, documents(args.text)), p["examples"], p["prefix"])
-    model = load_float32_target(args.target)
-    batches = range(0, len(rows), p["batch"])
-    continuations = []
-    # Kept batches belong to this target, these prompts and this preset only.
-    key = hashlib.sha256(rows.tobytes() + json.dumps(p, sort_keys=True).encode())
-    for name in ("config.json", "model.safetensors"):
-        key.update((args.target / name).read_bytes())
-    run = run / key.hexdigest()[:16]
-    run.mkdir(parents=True, exist_ok=True)
-    seconds = 0.0
-    for b in tqdm(batches, desc="continuations", unit="batch"):
-        kept = run / f"batch-{b // p['batch']:04d}.npy"
-        took = kept.with_suffix(".seconds")
-        if not kept.exists():
-            started = time.time()
-            np.save(kept, continue_greedily(model, rows[b:b + p["batch"]], p["greedy"]))
-            took.write_text(f"{time.time() - started:.1f}")
-        continuations.append(np.load(kept))
-        seconds += float(took.read_text()) if took.exists() else 0.0
-    ids = datastore(rows, np.concatenate(continuations), config["bos_token_id"], eos)
+    continuations, seconds = kept_continuations(args.target, rows, p, run)
+    ids = datastore(rows, continuations, config["bos_token_id"], eos)
     ids = ids.astype(np.uint16 if config["vocab_size"] <= 1 << 16 else np.uint32)
 
     out.mkdir(parents=True, exist_ok=True)
