@@ -78,7 +78,7 @@ demo-drafters:
 
 # Every demo drafter (and prompt lookup alone) at every draft length on 20 held-out prompts greedy,
 # and at two lengths sampled (match, and rejection where the drafter returns probabilities),
-# against plain decoding: the README's table and plot (10 to 55 minutes on 2 cores, by machine).
+# against plain decoding: the README's table and plot (4 to 55 minutes on 2 cores, by machine).
 DEMO_DRAFTERS := manifests/demo-dflash.toml,manifests/demo-dspark.toml,manifests/demo-deepspec.toml,manifests/demo-assistant.toml,manifests/demo-lookup.toml,manifests/demo-ngram.toml,manifests/demo-dflash-rejection.toml,manifests/demo-dspark-rejection.toml,manifests/demo-deepspec-rejection.toml
 drafter-bench: build
 	./target/release/host bench --sweep $(DEMO_DRAFTERS) \
