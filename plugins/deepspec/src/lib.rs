@@ -135,14 +135,12 @@ pub struct Shared {
     temperature: f32,
 }
 
-impl Shared {
-    fn draft_block(
-        &self,
-        context: &mut Context,
-        anchor: u32,
-        depth: usize,
-        step: u64,
-    ) -> Result<Proposal, PluginError> {
+impl ContextDrafter for Shared {
+    fn extend(&self, context: &mut Context, taps: &Array) -> Result<(), PluginError> {
+        Ok(self.model.extend(context, taps)?)
+    }
+
+    fn draft(&self, context: &mut Context, anchor: u32, depth: usize, step: u64) -> Result<Proposal, PluginError> {
         let draw = |k: usize, q: &[f32]| draw(q, uniform(step + k as u64));
         let sampler: Option<plugin_api::sdk::Draw<'_>> = if self.sample { Some(&draw) } else { None };
         let block = self.model.block(context, anchor, depth, self.threshold, sampler, self.temperature)?;
@@ -151,16 +149,6 @@ impl Shared {
             Array::from_slice(&block.probabilities, &[rows, block.probabilities.len() as i32 / rows])
         });
         Ok(Proposal { tokens: block.tokens, probabilities })
-    }
-}
-
-impl ContextDrafter for Shared {
-    fn extend(&self, context: &mut Context, taps: &Array) -> Result<(), PluginError> {
-        Ok(self.model.extend(context, taps)?)
-    }
-
-    fn draft(&self, context: &mut Context, anchor: u32, depth: usize, step: u64) -> Result<Proposal, PluginError> {
-        self.draft_block(context, anchor, depth, step)
     }
 }
 

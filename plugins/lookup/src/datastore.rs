@@ -25,11 +25,14 @@ pub struct Datastore {
     /// Every position of `tokens`, ordered by the [`SORTED`] tokens from it (where fewer are
     /// left, the shorter first), then by position.
     suffixes: Vec<u32>,
+    /// The largest token id, which `open` checks against the target's vocabulary.
+    largest: u32,
 }
 
 impl Datastore {
     /// Sorts the suffixes, each half on its own thread (the SDK's product helper), then merges
-    /// them: for the demo's 1.2M tokens, 0.25 s on one core.
+    /// them: for the demo's 1.2M tokens, a one-token `host run` spent 0.28 s sorting on one core
+    /// and 0.13 s this way.
     pub fn new(tokens: Vec<u32>) -> Datastore {
         let order = |a: &u32, b: &u32| {
             let head = |p: u32| &tokens[p as usize..(p as usize + SORTED).min(tokens.len())];
@@ -52,7 +55,8 @@ impl Datastore {
         }
         suffixes.extend_from_slice(&lower[i..]);
         suffixes.extend_from_slice(&upper[j..]);
-        Datastore { tokens, suffixes }
+        let largest = tokens.iter().copied().max().unwrap_or(0);
+        Datastore { tokens, suffixes, largest }
     }
 
     /// Reads `dir`/[`FILE`].
@@ -95,7 +99,7 @@ impl Datastore {
     }
 
     pub fn largest_token(&self) -> u32 {
-        self.tokens.iter().copied().max().unwrap_or(0)
+        self.largest
     }
 
     /// The token `offset` after suffix `s`'s start, if the text reaches it.
