@@ -10,6 +10,7 @@ drafter would have been given at that point of decoding) and apart from the othe
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Callable, Dict, Optional
@@ -117,7 +118,14 @@ class Run:
         self.target = drafter_data.target_facts(self.args.target)
         layers = self.target["num_hidden_layers"]
         self.taps = default_taps(layers)
+        loop.spawn(self.args.processes)
+        # The first process makes the shared continuations (or finds them made); the others
+        # then read them from its cache.
+        if not loop.leader():
+            loop.barrier()
         self.data = data_for(self.args, self.taps, self.p.get("examples"))
+        if loop.leader():
+            loop.barrier()
         self.head = TargetHead(self.args.target)
         self._last = list(self.taps).index(layers - 1) * self.target["hidden_size"]
 
@@ -174,6 +182,8 @@ def arguments(kind: str, presets: Dict, doc: str) -> argparse.Namespace:
     ap.add_argument("--data", type=Path, help="drafter-data cache directory")
     ap.add_argument("--examples", type=int, help="target continuations to learn from")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--processes", type=int, default=2,
+                    help="data-parallel processes (default 2: see loop.py)")
     args = ap.parse_args()
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
         if not (args.target / name).is_file():
@@ -217,6 +227,8 @@ def train(kind: str, args: argparse.Namespace, p: Dict, model: nn.Module, loss_f
                       steps=steps, lr=p["lr"], warmup=p["warmup"], desc=f"{kind} {args.preset}",
                       tokens_per_step=p["rows"] * p["anchors"] * labels_per_block,
                       log_every=min(10, max(1, steps // 4)), seed=args.seed)
+    if not loop.leader():
+        sys.exit(0)  # the first process writes the drafter
     last["trained_parameters"] = n_params
     last["seconds"] = round(time.time() - start)
     last["labels_per_step"] = p["rows"] * p["anchors"] * labels_per_block

@@ -122,13 +122,16 @@ def loss_curve(run: Path, out: Path, heldout_nats: float, tokens_per_step: int) 
     fig.savefig(out)
 
 
-def training_summary(run: Path) -> Dict:
+def training_summary(run: Path, tokens_per_step: int) -> Dict:
     rows = [json.loads(l) for l in (run / "log.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "loss" in r]
+    # The time the steps took, interval by interval (a run resumed later leaves out the pause).
+    steps = [r["step"] - prev["step"] for prev, r in zip([{"step": 0}] + rows, rows)]
+    seconds = sum(n * tokens_per_step / r["tokens_per_s"] for n, r in zip(steps, rows))
     return {"steps": rows[-1]["step"], "final_loss": rows[-1]["loss"],
-            "minutes": (rows[-1]["time"] - rows[0]["time"]) / 60 * rows[-1]["step"]
-            / (rows[-1]["step"] - rows[0]["step"]),
-            "tokens_per_s": sum(r["tokens_per_s"] for r in rows) / len(rows),
+            "minutes": seconds / 60,
+            "tokens_per_s": rows[-1]["step"] * tokens_per_step / seconds,
+            "processes": rows[-1].get("processes", 1),
             # The rate when nothing else shares the machine: the 90th percentile of the logged
             # rates (other work on the machine only ever slows it).
             "undisturbed_tokens_per_s": float(np.percentile([r["tokens_per_s"] for r in rows], 90))}
@@ -184,7 +187,8 @@ training (the training split is under a million tokens; without dropout the held
 stopped falling after three epochs), AdamW (weight decay 0.1, gradient clipping at 1), learning rate
 {recipe['lr']:g} with {recipe['warmup']} warm-up steps and cosine decay to a tenth,
 {t.get('steps', '?')} steps of {recipe['batch']} windows of {recipe['seq']} tokens drawn at random from the training chapters (seed 0), about {t.get('steps', 0) * 2048 / 1e6:.1f}M
-tokens or {t.get('steps', 0) * 2048 / t.get('training_tokens', 1):.1f} epochs of its {t.get('training_tokens', 0)} tokens. It took {t.get('minutes', 0):.0f} minutes
+tokens or {t.get('steps', 0) * 2048 / t.get('training_tokens', 1):.1f} epochs of its {t.get('training_tokens', 0)} tokens, each batch shared by
+{t.get('processes', 1)} data-parallel process{'es' if t.get('processes', 1) > 1 else ''} (`training/loop.py`). It took {t.get('minutes', 0):.0f} minutes
 on the 2-core development machine (mean {t.get('tokens_per_s', 0):.0f} tokens/s, with other work
 sharing it); at its undisturbed rate ({t.get('undisturbed_tokens_per_s', 0):.0f} tokens/s, the 90th
 percentile of its logged rates) the run takes {t.get('steps', 0) * 2048 / max(t.get('undisturbed_tokens_per_s', 1), 1) / 60:.0f} minutes. It resumes from its last saved step.
@@ -239,7 +243,7 @@ def main() -> None:
         "continuations": continuations(model, tokenizer, heldout),
     }
     if (args.run / "log.jsonl").exists():
-        result["training"] = training_summary(args.run)
+        result["training"] = training_summary(args.run, args.tokens_per_step)
         result["training"]["training_tokens"] = len(token_stream(tok, corpus.load("train")))
         loss_curve(args.run, args.model / "loss.png", full["nats_per_token"],
                    args.tokens_per_step)

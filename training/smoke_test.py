@@ -1,6 +1,6 @@
 """Smoke test of the trainers on their tiny presets (run by `make test`, about two minutes):
-the target's loss falls, and a run interrupted halfway and resumed ends exactly where an
-uninterrupted run ends; then each drafter trainer, run as its command, learns from that tiny
+the target's loss falls, a run interrupted halfway and resumed ends exactly where an
+uninterrupted run ends, and two data-parallel processes train what one does; then each drafter trainer, run as its command, learns from that tiny
 target for a few steps (its loss falls) and writes a checkpoint (the assistant's with its
 centroid head)."""
 
@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 import corpus
@@ -33,10 +34,33 @@ def run(run_dir: Path, stream, stop_at: int = 0):
     return model, last
 
 
-def main() -> None:
+def tiny_corpus():
     docs = corpus.load("train")[:40]
     tok = tk.train([d["text"] for d in docs])
-    stream = tt.token_stream(tok, docs)
+    return docs, tok, tt.token_stream(tok, docs)
+
+
+def data_parallel(out: Path) -> None:
+    """`smoke_test.py --data-parallel FILE`: the tiny target's loss and gradients on its first
+    batch, computed by two processes (without dropout, whose masks differ by process)."""
+    loop.spawn(2)
+    group = loop.world()
+    loss, grads = first_gradients(tiny_corpus()[2], group)
+    mx.eval(loss, grads)  # every rank, so that each takes part in the sums
+    if loop.leader():
+        mx.save_safetensors(str(out), {"loss": loss, **dict(tree_flatten(grads))})
+
+
+def first_gradients(stream, group):
+    p = tt.PRESETS["tiny"]
+    model = tt.build(p["config"], seed=0, dropout=0.0)
+    batch = tt.batches(stream, p["batch"], p["seq"], 0)(0)
+    value_and_grad = nn.value_and_grad(model, tt.lm_loss)
+    return loop.world_gradients(model, value_and_grad, loop.share(batch, group), group)
+
+
+def main() -> None:
+    docs, tok, stream = tiny_corpus()
     steps = tt.PRESETS["tiny"]["steps"]
     with tempfile.TemporaryDirectory() as tmp:
         whole, last = run(Path(tmp) / "whole", stream)
@@ -54,6 +78,19 @@ def main() -> None:
         assert worst <= 1e-5, f"resumed weights differ from the uninterrupted run by {worst}"
         print(f"smoke: loss {first:.3f} -> {last['loss']:.3f}; resumed run matches "
               f"(largest weight difference {worst:.1e})")
+
+        # Each of two processes takes half of the batch and their gradients are averaged: the
+        # gradients of the whole batch, up to float32 summation order.
+        two = Path(tmp) / "two.safetensors"
+        subprocess.run([sys.executable, __file__, "--data-parallel", str(two)], check=True)
+        two = mx.load(str(two))
+        loss, grads = first_gradients(stream, loop.world())
+        assert abs(loss.item() - two["loss"].item()) <= 1e-5 * loss.item(), (loss, two["loss"])
+        scale = max(mx.abs(g).max().item() for _, g in tree_flatten(grads))
+        worst = max(mx.abs(g - two[k]).max().item() for k, g in tree_flatten(grads))
+        assert worst <= 1e-4 * scale, f"two processes' gradients differ from one's by {worst}"
+        print(f"smoke: two data-parallel processes give one's loss and gradients (largest "
+              f"difference {worst / scale:.1e} of the largest gradient)")
 
         target = Path(tmp) / "target"
         tt.export(whole, tt.PRESETS["tiny"]["config"], tok, target)
@@ -94,4 +131,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--data-parallel"]:
+        data_parallel(Path(sys.argv[2]))
+    else:
+        main()

@@ -19,6 +19,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models import gemma4_text
+from tokenizers import Tokenizer
 
 import corpus
 import loop
@@ -189,7 +190,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, help="total steps (default: the preset's)")
     ap.add_argument("--export", type=Path, help="checkpoint directory to write at the end")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--processes", type=int, default=2,
+                    help="data-parallel processes (default 2: see loop.py)")
     args = ap.parse_args()
+    loop.spawn(args.processes)
 
     p = PRESETS[args.preset]
     run = args.run or HERE / "runs" / f"target-{args.preset}"
@@ -198,26 +202,28 @@ def main() -> None:
 
     train_docs = corpus.load("train")
     tok_path = run / "tokenizer.json"
-    if tok_path.exists():
-        from tokenizers import Tokenizer
-        tok = Tokenizer.from_file(str(tok_path))
-    else:
-        tok = tk.train([d["text"] for d in train_docs])
-        tk.save(tok, run)
+    if not tok_path.exists():
+        if loop.leader():
+            tk.save(tk.train([d["text"] for d in train_docs]), run)
+        loop.barrier()
+    tok = Tokenizer.from_file(str(tok_path))
     stream = token_stream(tok, train_docs)
     heldout = token_stream(tok, corpus.load("heldout"))[:HELDOUT_TOKENS]
 
     config = p["config"]
     model = build(config, args.seed, p["dropout"])
     n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
-    print(f"{args.preset}: {n_params / 1e6:.2f}M parameters, {len(stream)} training tokens, "
-          f"{steps} steps of {p['batch']}x{p['seq']} "
-          f"({steps * p['batch'] * p['seq'] / len(stream):.2f} epochs)")
+    if loop.leader():
+        print(f"{args.preset}: {n_params / 1e6:.2f}M parameters, {len(stream)} training tokens, "
+              f"{steps} steps of {p['batch']}x{p['seq']} "
+              f"({steps * p['batch'] * p['seq'] / len(stream):.2f} epochs)")
     last = loop.train(run, model, lm_loss, batches(stream, p["batch"], p["seq"], args.seed),
                       steps=steps, lr=p["lr"], warmup=p["warmup"], desc=args.preset,
                       tokens_per_step=p["batch"] * p["seq"],
                       heldout=heldout_loss(heldout, p["seq"]), heldout_every=HELDOUT_LOG_EVERY,
                       seed=args.seed)
+    if not loop.leader():
+        return
     print(json.dumps(last))
     out = args.export or p["model_dir"]
     if out is not None:
