@@ -1,8 +1,8 @@
 """Smoke test of the trainers on their tiny presets (run by `make test`, about two minutes):
 the target's loss falls, a run interrupted halfway and resumed ends exactly where an
-uninterrupted run ends, and two data-parallel processes train what one does; then each drafter trainer, run as its command, learns from that tiny
-target for a few steps (its loss falls) and writes a checkpoint (the assistant's with its
-centroid head)."""
+uninterrupted run ends, and two data-parallel processes compute one's gradients; then each
+drafter trainer, run as its command (as two processes), learns from that tiny target for a few
+steps (its loss falls) and writes a checkpoint (the assistant's with its centroid head)."""
 
 import json
 import subprocess
