@@ -58,12 +58,11 @@ def spawn(processes: int) -> None:
                    OPENBLAS_NUM_THREADS=threads, OMP_NUM_THREADS=threads)
         ranks.append(subprocess.Popen([sys.executable, *sys.argv], env=env,
                                       stdout=None if rank == 0 else subprocess.DEVNULL))
-    status = 0
     try:
-        while any(r.poll() is None for r in ranks) and status == 0:
-            status = next((r.returncode for r in ranks if r.returncode), 0)
+        # Until every rank is done, or one has failed (the others would wait on it forever).
+        while any(r.poll() is None for r in ranks) and not any(r.returncode for r in ranks):
             time.sleep(0.5)
-        status = status or next((r.returncode for r in ranks if r.returncode), 0)
+        status = next((r.returncode for r in ranks if r.returncode), 0)
     finally:
         for r in ranks:
             if r.poll() is None:
