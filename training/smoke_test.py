@@ -94,6 +94,10 @@ def main() -> None:
 
         target = Path(tmp) / "target"
         tt.export(whole, tt.PRESETS["tiny"]["config"], tok, target)
+        # A re-export (as `make demo-model` on a trained family) keeps the drafters' files.
+        (target / "bench-prompts.jsonl").write_text("{}\n")
+        tt.export(whole, tt.PRESETS["tiny"]["config"], tok, target)
+        assert (target / "bench-prompts.jsonl").exists(), "export removed the model's other files"
         for kind, config in DRAFTERS.items():
             run_dir, out = Path(tmp) / f"run-{kind}", Path(tmp) / f"out-{kind}"
             subprocess.run([sys.executable, str(HERE / f"train_{kind}.py"), "--preset", "tiny",

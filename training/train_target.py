@@ -10,7 +10,6 @@ directory) writes the shipped checkpoint in bfloat16 with the tokenizer and conf
 
 import argparse
 import json
-import shutil
 from pathlib import Path
 from typing import Dict
 
@@ -173,10 +172,9 @@ def build(config: Dict, seed: int, dropout: float = 0.0):
 
 
 def export(model, config: Dict, tok, out: Path, dtype=mx.bfloat16) -> None:
-    """The checkpoint as Hugging Face lays it out, weights in `dtype`."""
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
+    """The checkpoint as Hugging Face lays it out, weights in `dtype`. Other files in `out` (the
+    model card, the drafters' bench prompts and figures) are kept."""
+    out.mkdir(parents=True, exist_ok=True)
     weights = {k: v.astype(dtype) for k, v in tree_flatten(model.parameters())}
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
