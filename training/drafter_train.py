@@ -121,11 +121,8 @@ class Run:
         loop.spawn(self.args.processes)
         # The first process makes the shared continuations (or finds them made); the others
         # then read them from its cache.
-        if not loop.leader():
-            loop.barrier()
-        self.data = data_for(self.args, self.taps, self.p.get("examples"))
-        if loop.leader():
-            loop.barrier()
+        self.data = loop.leader_first(
+            lambda: data_for(self.args, self.taps, self.p.get("examples")))
         self.head = TargetHead(self.args.target)
         self._last = list(self.taps).index(layers - 1) * self.target["hidden_size"]
 

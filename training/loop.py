@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -85,6 +85,17 @@ def leader() -> bool:
 def barrier() -> None:
     """Waits until every process of the group gets here."""
     mx.eval(mx.distributed.all_sum(mx.array(1), group=world()))
+
+
+def leader_first(make: Callable[[], Any]) -> Any:
+    """`make()` on the first process, then on the others: for work that caches what it makes,
+    so the others read its cache instead of writing the same files."""
+    if not leader():
+        barrier()
+    made = make()
+    if leader():
+        barrier()
+    return made
 
 
 def share(batch: tuple, group: mx.distributed.Group) -> tuple:

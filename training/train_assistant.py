@@ -227,13 +227,8 @@ def main() -> None:
     args, p, head = run.args, run.p, run.head
     cache_dir = args.data or drafter_data.HERE / "runs" / "drafter-data"
     key = drafter_data.cache_key(args.target, run.data.spec)
-    # The first process computes the donors' K/V (or finds them cached); the others then read
-    # its cache, so no two processes write the same file.
-    if not loop.leader():
-        loop.barrier()
-    donors = build_donors(args.target, run.data, cache_dir / f"{key}-donors.npz")
-    if loop.leader():
-        loop.barrier()
+    donors = loop.leader_first(
+        lambda: build_donors(args.target, run.data, cache_dir / f"{key}-donors.npz"))
     config = draft_config(run.target, p)
     mx.random.seed(args.seed)
     model = Assistant(config)
