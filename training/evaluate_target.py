@@ -184,11 +184,12 @@ the K/V of earlier ones, logit softcap {config['final_logit_softcapping']}, tied
 `make demo-model` (`training/train_target.py`, then `training/evaluate_target.py`): mlx-lm's own
 `gemma4_text.Model` with dropout {recipe['dropout']:g} on the attention and MLP branches while
 training (the training split is under a million tokens; without dropout the held-out loss
-stopped falling after three epochs), AdamW (weight decay 0.1, gradient clipping at 1), learning rate
-{recipe['lr']:g} with {recipe['warmup']} warm-up steps and cosine decay to a tenth,
+stopped falling after three epochs), AdamW (weight decay {recipe['weight_decay']:g} on matrices only, gradient
+clipping at 1), learning rate {recipe['lr']:g} with {recipe['warmup']} warm-up steps and cosine decay to a tenth,
 {t.get('steps', '?')} steps of {recipe['batch']} windows of {recipe['seq']} tokens drawn at random from the training chapters (seed 0), about {t.get('steps', 0) * 2048 / 1e6:.1f}M
 tokens or {t.get('steps', 0) * 2048 / t.get('training_tokens', 1):.1f} epochs of its {t.get('training_tokens', 0)} tokens, each batch shared by
-{t.get('processes', 1)} data-parallel process{'es' if t.get('processes', 1) > 1 else ''} (`training/loop.py`). It took {t.get('minutes', 0):.0f} minutes
+{t.get('processes', 1)} data-parallel process{'es' if t.get('processes', 1) > 1 else ''} (`training/loop.py`). The shipped weights are the mean of
+the weights at every {recipe['average_every']}th step of the last {recipe['average_last']}. It took {t.get('minutes', 0):.0f} minutes
 on the 2-core development machine (mean {t.get('tokens_per_s', 0):.0f} tokens/s, with other work
 sharing it); at its undisturbed rate ({t.get('undisturbed_tokens_per_s', 0):.0f} tokens/s, the 90th
 percentile of its logged rates) the run takes {t.get('steps', 0) * 2048 / max(t.get('undisturbed_tokens_per_s', 1), 1) / 60:.0f} minutes. It resumes from its last saved step.

@@ -11,9 +11,12 @@ backend this trains much faster on two cores: the transcendental functions (the 
 head's tanh and softmax, GELU) run on one thread, and one process leaves the other core idle.
 """
 
+import hashlib
 import json
 import math
 import os
+import platform
+import shutil
 import socket
 import subprocess
 import sys
@@ -35,13 +38,94 @@ def cosine_schedule(lr: float, steps: int, warmup: int, final_fraction: float = 
     return optim.join_schedules([warm, decay], [max(1, warmup)])
 
 
+# The flags MLX's CPU JIT lacks: code for this CPU's vector units (MLX builds for generic
+# x86-64, where each fma in its exp polynomial is a libm call and no loop is vectorized), that
+# polynomial inlined, and its selects branch-free. Measured on the demo target: a training step
+# 1.10 s -> 0.85 s in one process, a GeGLU over 4x256x1024 values 18 ms -> 1.1 ms.
+NATIVE_FLAGS = "-march=native -finline-limit=2000 -fno-trapping-math"
+
+# Stands in for g++ when MLX builds a kernel: MLX first probes `g++ --version` (and silently
+# turns its JIT off if that fails), then builds `-o LIB`. The library is written under a short
+# temporary name and renamed, so processes building one kernel at once never load half a file;
+# a suffix cannot be appended, since MLX's library names are close to the 255-byte limit.
+GXX_WRAPPER = """#!/bin/bash
+real={real}
+out=; args=()
+while [ $# -gt 0 ]; do
+  if [ "$1" = -o ]; then out=$2; shift 2; else args+=("$1"); shift; fi
+done
+[ -n "$out" ] || exec "$real" "${{args[@]}}"
+tmp="$(dirname "$out")/partial-$$.so"
+"$real" "${{args[@]}}" {flags} -o "$tmp" && mv -f "$tmp" "$out"
+"""
+
+
+def compile_for_this_cpu() -> None:
+    """Makes `mx.compile` build its CPU kernels for this machine's CPU (NATIVE_FLAGS).
+
+    MLX finds its compiler on PATH and keeps its kernels under TMPDIR: both are pointed at a
+    directory of their own, keyed by the compiler, the CPU's features and the flags, so kernels
+    built for another CPU are never loaded. Results differ from MLX's generic build by
+    rounding only (g++ contracts a*b + c into fma). Does nothing without g++, or when done.
+    """
+    if "MLX_NATIVE_JIT" in os.environ or not shutil.which("g++"):
+        return
+    real = shutil.which("g++")
+    version = subprocess.run([real, "--version"], capture_output=True, text=True).stdout
+    cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("flags")), "") if Path("/proc/cpuinfo").exists() else ""
+    key = hashlib.sha256("\n".join([version, cpu, NATIVE_FLAGS]).encode()).hexdigest()[:16]
+    root = Path(tempfile.gettempdir()) / f"mlx-native-{key}"
+    (root / "bin").mkdir(parents=True, exist_ok=True)
+    wrapper = root / "bin" / "g++"
+    if not wrapper.exists():
+        tmp = root / "bin" / f"g++.{os.getpid()}"
+        tmp.write_text(GXX_WRAPPER.format(real=real, flags=NATIVE_FLAGS))
+        tmp.chmod(0o755)
+        os.replace(tmp, wrapper)
+    os.environ["PATH"] = f"{root / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"
+    os.environ["TMPDIR"] = str(root)
+    tempfile.tempdir = None  # re-read TMPDIR
+    os.environ["MLX_NATIVE_JIT"] = str(root)
+
+
+# Sets FTZ and DAZ (denormal results and inputs read as zero) in the first thread of a process
+# that preloads it, before MLX and OpenBLAS start theirs, which inherit the setting. Late in
+# training Adam's second moments and softmax's far tails reach denormal floats, which x86 handles
+# in slow microcode. No figure of the model depends on values below 1e-38.
+FLUSH_DENORMALS_C = """#include <xmmintrin.h>
+__attribute__((constructor)) static void flush_denormals(void) {
+  _mm_setcsr(_mm_getcsr() | 0x8040);
+}
+"""
+
+
+def flush_denormals_library() -> Optional[str]:
+    """The FLUSH_DENORMALS_C library for LD_PRELOAD, built once (None off x86 or without gcc)."""
+    root = os.environ.get("MLX_NATIVE_JIT")
+    if root is None or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    lib = Path(root) / "flush-denormals.so"
+    if not lib.exists():
+        src = Path(root) / f"flush-denormals-{os.getpid()}.c"
+        src.write_text(FLUSH_DENORMALS_C)
+        tmp = Path(root) / f"flush-denormals-{os.getpid()}.so"
+        subprocess.run([shutil.which("g++"), "-x", "c", "-O2", "-shared", "-fPIC", str(src),
+                        "-o", str(tmp)], check=True)
+        os.replace(tmp, lib)
+        src.unlink()
+    return str(lib)
+
+
 def spawn(processes: int) -> None:
     """Re-runs this script as `processes` ranks on this machine and exits with their status.
 
-    Does nothing when `processes` is 1 or this process is already a rank. Rank 0 keeps the
-    terminal; the others' output is dropped but for errors. The CPU cores are split evenly
-    between the ranks' BLAS threads, so that they do not fight over cores.
+    Builds MLX's kernels for this CPU first (`compile_for_this_cpu`), then does nothing more when
+    `processes` is 1 or this process is already a rank. Rank 0 keeps the terminal; the others'
+    output is dropped but for errors. The CPU cores are split evenly between the ranks' BLAS
+    threads, so that they do not fight over cores; the ranks flush denormals to zero.
     """
+    compile_for_this_cpu()
     if processes <= 1 or "MLX_RANK" in os.environ:
         return
     ports = []
@@ -52,10 +136,13 @@ def spawn(processes: int) -> None:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump([[f"127.0.0.1:{p}"] for p in ports], f)
     threads = str(max(1, (os.cpu_count() or processes) // processes))
+    preload = flush_denormals_library()
     ranks = []
     for rank in range(processes):
         env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=f.name,
                    OPENBLAS_NUM_THREADS=threads, OMP_NUM_THREADS=threads)
+        if preload:
+            env["LD_PRELOAD"] = " ".join(filter(None, [preload, env.get("LD_PRELOAD")]))
         ranks.append(subprocess.Popen([sys.executable, *sys.argv], env=env,
                                       stdout=None if rank == 0 else subprocess.DEVNULL))
     try:
@@ -121,27 +208,65 @@ def world_gradients(model: nn.Module, value_and_grad: Callable, batch: tuple,
     return mean(loss), tree_map(mean, grads)
 
 
-def save_state(run: Path, step: int, model: nn.Module, opt: optim.Optimizer) -> None:
+def save_state(run: Path, step: int, model: nn.Module, opt: optim.Optimizer,
+               average: "Average") -> None:
     arrays = {f"model.{k}": v for k, v in tree_flatten(model.parameters())}
     arrays.update({f"opt.{k}": v for k, v in tree_flatten(opt.state)})
+    if average.total is not None:
+        arrays.update({f"average.{k}": v for k, v in tree_flatten(average.total)})
     tmp = run / "state.tmp.safetensors"
     mx.save_safetensors(str(tmp), arrays)
     os.replace(tmp, run / "state.safetensors")
-    (run / "state.json").write_text(json.dumps({"step": step}) + "\n")
+    (run / "state.json").write_text(json.dumps({"step": step, "averaged": average.count}) + "\n")
 
 
-def load_state(run: Path, model: nn.Module, opt: optim.Optimizer) -> int:
+def load_state(run: Path, model: nn.Module, opt: optim.Optimizer, average: "Average") -> int:
     """The step the run directory was saved at (0 when it holds no state)."""
     if not (run / "state.json").exists():
         return 0
-    step = json.loads((run / "state.json").read_text())["step"]
+    saved = json.loads((run / "state.json").read_text())
     arrays = mx.load(str(run / "state.safetensors"))
-    model.load_weights([(k[len("model."):], v) for k, v in arrays.items()
-                        if k.startswith("model.")], strict=True)
-    opt.state = tree_unflatten([(k[len("opt."):], v) for k, v in arrays.items()
-                                if k.startswith("opt.")])
-    mx.eval(model.parameters(), opt.state)
-    return step
+    part = lambda prefix: [(k[len(prefix):], v) for k, v in arrays.items()  # noqa: E731
+                           if k.startswith(prefix)]
+    model.load_weights(part("model."), strict=True)
+    opt.state = tree_unflatten(part("opt."))
+    average.count = saved.get("averaged", 0)
+    average.total = tree_unflatten(part("average.")) if average.count else None
+    mx.eval(model.parameters(), opt.state, average.total)
+    return saved["step"]
+
+
+class Average:
+    """The mean of the weights at every `every`-th step of the last `last` steps.
+
+    With a small corpus the weights wander around a minimum late in training; their mean lies
+    nearer its centre than any one of them (the demo target's held-out loss falls by about
+    0.02 nats). The running sum is saved with the state, so a resumed run averages the same
+    steps as an uninterrupted one.
+    """
+
+    def __init__(self, steps: int, last: int, every: int):
+        self.first, self.every = steps - last, max(1, every)
+        self.count, self.total = 0, None
+
+    def add(self, step: int, model: nn.Module) -> None:
+        if step <= self.first or step % self.every:
+            return
+        params = model.parameters()
+        self.total = params if self.total is None else tree_map(mx.add, self.total, params)
+        self.count += 1
+        mx.eval(self.total)
+
+    def apply(self, model: nn.Module) -> None:
+        if self.count:
+            model.update(tree_map(lambda t: t / self.count, self.total))
+            mx.eval(model.parameters())
+
+
+def matrices_only(path: str, weight: mx.array) -> bool:
+    """Weight decay's filter: matrices (projections, embeddings), not norms or scalars, whose
+    decay towards zero only fights the scale they exist to set."""
+    return weight.ndim >= 2
 
 
 def train(run: Path, model: nn.Module, loss_fn: Callable, batch_at: Callable[[int], tuple],
@@ -149,22 +274,27 @@ def train(run: Path, model: nn.Module, loss_fn: Callable, batch_at: Callable[[in
           save_every: int = 200, log_every: int = 10, desc: str = "train",
           tokens_per_step: int = 0, stop_at: int = 0,
           heldout: Optional[Callable[[nn.Module], float]] = None, heldout_every: int = 0,
-          seed: int = 0) -> Dict:
+          seed: int = 0, average_last: int = 0, average_every: int = 50) -> Dict:
     """Runs `loss_fn(model, *batch_at(step))` for steps [resume point, steps) with AdamW.
 
     Returns the last logged figures. `tokens_per_step` only feeds the progress bar's rate;
     `stop_at` ends the run early at that step, saved, as an interruption would. `heldout(model)`,
     a loss on text training never sees, is logged every `heldout_every` steps and at the end.
     Random draws inside the model (dropout) depend on (seed, step, rank) only, like the batches.
+    Weight decay applies to matrices only. With `average_last`, the model ends as the mean of
+    its weights at every `average_every`-th step of the last `average_last` (see `Average`).
     """
     group = world()
     lead = group.rank() == 0
     if lead:
         run.mkdir(parents=True, exist_ok=True)
-    opt = optim.AdamW(learning_rate=cosine_schedule(lr, steps, warmup),
-                      weight_decay=weight_decay)
+    schedule = cosine_schedule(lr, steps, warmup)
+    opt = optim.MultiOptimizer([optim.AdamW(learning_rate=schedule, weight_decay=weight_decay),
+                                optim.AdamW(learning_rate=schedule, weight_decay=0.0)],
+                               [matrices_only])
     opt.init(model.trainable_parameters())
-    start = load_state(run, model, opt)
+    average = Average(steps, average_last, average_every)
+    start = load_state(run, model, opt, average)
     log = run / "log.jsonl"
     if lead and log.exists():  # lines past the saved step were logged by an interrupted run
         kept = [line for line in log.read_text().splitlines()
@@ -184,7 +314,7 @@ def train(run: Path, model: nn.Module, loss_fn: Callable, batch_at: Callable[[in
     compiled = mx.compile(step_fn, inputs=state, outputs=state)
     bar = tqdm(total=steps, initial=start, desc=desc, dynamic_ncols=True,
                unit="step", smoothing=0.05, disable=not lead)
-    losses, t_last, last = [], time.perf_counter(), {}
+    losses, t_last, last, done = [], time.perf_counter(), {}, start
     for step in range(start, steps):
         # Rank 0 draws what a single process would; the others, their own dropout masks.
         mx.random.seed(seed * 1_000_003 + step + group.rank() * 7_919_993)
@@ -193,6 +323,8 @@ def train(run: Path, model: nn.Module, loss_fn: Callable, batch_at: Callable[[in
         losses.append(loss.item())
         bar.update(1)
         done = step + 1
+        if average_last:
+            average.add(done, model)
         if lead and (done % log_every == 0 or done == steps):
             now = time.perf_counter()
             rate = tokens_per_step * len(losses) / (now - t_last)
@@ -207,10 +339,17 @@ def train(run: Path, model: nn.Module, loss_fn: Callable, batch_at: Callable[[in
             with log.open("a") as f:
                 f.write(json.dumps({"step": done, "heldout": heldout(model)}) + "\n")
         if lead and (done % save_every == 0 or done == steps or done == stop_at):
-            save_state(run, done, model, opt)
+            save_state(run, done, model, opt, average)
         if done == stop_at:
             break
     bar.close()
+    if done == steps and average.count:
+        average.apply(model)
+        if lead and heldout is not None:
+            last["heldout_averaged"] = heldout(model)
+            with log.open("a") as f:
+                f.write(json.dumps({"step": done, "heldout_averaged": last["heldout_averaged"],
+                                    "averaged": average.count}) + "\n")
     if not math.isfinite(last.get("loss", 0.0)):
         raise SystemExit(f"{desc}: loss is {last['loss']} at step {last['step']}")
     return last

@@ -1,8 +1,10 @@
 """Smoke test of the trainers on their tiny presets (run by `make test`, about two minutes):
-the target's loss falls, a run interrupted halfway and resumed ends exactly where an
-uninterrupted run ends, and two data-parallel processes compute one's gradients; then each
-drafter trainer, run as its command (as two processes), learns from that tiny target for a few
-steps (its loss falls) and writes a checkpoint (the assistant's with its centroid head)."""
+the training forms of GeGLU and the softcapped loss give mlx-lm's gradients, the target's loss
+falls, a run interrupted halfway and resumed ends exactly where an uninterrupted run ends (its
+weights averaged over the same steps), and two data-parallel processes compute one's
+gradients; then each drafter trainer, run as its command (as two processes), learns from that
+tiny target for a few steps (its loss falls) and writes a checkpoint (the assistant's with its
+centroid head)."""
 
 import json
 import subprocess
@@ -13,6 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+from mlx_lm.models import gemma4_text
 
 import corpus
 import loop
@@ -30,7 +33,9 @@ def run(run_dir: Path, stream, stop_at: int = 0):
     model = tt.build(p["config"], seed=0, dropout=p["dropout"])
     last = loop.train(run_dir, model, tt.lm_loss, tt.batches(stream, p["batch"], p["seq"], 0),
                       steps=p["steps"], lr=p["lr"], warmup=p["warmup"], log_every=5,
-                      desc="smoke", stop_at=stop_at, tokens_per_step=p["batch"] * p["seq"])
+                      weight_decay=p["weight_decay"], average_last=p["average_last"],
+                      average_every=p["average_every"], desc="smoke", stop_at=stop_at,
+                      tokens_per_step=p["batch"] * p["seq"])
     return model, last
 
 
@@ -59,15 +64,43 @@ def first_gradients(stream, group):
     return loop.world_gradients(model, value_and_grad, loop.share(batch, group), group)
 
 
+def fused_matches_mlx_lm(stream) -> None:
+    """The training forms of GeGLU and the softcapped cross-entropy (`fused`) give mlx-lm's
+    loss and gradients on the tiny target."""
+    p = tt.PRESETS["tiny"]
+    model = tt.build(p["config"], seed=0, dropout=0.0)
+    plain = gemma4_text.Model(gemma4_text.ModelArgs.from_dict(p["config"]))
+    plain.update(model.parameters())
+
+    def mlx_lm_loss(m, inputs, targets):
+        return nn.losses.cross_entropy(m(inputs).astype(mx.float32), targets, reduction="mean")
+
+    batch = tt.batches(stream, p["batch"], p["seq"], 0)(0)
+    loss, grads = nn.value_and_grad(model, tt.lm_loss)(model, *batch)
+    ref_loss, ref = nn.value_and_grad(plain, mlx_lm_loss)(plain, *batch)
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * ref_loss.item(), (loss, ref_loss)
+    ref = dict(tree_flatten(ref))
+    scale = max(mx.abs(g).max().item() for g in ref.values())
+    worst = max(mx.abs(g - ref[k]).max().item() for k, g in tree_flatten(grads))
+    assert worst <= 1e-4 * scale, f"fused gradients differ from mlx-lm's by {worst}"
+    print(f"smoke: fused GeGLU and softcapped cross-entropy give mlx-lm's loss and gradients "
+          f"(largest difference {worst / scale:.1e} of the largest gradient)")
+
+
 def main() -> None:
+    loop.compile_for_this_cpu()
     docs, tok, stream = tiny_corpus()
+    fused_matches_mlx_lm(stream)
     steps = tt.PRESETS["tiny"]["steps"]
     with tempfile.TemporaryDirectory() as tmp:
         whole, last = run(Path(tmp) / "whole", stream)
         log = (Path(tmp) / "whole" / "log.jsonl").read_text().splitlines()
         first = json.loads(log[0])["loss"]
         assert last["loss"] < first - 0.5, f"loss did not fall: {first} -> {last['loss']}"
+        averaged = json.loads((Path(tmp) / "whole" / "state.json").read_text())["averaged"]
+        assert averaged == tt.PRESETS["tiny"]["average_last"] // tt.PRESETS["tiny"]["average_every"]
 
+        # Stopped inside the averaged steps: the resumed run carries the saved sum on.
         _, half = run(Path(tmp) / "resumed", stream, stop_at=steps // 2)
         assert half["step"] == steps // 2, half
         resumed, last_resumed = run(Path(tmp) / "resumed", stream)

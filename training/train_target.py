@@ -21,6 +21,7 @@ from mlx_lm.models import gemma4_text
 from tokenizers import Tokenizer
 
 import corpus
+import fused
 import loop
 import tokenizer as tk
 
@@ -83,12 +84,14 @@ PRESETS = {
                            kv_heads=1, head_dim=64, global_head_dim=128, intermediate=1024,
                            window=128, ple=32, kv_shared=2),
         model_dir=ROOT / "models" / "kjv-gemma4",
-        steps=2100, batch=8, seq=256, lr=3e-3, warmup=100, dropout=0.15),
+        steps=3700, batch=8, seq=256, lr=3e-3, warmup=100, dropout=0.15, weight_decay=1.0,
+        average_last=500, average_every=50),
     "tiny": dict(
         config=text_config(hidden=64, layer_types=[SW, FA, SW, FA], heads=2, kv_heads=1,
                            head_dim=32, global_head_dim=64, intermediate=128, window=16,
                            ple=8, kv_shared=1),
-        model_dir=None, steps=30, batch=4, seq=64, lr=3e-3, warmup=5, dropout=0.1),
+        model_dir=None, steps=30, batch=4, seq=64, lr=3e-3, warmup=5, dropout=0.1,
+        weight_decay=0.1, average_last=20, average_every=5),
 }
 
 
@@ -117,8 +120,10 @@ def batches(stream: np.ndarray, batch: int, seq: int, seed: int):
 
 
 def lm_loss(model, inputs, targets):
-    logits = model(inputs)
-    return nn.losses.cross_entropy(logits.astype(mx.float32), targets, reduction="mean")
+    """Mean cross-entropy of the model's softcapped logits (`fused`: the same as mlx-lm's)."""
+    logits = model.model.embed_tokens.as_linear(model.model(inputs))
+    ce = fused.softcap_cross_entropy(model.final_logit_softcapping)
+    return ce(logits, targets).mean()
 
 
 def heldout_loss(stream: np.ndarray, seq: int, batch: int = 8):
@@ -159,10 +164,15 @@ class NormThenDropout(nn.RMSNorm):
 
 
 def build(config: Dict, seed: int, dropout: float = 0.0):
-    """mlx-lm's Gemma 4, with dropout on the attention and MLP branches when training."""
+    """mlx-lm's Gemma 4, with dropout on the attention and MLP branches when training, and
+    its MLPs' GELU computed as in `fused`."""
     mx.random.seed(seed)
-    model = gemma4_text.Model(gemma4_text.ModelArgs.from_dict(config))
-    for layer in model.model.layers:
+    args = gemma4_text.ModelArgs.from_dict(config)
+    model = gemma4_text.Model(args)
+    for i, layer in enumerate(model.model.layers):
+        mlp = fused.MLP(args, i)
+        mlp.update(layer.mlp.parameters())
+        layer.mlp = mlp
         layer.post_attention_layernorm = NormThenDropout(layer.post_attention_layernorm, dropout)
         layer.post_feedforward_layernorm = NormThenDropout(layer.post_feedforward_layernorm,
                                                            dropout)
@@ -217,6 +227,8 @@ def main() -> None:
               f"({steps * p['batch'] * p['seq'] / len(stream):.2f} epochs)")
     last = loop.train(run, model, lm_loss, batches(stream, p["batch"], p["seq"], args.seed),
                       steps=steps, lr=p["lr"], warmup=p["warmup"], desc=args.preset,
+                      weight_decay=p["weight_decay"], average_last=p["average_last"],
+                      average_every=p["average_every"],
                       tokens_per_step=p["batch"] * p["seq"],
                       heldout=heldout_loss(heldout, p["seq"]), heldout_every=HELDOUT_LOG_EVERY,
                       seed=args.seed)
