@@ -47,7 +47,7 @@ training-smoke:
 	bash training/setup.sh
 	training/.venv/bin/python training/smoke_test.py
 
-# Reproduces the demo target from the corpus (about 70 minutes on 2 cores; resumes if interrupted):
+# Reproduces the demo target from the corpus (about 80 minutes on 2 cores; resumes if interrupted):
 # trains, writes models/kjv-gemma4 (bfloat16), measures it on the held-out text.
 demo-model:
 	bash training/setup.sh
@@ -64,9 +64,9 @@ train-drafter:
 	bash training/setup.sh
 	training/.venv/bin/python training/train_$(KIND).py --target $(TARGET) --out $(OUT)
 
-# Reproduces the demo drafters (the four learned ones about 25 minutes each on 2 cores, the
-# lookup datastore about 10) and records each learned one's drafts in its reference
-# implementation for the tests (tests/fixtures/kjv-demo).
+# Reproduces the demo drafters (the four learned ones 7 to 17 minutes each on 2 cores, the
+# lookup datastore about 10; about an hour in all) and records each learned one's drafts in
+# its reference implementation for the tests (tests/fixtures/kjv-demo).
 demo-drafters:
 	for kind in dflash dspark deepspec assistant lookup; do $(MAKE) train-drafter KIND=$$kind || exit 1; done
 	bash tests/oracle/setup-venv.sh

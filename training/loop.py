@@ -241,9 +241,9 @@ class Average:
     """The mean of the weights at every `every`-th step of the last `last` steps.
 
     With a small corpus the weights wander around a minimum late in training; their mean lies
-    nearer its centre than any one of them (the demo target's held-out loss falls by about
-    0.02 nats). The running sum is saved with the state, so a resumed run averages the same
-    steps as an uninterrupted one.
+    nearer its centre than any one of them (the demo target's held-out loss: 3.491 nats per
+    token at its last step, 3.420 averaged over ten). The running sum is saved with the state,
+    so a resumed run averages the same steps as an uninterrupted one.
     """
 
     def __init__(self, steps: int, last: int, every: int):

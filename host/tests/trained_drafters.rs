@@ -39,11 +39,11 @@ struct Trained {
 }
 
 const TRAINED: &[Trained] = &[
-    Trained { name: "dflash", kind: "dflash", reference: true, gamma: 4, bench_tau: 2.93 },
-    Trained { name: "dspark", kind: "dflash", reference: true, gamma: 4, bench_tau: 2.63 },
-    Trained { name: "deepspec", kind: "deepspec", reference: true, gamma: 4, bench_tau: 2.95 },
-    Trained { name: "assistant", kind: "assistant", reference: true, gamma: 4, bench_tau: 3.77 },
-    Trained { name: "lookup", kind: "lookup", reference: false, gamma: 4, bench_tau: 4.01 },
+    Trained { name: "dflash", kind: "dflash", reference: true, gamma: 4, bench_tau: 2.37 },
+    Trained { name: "dspark", kind: "dflash", reference: true, gamma: 4, bench_tau: 2.25 },
+    Trained { name: "deepspec", kind: "deepspec", reference: true, gamma: 4, bench_tau: 2.55 },
+    Trained { name: "assistant", kind: "assistant", reference: true, gamma: 4, bench_tau: 3.19 },
+    Trained { name: "lookup", kind: "lookup", reference: false, gamma: 4, bench_tau: 3.76 },
 ];
 
 /// The first three bench prompts (held-out chapters).
@@ -124,8 +124,8 @@ fn greedy_output_equals_plain_decoding_and_tau_holds() {
 /// Under `draft_tokens = "auto"`, rounds of five rows draft nothing and the drafter is shown
 /// their tokens later, in one prefill: after 64 such rounds, and when three rows leave and the
 /// two left draft again. Every row still equals plain decoding, and each drafter drafts
-/// after catching up at no less than 80% of the acceptance measured here when this was written
-/// (prompt lookup, which proposes only what it was shown, falls to 0.35 if it is not caught up).
+/// after catching up at no less than 80% of the acceptance measured here with the current demo
+/// target and drafters.
 #[test]
 fn a_drafter_that_sat_out_rounds_catches_up() {
     use host::generate::Flow;
@@ -144,12 +144,12 @@ fn a_drafter_that_sat_out_rounds_catches_up() {
         LoadedDrafter::load(&load_library(&common::workspace_plugin("ngram"), None).unwrap(), None, "").unwrap();
     let trained = TRAINED.iter().map(|t| (t.name, drafter(t, &model)));
     let measured = [
-        ("ngram", 0.61),
-        ("dflash", 0.84),
-        ("dspark", 0.46),
-        ("deepspec", 0.71),
-        ("assistant", 0.83),
-        ("lookup", 0.84),
+        ("ngram", 0.26),
+        ("dflash", 0.49),
+        ("dspark", 0.34),
+        ("deepspec", 0.47),
+        ("assistant", 0.74),
+        ("lookup", 0.76),
     ];
     for ((name, drafter), (measured_name, measured)) in [("ngram", ngram)].into_iter().chain(trained).zip(measured) {
         assert_eq!(name, measured_name);
