@@ -259,9 +259,8 @@ class Average:
         mx.eval(self.total)
 
     def apply(self, model: nn.Module) -> None:
-        if self.count:
-            model.update(tree_map(lambda t: t / self.count, self.total))
-            mx.eval(model.parameters())
+        model.update(tree_map(lambda t: t / self.count, self.total))
+        mx.eval(model.parameters())
 
 
 def matrices_only(path: str, weight: mx.array) -> bool:

@@ -32,10 +32,8 @@ def run(run_dir: Path, stream, stop_at: int = 0):
     p = tt.PRESETS["tiny"]
     model = tt.build(p["config"], seed=0, dropout=p["dropout"])
     last = loop.train(run_dir, model, tt.lm_loss, tt.batches(stream, p["batch"], p["seq"], 0),
-                      steps=p["steps"], lr=p["lr"], warmup=p["warmup"], log_every=5,
-                      weight_decay=p["weight_decay"], average_last=p["average_last"],
-                      average_every=p["average_every"], desc="smoke", stop_at=stop_at,
-                      tokens_per_step=p["batch"] * p["seq"])
+                      steps=p["steps"], log_every=5, desc="smoke", stop_at=stop_at,
+                      **tt.recipe(p))
     return model, last
 
 

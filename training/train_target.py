@@ -119,6 +119,13 @@ def batches(stream: np.ndarray, batch: int, seq: int, seed: int):
     return at
 
 
+def recipe(p: Dict) -> Dict:
+    """A preset's `loop.train` arguments."""
+    return dict(lr=p["lr"], warmup=p["warmup"], weight_decay=p["weight_decay"],
+                average_last=p["average_last"], average_every=p["average_every"],
+                tokens_per_step=p["batch"] * p["seq"])
+
+
 def lm_loss(model, inputs, targets):
     """Mean cross-entropy of the model's softcapped logits (`fused`: the same as mlx-lm's)."""
     logits = model.model.embed_tokens.as_linear(model.model(inputs))
@@ -226,10 +233,7 @@ def main() -> None:
               f"{steps} steps of {p['batch']}x{p['seq']} "
               f"({steps * p['batch'] * p['seq'] / len(stream):.2f} epochs)")
     last = loop.train(run, model, lm_loss, batches(stream, p["batch"], p["seq"], args.seed),
-                      steps=steps, lr=p["lr"], warmup=p["warmup"], desc=args.preset,
-                      weight_decay=p["weight_decay"], average_last=p["average_last"],
-                      average_every=p["average_every"],
-                      tokens_per_step=p["batch"] * p["seq"],
+                      steps=steps, desc=args.preset, **recipe(p),
                       heldout=heldout_loss(heldout, p["seq"]), heldout_every=HELDOUT_LOG_EVERY,
                       seed=args.seed)
     if not loop.leader():
