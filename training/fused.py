@@ -60,17 +60,24 @@ def softcap_cross_entropy(softcap: float):
         s = mx.sigmoid(z.astype(mx.float32) * (2 / softcap))
         return 2 * softcap * s - softcap, s
 
-    @mx.custom_function
-    def loss(logits, targets):
-        c, _ = capped(logits)
-        # The target's capped logit from its raw logit: a gather of one value per token.
-        target, _ = capped(mx.take_along_axis(logits, targets[..., None], axis=-1)[..., 0])
-        return mx.logsumexp(c, axis=-1) - target
+    def target_capped(logits, targets):
+        """The target's capped logit from its raw logit: a gather of one value per token."""
+        return capped(mx.take_along_axis(logits, targets[..., None], axis=-1)[..., 0])[0]
 
     @mx.compile
-    def backward(logits, targets, cot):
+    def logsumexp(c):
+        # Written out rather than mx.logsumexp, whose exp is MLX's scalar one on CPU.
+        m = mx.stop_gradient(c.max(axis=-1, keepdims=True))
+        return (m + mx.log(mx.exp(c - m).sum(axis=-1, keepdims=True)))[..., 0]
+
+    @mx.custom_function
+    def loss(logits, targets):
+        return logsumexp(capped(logits)[0]) - target_capped(logits, targets)
+
+    @mx.compile
+    def backward(logits, targets, cot, lse):
         c, s = capped(logits)
-        p = mx.softmax(c, axis=-1)
+        p = mx.exp(c - lse[..., None])  # the softmax, from the forward's logsumexp
         onehot = mx.arange(c.shape[-1]) == targets[..., None]
         # d capped / d z = 1 - tanh^2 = 4 s (1 - s)
         return ((p - onehot) * (cot[..., None] * 4 * s * (1 - s))).astype(logits.dtype)
@@ -78,7 +85,8 @@ def softcap_cross_entropy(softcap: float):
     @loss.vjp
     def loss_vjp(primals, cotangent, output):
         logits, targets = primals
-        return backward(logits, targets, cotangent), mx.zeros_like(targets)
+        lse = output + target_capped(logits, targets)
+        return backward(logits, targets, cotangent, lse), mx.zeros_like(targets)
 
     return loss
 
