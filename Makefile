@@ -47,7 +47,7 @@ training-smoke:
 	bash training/setup.sh
 	training/.venv/bin/python training/smoke_test.py
 
-# Reproduces the demo target from the corpus (about 80 minutes on 2 cores; resumes if interrupted):
+# Reproduces the demo target from the corpus (about 66 minutes on 2 cores; resumes if interrupted):
 # trains, writes models/kjv-gemma4 (bfloat16), measures it on the held-out text.
 demo-model:
 	bash training/setup.sh

@@ -241,8 +241,13 @@ def load_state(run: Path, model: nn.Module, opt: optim.Optimizer, average: "Aver
     arrays = mx.load(str(run / "state.safetensors"))
     part = lambda prefix: [(k[len(prefix):], v) for k, v in arrays.items()  # noqa: E731
                            if k.startswith(prefix)]
-    model.load_weights(part("model."), strict=True)
-    opt.state = tree_unflatten(part("opt."))
+    try:
+        model.load_weights(part("model."), strict=True)
+        opt.state = tree_unflatten(part("opt."))
+    except ValueError as e:
+        raise SystemExit(f"{run / 'state.safetensors'} does not fit this model and optimizer "
+                         f"({e}): it was saved by another recipe or an older version of this "
+                         f"code; remove the run directory to train afresh") from e
     average.count = saved.get("averaged", 0)
     average.total = tree_unflatten(part("average.")) if average.count else None
     mx.eval(model.parameters(), opt.state, average.total)

@@ -1,10 +1,10 @@
 """Smoke test of the trainers on their tiny presets (run by `make test`, about two minutes):
 the training forms of GeGLU and the softcapped loss give mlx-lm's gradients, the target's loss
 falls, a run interrupted halfway and resumed ends exactly where an uninterrupted run ends (its
-weights averaged over the same steps), and two data-parallel processes compute one's
-gradients; then each drafter trainer, run as its command (as two processes), learns from that
-tiny target for a few steps (its loss falls) and writes a checkpoint (the assistant's with its
-centroid head)."""
+weights averaged over the same steps), a run directory of another recipe is refused by name,
+and two data-parallel processes compute one's gradients; then each drafter trainer, run as its
+command (as two processes), learns from that tiny target for a few steps (its loss falls) and
+writes a checkpoint (the assistant's with its centroid head)."""
 
 import json
 import subprocess
@@ -109,6 +109,17 @@ def main() -> None:
         assert worst <= 1e-5, f"resumed weights differ from the uninterrupted run by {worst}"
         print(f"smoke: loss {first:.3f} -> {last['loss']:.3f}; resumed run matches "
               f"(largest weight difference {worst:.1e})")
+
+        # A run directory saved by another recipe is refused by name, not half loaded.
+        p = tt.PRESETS["tiny"]
+        other = tt.build(dict(p["config"], intermediate_size=64), seed=0)
+        try:
+            loop.train(Path(tmp) / "whole", other, tt.lm_loss, tt.batches(stream, 4, 64, 0),
+                       steps=p["steps"] + 1, lr=p["lr"], warmup=p["warmup"])
+            raise AssertionError("a run directory of another model was resumed")
+        except SystemExit as e:
+            assert str(Path(tmp) / "whole" / "state.safetensors") in str(e), e
+            print(f"smoke: another model's run directory is refused: {e}")
 
         # Each of two processes takes half of the batch and their gradients are averaged: the
         # gradients of the whole batch, up to float32 summation order.
