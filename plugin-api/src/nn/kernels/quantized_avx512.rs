@@ -16,7 +16,7 @@
 //! integers themselves (exact in bfloat16, 32 per instruction), with scale and bias applied per
 //! group as MLX's Metal kernels do, slower at every row count from one to sixteen; for 4-bit
 //! weights, each group's sixteen values made once and looked up by nibble (`vpermps`), no
-//! faster.
+//! faster, there or on a Xeon with AMX (`host bench --kernels`, one row: 15.1 GB/s against 15.2).
 
 use std::arch::x86_64::*;
 
