@@ -114,8 +114,9 @@ def main() -> None:
         p = tt.PRESETS["tiny"]
         other = tt.build(dict(p["config"], intermediate_size=64), seed=0)
         try:
-            loop.train(Path(tmp) / "whole", other, tt.lm_loss, tt.batches(stream, 4, 64, 0),
-                       steps=p["steps"] + 1, lr=p["lr"], warmup=p["warmup"])
+            loop.train(Path(tmp) / "whole", other, tt.lm_loss,
+                       tt.batches(stream, p["batch"], p["seq"], 0), steps=p["steps"] + 1,
+                       **tt.recipe(p))
             raise AssertionError("a run directory of another model was resumed")
         except SystemExit as e:
             assert str(Path(tmp) / "whole" / "state.safetensors") in str(e), e

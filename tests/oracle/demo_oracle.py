@@ -7,8 +7,9 @@ tests/fixtures/kjv-demo/ for host/tests/gemma4_parity.rs.
 The prompt is the opening of a held-out chapter (training never saw it), long enough that the
 prompt and the 64 greedy steps together pass the sliding window: the first held-out chapter
 and prompt length (PROMPT_TOKENS, tried in turn) whose greedy steps all have a top-1/top-2
-margin of at least MIN_MARGIN, so that tokens are compared where they are not near-ties. Logits are stored in bfloat16, the dtype the model
-computes them in, so nothing is rounded away.
+margin of at least MIN_MARGIN, so that tokens are compared where they are not near-ties.
+Logits are stored in bfloat16, the dtype the model computes them in, so nothing is rounded
+away.
 """
 
 import json
