@@ -60,11 +60,13 @@ impl KernelReport {
 const VOCAB: i32 = 262_144;
 
 /// A weight format: its layer, the activation dtype models of that format run in, and the
-/// weight as MLX holds it, for MLX's own product.
+/// weight as MLX holds it (with its scales, biases and quantization where quantized), for MLX's
+/// own product.
 struct Format {
     name: String,
     linear: Linear,
     mlx_weight: Array,
+    mlx_quantized: Option<(Array, Array, Quantization)>,
     activations: Dtype,
 }
 
@@ -77,7 +79,7 @@ fn formats() -> Result<Vec<Format>, Exception> {
             (_, false) => "bfloat16",
             (_, true) => "bfloat16 AMX",
         };
-        Format { name: name.into(), linear, mlx_weight: w, activations }
+        Format { name: name.into(), linear, mlx_weight: w, mlx_quantized: None, activations }
     };
     let mut out = vec![plain(w.clone(), Dtype::Float32), plain(w.as_dtype(Dtype::Bfloat16)?, Dtype::Bfloat16)];
     // Quantized as mlx-lm converts float32 checkpoints (float32 scales and activations) and
@@ -86,10 +88,14 @@ fn formats() -> Result<Vec<Format>, Exception> {
         for bits in [8, 4] {
             let group_size = 64;
             let (packed, scales, biases) = mlx_rs::ops::quantize(w.as_dtype(activations)?, group_size, bits)?;
+            let q = Quantization { group_size, bits };
+            let linear = Linear::quantized(packed.clone(), scales.clone(), biases.clone(), q);
+            let tiled = if linear.is_tiled() { " AMX" } else { "" };
             out.push(Format {
-                name: format!("{bits}-bit g{group_size} {label}"),
-                linear: Linear::quantized(packed.clone(), scales, biases, Quantization { group_size, bits }),
+                name: format!("{bits}-bit g{group_size} {label}{tiled}"),
+                linear,
                 mlx_weight: packed,
+                mlx_quantized: Some((scales, biases, q)),
                 activations,
             });
         }
@@ -98,12 +104,9 @@ fn formats() -> Result<Vec<Format>, Exception> {
 }
 
 fn mlx_product(f: &Format, x: &Array) -> Result<Array, Exception> {
-    let l = &f.linear;
-    match (&l.scales, l.quantization) {
-        (Some(s), Some(q)) => {
-            mlx_rs::ops::quantized_matmul(x, &f.mlx_weight, s, l.biases.as_ref(), true, q.group_size, q.bits)
-        }
-        _ => x.matmul(f.mlx_weight.t()),
+    match &f.mlx_quantized {
+        Some((s, b, q)) => mlx_rs::ops::quantized_matmul(x, &f.mlx_weight, s, b, true, q.group_size, q.bits),
+        None => x.matmul(f.mlx_weight.t()),
     }
 }
 
@@ -124,7 +127,7 @@ pub fn kernels() -> Result<KernelReport, Exception> {
     let mut rows = Vec::new();
     for f in formats()? {
         mlx_rs::transforms::eval(
-            [&f.mlx_weight].into_iter().chain(f.linear.scales.as_ref()).chain(f.linear.biases.as_ref()),
+            [&f.mlx_weight].into_iter().chain(f.mlx_quantized.iter().flat_map(|(s, b, _)| [s, b])),
         )?;
         let bytes = f.linear.nbytes() as f64;
         for m in ROWS {

@@ -7,6 +7,8 @@ use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype};
 
 use super::kernels::amx_bf16::{self, Tiles};
+use super::kernels::amx_quantized::{self, QuantTiles};
+use super::kernels::Tiled;
 use super::weights::{Weights, WeightsError};
 use super::{kernels, wide};
 
@@ -22,6 +24,8 @@ pub struct Quantization {
 #[derive(Clone)]
 pub struct Linear {
     weight: Stored,
+    /// A quantized weight's scales and biases as MLX arrays; `None` where the weight is held as
+    /// tiles, which hold them.
     pub scales: Option<Array>,
     pub biases: Option<Array>,
     pub quantization: Option<Quantization>,
@@ -32,10 +36,15 @@ pub struct Linear {
 /// tiles then serve every product with it ([`kernels::tiled_product`]), whatever its rows'
 /// count, so that a row's result does not depend on it, and the weight takes no more memory
 /// than as loaded.
+///
+/// An MLX-quantized weight with bfloat16 scales and biases (as mlx-lm converts bfloat16
+/// checkpoints) is reordered for the unit likewise ([`amx_quantized`]), with its scales and
+/// biases, at the bytes MLX's arrays took.
 #[derive(Clone)]
 enum Stored {
     Mlx(Array),
     Tiles(Arc<Tiles>),
+    QuantTiles(Arc<QuantTiles>),
 }
 
 /// `w` [n, k] repacked for the tile unit, where it is a plain bfloat16 matrix, MLX runs on the
@@ -46,6 +55,29 @@ fn tiles_of(w: &Array) -> Option<Tiles> {
     }
     let (n, k) = (w.shape()[0] as usize, w.shape()[1] as usize);
     kernels::bits16(w).map(|bits| Tiles::pack(bits, n, k))
+}
+
+/// An MLX-quantized `w` [n, k·bits/32] reordered for the tile unit with its bfloat16 scales
+/// and biases, where MLX runs on the CPU and the unit is available.
+fn quant_tiles_of(w: &Array, scales: &Array, biases: &Array, q: Quantization) -> Option<QuantTiles> {
+    let (bits, group) = (q.bits as u32, q.group_size as usize);
+    let applies = w.ndim() == 2
+        && w.dtype() == Dtype::Uint32
+        && scales.dtype() == Dtype::Bfloat16
+        && biases.dtype() == Dtype::Bfloat16
+        && QuantTiles::takes(bits, group)
+        && wide::on_cpu()
+        && amx_quantized::available();
+    if !applies {
+        return None;
+    }
+    let (n, k) = (w.shape()[0] as usize, w.shape()[1] as usize * 32 / bits as usize);
+    let packed = kernels::row_major(w).ok()?;
+    let (scales, biases) = (kernels::row_major(scales).ok()?, kernels::row_major(biases).ok()?);
+    let packed = packed.try_as_slice::<u32>().ok()?;
+    let (scales, biases) = (kernels::bits16(&scales)?, kernels::bits16(&biases)?);
+    (k.is_multiple_of(group) && scales.len() == n * (k / group))
+        .then(|| QuantTiles::pack(packed, scales, biases, n, k, bits, group))
 }
 
 impl Linear {
@@ -78,19 +110,35 @@ impl Linear {
         Linear { weight: Stored::plain(weight), scales: None, biases: None, quantization: None }
     }
 
-    /// An MLX-quantized weight (packed integers) with its scales and biases.
+    /// An MLX-quantized weight (packed integers) with its scales and biases, reordered for the
+    /// tile unit where it applies: MLX's arrays are then dropped, and the tiles serve every
+    /// product.
     pub fn quantized(weight: Array, scales: Array, biases: Array, q: Quantization) -> Linear {
-        Linear { weight: Stored::Mlx(weight), scales: Some(scales), biases: Some(biases), quantization: Some(q) }
+        match quant_tiles_of(&weight, &scales, &biases, q) {
+            Some(tiles) => Linear {
+                weight: Stored::QuantTiles(Arc::new(tiles)),
+                scales: None,
+                biases: None,
+                quantization: Some(q),
+            },
+            None => Linear {
+                weight: Stored::Mlx(weight),
+                scales: Some(scales),
+                biases: Some(biases),
+                quantization: Some(q),
+            },
+        }
     }
 
-    /// The weight as an MLX array, rebuilt from the tiles where only they hold it.
+    /// The weight as an MLX array (packed integers where quantized), rebuilt from the tiles
+    /// where only they hold it.
     pub fn weight(&self) -> Array {
         self.weight.array()
     }
 
     /// Whether the weight is held as tiles for the tile unit.
     pub fn is_tiled(&self) -> bool {
-        matches!(self.weight, Stored::Tiles(_))
+        !matches!(self.weight, Stored::Mlx(_))
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array, Exception> {
@@ -117,6 +165,19 @@ impl Stored {
             Stored::Tiles(tiles) => {
                 kernels::from_bits16(&tiles.unpack(), &[tiles.n as i32, tiles.k as i32], Dtype::Bfloat16)
             }
+            Stored::QuantTiles(tiles) => {
+                let words = tiles.unpack().0;
+                Array::from_slice(&words, &[tiles.n as i32, (words.len() / tiles.n.max(1)) as i32])
+            }
+        }
+    }
+
+    /// The weight as tiles, where they hold it.
+    fn tiled(&self) -> Option<Tiled<'_>> {
+        match self {
+            Stored::Mlx(_) => None,
+            Stored::Tiles(t) => Some(Tiled::Bf16(t)),
+            Stored::QuantTiles(t) => Some(Tiled::Quantized(t)),
         }
     }
 
@@ -124,6 +185,7 @@ impl Stored {
         match self {
             Stored::Mlx(w) => w.nbytes() + scales.map_or(0, Array::nbytes) + biases.map_or(0, Array::nbytes),
             Stored::Tiles(tiles) => tiles.nbytes(),
+            Stored::QuantTiles(tiles) => tiles.nbytes(),
         }
     }
 }
@@ -149,14 +211,21 @@ impl Embedding {
         Ok(Embedding { weight: Stored::Mlx(weight), scales, biases, quantization: q })
     }
 
-    /// The table as the model's tied head too: a plain bfloat16 table is repacked for the tile
-    /// unit where that applies (see [`Linear::plain`]), and its rows are then read from the
-    /// tiles, 4 bytes per 64-byte line: cheap for the few rows a step looks up, not for a
-    /// table whose rows are read by the hundred (the assistant's centroid head keeps MLX's).
+    /// The table as the model's tied head too: a plain bfloat16 or quantized table is repacked
+    /// for the tile unit where that applies (see [`Linear::plain`], [`Linear::quantized`]), and
+    /// its rows are then read from the tiles, a few bytes per 64-byte line: cheap for the few
+    /// rows a step looks up, not for a table whose rows are read by the hundred (the
+    /// assistant's centroid head keeps MLX's).
     pub fn tied_head(self) -> Embedding {
-        match (self.weight, &self.scales) {
-            (Stored::Mlx(w), None) => Embedding { weight: Stored::plain(w), ..self },
-            (weight, _) => Embedding { weight, ..self },
+        match (self.weight, self.scales, self.biases, self.quantization) {
+            (Stored::Mlx(w), None, None, q) => {
+                Embedding { weight: Stored::plain(w), scales: None, biases: None, quantization: q }
+            }
+            (Stored::Mlx(w), Some(s), Some(b), Some(q)) => {
+                let Linear { weight, scales, biases, .. } = Linear::quantized(w, s, b, q);
+                Embedding { weight, scales, biases, quantization: Some(q) }
+            }
+            (weight, scales, biases, quantization) => Embedding { weight, scales, biases, quantization },
         }
     }
 
@@ -170,6 +239,7 @@ impl Embedding {
         match &self.weight {
             Stored::Mlx(w) => w.shape()[0],
             Stored::Tiles(tiles) => tiles.n as i32,
+            Stored::QuantTiles(tiles) => tiles.n as i32,
         }
     }
 
@@ -178,6 +248,7 @@ impl Embedding {
         let weight = match &self.weight {
             Stored::Mlx(w) => w,
             Stored::Tiles(tiles) => return rows_from_tiles(tiles, ids),
+            Stored::QuantTiles(tiles) => return rows_from_quant_tiles(tiles, ids),
         };
         if let (Some(scales), Some(biases), Some(q)) = (&self.scales, &self.biases, self.quantization) {
             if let Some(rows) = kernels::dequantized_rows(ids, weight, scales, biases, q)? {
@@ -212,7 +283,7 @@ impl Embedding {
         match (&self.weight, &self.scales) {
             (_, Some(scales)) => scales.dtype(),
             (Stored::Mlx(w), None) => w.dtype(),
-            (Stored::Tiles(_), None) => Dtype::Bfloat16,
+            (Stored::Tiles(_) | Stored::QuantTiles(_), None) => Dtype::Bfloat16,
         }
     }
 }
@@ -236,6 +307,29 @@ fn rows_from_tiles(tiles: &Tiles, ids: &Array) -> Result<Array, Exception> {
     Ok(kernels::from_bits16(&bits, &shape, Dtype::Bfloat16))
 }
 
+/// Rows `ids` of a quantized table held as tiles, dequantized as MLX's `dequantize` does (see
+/// [`kernels::dequantized_rows`]), as [ids' shape…, dims] bfloat16; an id outside the table is an
+/// error that names it.
+fn rows_from_quant_tiles(tiles: &QuantTiles, ids: &Array) -> Result<Array, Exception> {
+    let ids = kernels::row_major(ids)?;
+    let Some(picked) = kernels::token_ids(&ids) else {
+        return Err(Exception::custom(format!("token ids of {:?}, not int32 or uint32", ids.dtype())));
+    };
+    let mut values = Vec::with_capacity(picked.len() * tiles.k);
+    for &id in &picked {
+        if id < 0 || id as usize >= tiles.n {
+            return Err(Exception::custom(format!("token id {id} outside the table's {} rows", tiles.n)));
+        }
+        values.extend((0..tiles.k).map(|i| {
+            let (q, scale, bias) = tiles.weight_parts(id as usize, i);
+            kernels::dequantized(kernels::ToBf16, q, scale, bias)
+        }));
+    }
+    let mut shape = ids.shape().to_vec();
+    shape.push(tiles.k as i32);
+    Ok(kernels::rounded(&values, &shape, Dtype::Bfloat16))
+}
+
 /// `x · wᵀ` for a plain or quantized w [out, in].
 fn times_transposed(
     x: &Array,
@@ -246,11 +340,19 @@ fn times_transposed(
 ) -> Result<Array, Exception> {
     let w = match w {
         Stored::Mlx(w) => w,
-        Stored::Tiles(tiles) => {
-            return match kernels::tiled_product(x, tiles)? {
+        Stored::Tiles(_) | Stored::QuantTiles(_) => {
+            return match kernels::tiled_product(x, w.tiled().expect("held as tiles"))? {
                 Some(y) => Ok(y),
                 // Rows the tiles do not take (of another width or dtype): MLX's op decides.
-                None => x.matmul(w.array().t()),
+                None => match (w, q) {
+                    (Stored::QuantTiles(t), Some(q)) => {
+                        let (_, s, b) = t.unpack();
+                        let params =
+                            |p: &[u16]| kernels::from_bits16(p, &[t.n as i32, (t.k / t.group) as i32], Dtype::Bfloat16);
+                        mlx_rs::ops::quantized_matmul(x, w.array(), params(&s), &params(&b), true, q.group_size, q.bits)
+                    }
+                    _ => x.matmul(w.array().t()),
+                },
             };
         }
     };
@@ -319,6 +421,40 @@ mod tests {
         assert!(close, "the tiled product is MLX's, up to bfloat16 rounding");
         let narrow = mlx_rs::Array::ones::<f32>(&[1, 95]).unwrap().as_dtype(Dtype::Bfloat16).unwrap();
         assert!(linear.forward(&narrow).is_err(), "x of another width is MLX's error");
+    }
+
+    #[test]
+    fn a_quantized_table_on_the_tile_unit_gives_mlxs_rows_weight_and_logits() {
+        let key = mlx_rs::random::key(5).unwrap();
+        let table =
+            mlx_rs::random::normal::<f32>(&[100, 128], None, None, &key).unwrap().as_dtype(Dtype::Bfloat16).unwrap();
+        let (wq, scales, biases) = mlx_rs::ops::quantize(&table, 64, 4).unwrap();
+        let q = Some(Quantization { group_size: 64, bits: 4 });
+        let plain =
+            Embedding { weight: Stored::Mlx(wq.clone()), scales: Some(scales), biases: Some(biases), quantization: q };
+        let head = plain.clone().tied_head();
+        if !(wide::on_cpu() && amx_quantized::available()) {
+            assert!(matches!(head.weight, Stored::Mlx(_)));
+            return;
+        }
+        assert!(matches!(head.weight, Stored::QuantTiles(_)));
+        assert_eq!((head.vocab(), head.dtype()), (100, Dtype::Bfloat16));
+        assert_eq!(head.weight().as_slice::<u32>(), wq.as_slice::<u32>(), "the packed weight back from the tiles");
+        let ids = mlx_rs::Array::from_slice(&[0i32, 99, 17, 17, 64, 3], &[2, 3]);
+        let (ours, mlx) = (head.embed(&ids).unwrap(), plain.embed(&ids).unwrap());
+        assert_eq!(ours.shape(), &[2, 3, 128]);
+        assert_eq!(kernels::bits16(&ours), kernels::bits16(&mlx), "rows dequantized as MLX does");
+        let outside = mlx_rs::Array::from_slice(&[100i32], &[1]);
+        let error = head.embed(&outside).unwrap_err().to_string();
+        assert!(error.contains("token id 100") && error.contains("100 rows"), "{error}");
+        let x =
+            mlx_rs::random::normal::<f32>(&[1, 3, 128], None, None, &key).unwrap().as_dtype(Dtype::Bfloat16).unwrap();
+        let logits = head.as_linear(&x).unwrap().as_dtype(Dtype::Float32).unwrap();
+        let mlx = plain.as_linear(&x).unwrap().as_dtype(Dtype::Float32).unwrap();
+        assert!(logits.all_close(&mlx, 1e-2, 1e-2, None).unwrap(), "the head's logits are MLX's, up to rounding");
+        // Rows the tiles do not take (another width) are MLX's op's, and its error.
+        let narrow = mlx_rs::Array::ones::<f32>(&[1, 96]).unwrap().as_dtype(Dtype::Bfloat16).unwrap();
+        assert!(head.as_linear(&narrow).is_err());
     }
 
     #[test]

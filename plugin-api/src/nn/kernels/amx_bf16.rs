@@ -24,13 +24,13 @@
 //! `HOST_AMX=off` keeps weights as MLX's arrays and products on the AVX-512 BF16 loops.
 
 /// Inputs per tile row: 64 bytes of bfloat16.
-const DEPTH: usize = 32;
+pub(super) const DEPTH: usize = 32;
 /// Outputs per B tile.
-const BLOCK: usize = 16;
+pub(super) const BLOCK: usize = 16;
 /// Rows of x per pass: a C tile has 16 rows.
-const X_ROWS: usize = 16;
+pub(super) const X_ROWS: usize = 16;
 /// C tiles in flight.
-const BLOCKS_AT_ONCE: usize = 4;
+pub(super) const BLOCKS_AT_ONCE: usize = 4;
 
 /// Outputs per group: the B tiles of one pass, one per C tile.
 pub const GROUP: usize = BLOCK * BLOCKS_AT_ONCE;
@@ -206,12 +206,12 @@ fn put_block(y_row: &mut [f32], lanes: &[f32], first: usize, outputs: &std::ops:
 /// rows.
 #[cfg(target_arch = "x86_64")]
 #[repr(C, align(64))]
-struct Config([u8; 64]);
+pub(super) struct Config([u8; 64]);
 
 #[cfg(target_arch = "x86_64")]
 impl Config {
     /// C (0–3) and A (4, 5) with one row per row of x, B (6, 7) with 16 rows of input pairs.
-    fn for_rows(x_rows: usize) -> Config {
+    pub(super) fn for_rows(x_rows: usize) -> Config {
         let mut c = [0u8; 64];
         c[0] = 1;
         for tile in 0..8 {
@@ -225,7 +225,7 @@ impl Config {
 
 /// Clears C tile `c`.
 #[cfg(target_arch = "x86_64")]
-unsafe fn zero(c: usize) {
+pub(super) unsafe fn zero(c: usize) {
     use std::arch::asm;
     match c {
         0 => asm!("tilezero tmm0", options(nostack, nomem)),
@@ -240,7 +240,7 @@ unsafe fn zero(c: usize) {
 /// read it, so consecutive products take turns between two B tiles, and consecutive input
 /// blocks between two A tiles.
 #[cfg(target_arch = "x86_64")]
-unsafe fn multiply_add(c: usize, a: usize, slot: usize, b: *const u16) {
+pub(super) unsafe fn multiply_add(c: usize, a: usize, slot: usize, b: *const u16) {
     use std::arch::asm;
     let s = 2 * DEPTH;
     macro_rules! product {
@@ -275,7 +275,7 @@ unsafe fn multiply_add(c: usize, a: usize, slot: usize, b: *const u16) {
 /// Loads 32 inputs of each row of x, 64 bytes per row and `stride` bytes apart, into A tile
 /// tmm4 or tmm5 (by `a`).
 #[cfg(target_arch = "x86_64")]
-unsafe fn load_rows(a: usize, x: *const u16, stride: usize) {
+pub(super) unsafe fn load_rows(a: usize, x: *const u16, stride: usize) {
     use std::arch::asm;
     match a {
         0 => asm!("tileloadd tmm4, [{x} + {s}*1]", x = in(reg) x, s = in(reg) stride, options(nostack, readonly)),
@@ -285,7 +285,7 @@ unsafe fn load_rows(a: usize, x: *const u16, stride: usize) {
 
 /// Writes C tile `c` ([rows of x, 16] float32) to `to`, rows 64 bytes apart.
 #[cfg(target_arch = "x86_64")]
-unsafe fn store(c: usize, to: *mut f32) {
+pub(super) unsafe fn store(c: usize, to: *mut f32) {
     use std::arch::asm;
     let s = 4 * BLOCK;
     match c {
@@ -307,11 +307,7 @@ unsafe fn store(c: usize, to: *mut f32) {
 /// row's sums still do not depend on the others'.
 #[cfg(target_arch = "x86_64")]
 unsafe fn fma_rows(x: &[f32], rows: usize, tiles: &Tiles, outputs: std::ops::Range<usize>, y: &mut [f32]) {
-    use std::arch::asm;
-    let mut saved = 0u32;
-    asm!("stmxcsr [{}]", in(reg) &mut saved as *mut u32, options(nostack));
-    let flushing = saved | 0x8040;
-    asm!("ldmxcsr [{}]", in(reg) &flushing as *const u32, options(nostack, readonly));
+    let _flushing = Flushing::set();
     let (n, k) = (tiles.n, tiles.k);
     let stride = k.div_ceil(DEPTH) * DEPTH;
     // Rows of whole input blocks are read in place; others are copied, zero-padded.
@@ -335,7 +331,34 @@ unsafe fn fma_rows(x: &[f32], rows: usize, tiles: &Tiles, outputs: std::ops::Ran
             _ => fma_block::<4, 1>(x, tiles, outputs.clone(), y),
         }
     }
-    asm!("ldmxcsr [{}]", in(reg) &saved as *const u32, options(nostack, readonly));
+}
+
+/// MXCSR's DAZ and FTZ, set while this lives: denormals read and written as zero, as the tile
+/// unit reads and writes them, so that FMAs round as its steps do.
+#[cfg(target_arch = "x86_64")]
+pub(super) struct Flushing(u32);
+
+#[cfg(target_arch = "x86_64")]
+impl Flushing {
+    pub(super) fn set() -> Flushing {
+        use std::arch::asm;
+        let mut saved = 0u32;
+        // SAFETY: reads and writes MXCSR only; the flags set change how denormals round.
+        unsafe {
+            asm!("stmxcsr [{}]", in(reg) &mut saved as *mut u32, options(nostack));
+            let flushing = saved | 0x8040;
+            asm!("ldmxcsr [{}]", in(reg) &flushing as *const u32, options(nostack, readonly));
+        }
+        Flushing(saved)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Drop for Flushing {
+    fn drop(&mut self) {
+        // SAFETY: restores the MXCSR saved by `set`.
+        unsafe { std::arch::asm!("ldmxcsr [{}]", in(reg) &self.0 as *const u32, options(nostack, readonly)) };
+    }
 }
 
 /// R rows of x (zero-padded to whole input blocks) times B output blocks at a time: 2·R·B

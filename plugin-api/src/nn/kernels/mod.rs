@@ -2,8 +2,9 @@
 //! format, with MLX's result up to summation order: float32 accumulation, the output rounded
 //! once to the activation dtype. They take one to sixteen rows (decode steps, verify windows),
 //! and half-precision weights or activations at any row count. Anything else (more float32 rows,
-//! other dtypes, another device) is left to MLX. On a CPU with AMX, plain bfloat16 weights are
-//! repacked for its tile unit and multiplied there ([`amx_bf16`], [`tiled_product`]).
+//! other dtypes, another device) is left to MLX. On a CPU with AMX, plain bfloat16 weights and
+//! quantized ones with bfloat16 scales are repacked for its tile unit and multiplied there
+//! ([`amx_bf16`], [`amx_quantized`], [`tiled_product`]).
 //!
 //! Quantized weights of half-precision activations are summed in float32 here, as MLX's Metal
 //! and CUDA kernels sum them. MLX's CPU kernel instead rounds to the activation dtype after
@@ -12,6 +13,7 @@
 //! (measured with such a kernel), and its sums are less accurate than float32's.
 
 pub mod amx_bf16;
+pub mod amx_quantized;
 pub mod dot;
 #[cfg(target_arch = "x86_64")]
 mod lanes;
@@ -97,29 +99,59 @@ pub fn small_product(
     outputs(x, n, split, |xs, range, y| dot::product(xs, x_dtype, rows, k, weight, range, n, y)).map(Some)
 }
 
-/// `x · wᵀ` for a bfloat16 w held as AMX tiles ([`amx_bf16`]), at any row count; `None` where
-/// the tiles do not apply (x of another width or not floating-point, MLX on another device, a
-/// CPU without the unit). Two bfloat16 rows or more are multiplied on the unit, a single one
-/// through AVX-512 FMAs that sum as the unit does; rows of another dtype through the FMAs.
-pub fn tiled_product(x: &Array, tiles: &amx_bf16::Tiles) -> Result<Option<Array>, Exception> {
+/// A weight held as AMX tiles: bfloat16 ([`amx_bf16`]) or MLX-quantized ([`amx_quantized`]).
+#[derive(Clone, Copy)]
+pub enum Tiled<'a> {
+    Bf16(&'a amx_bf16::Tiles),
+    Quantized(&'a amx_quantized::QuantTiles),
+}
+
+impl Tiled<'_> {
+    fn shape(&self) -> (usize, usize) {
+        match self {
+            Tiled::Bf16(t) => (t.n, t.k),
+            Tiled::Quantized(t) => (t.n, t.k),
+        }
+    }
+
+    fn available(&self) -> bool {
+        match self {
+            Tiled::Bf16(_) => amx_bf16::available(),
+            Tiled::Quantized(_) => amx_quantized::available(),
+        }
+    }
+}
+
+/// `x · wᵀ` for a w held as AMX tiles, at any row count; `None` where the tiles do not apply (x
+/// of another width or not floating-point, MLX on another device, a CPU without the unit). Two
+/// bfloat16 rows or more are multiplied on the unit, a single one through AVX-512 FMAs that sum
+/// as the unit does; rows of another dtype through the FMAs.
+pub fn tiled_product(x: &Array, tiles: Tiled) -> Result<Option<Array>, Exception> {
     let rows = super::wide::rows(x) as usize;
+    let (n, k) = tiles.shape();
     let applies = matches!(x.dtype(), Dtype::Bfloat16 | Dtype::Float16 | Dtype::Float32)
-        && x.shape().last().map(|&k| k as usize) == Some(tiles.k)
+        && x.shape().last().map(|&k| k as usize) == Some(k)
         && rows > 0
         && super::wide::on_cpu()
-        && amx_bf16::available();
+        && tiles.available();
     if !applies {
         return Ok(None);
     }
     #[cfg(target_arch = "x86_64")]
     {
-        let (n, bf16) = (tiles.n, x.dtype() == Dtype::Bfloat16);
+        let bf16 = x.dtype() == Dtype::Bfloat16;
         // Each thread takes whole groups of outputs, where the weight is large enough for
         // halving it to pay for the handover.
         let at = (n / 2).next_multiple_of(amx_bf16::GROUP);
-        let split = (n * tiles.k >= SPLIT_WORK && at < n).then_some(at);
+        let split = (n * k >= SPLIT_WORK && at < n).then_some(at);
         // SAFETY: the unit is there and granted (`available`); the tiles hold an [n, k] weight.
-        outputs(x, n, split, |xs, range, y| unsafe { amx_bf16::product(xs, rows, bf16, tiles, range, y) }).map(Some)
+        outputs(x, n, split, |xs, range, y| unsafe {
+            match tiles {
+                Tiled::Bf16(t) => amx_bf16::product(xs, rows, bf16, t, range, y),
+                Tiled::Quantized(t) => amx_quantized::product(xs, rows, bf16, t, range, y),
+            }
+        })
+        .map(Some)
     }
     #[cfg(not(target_arch = "x86_64"))]
     unreachable!("the tile unit is x86-64's")
@@ -162,12 +194,19 @@ pub fn dequantized_rows(
             let row = id as usize;
             for i in 0..k {
                 let g = row * (k / group) + i / group;
-                out.push(r.round(r.round(s.get(g) * table.q(row, k, i) as f32) + b.get(g)));
+                out.push(dequantized(r, table.q(row, k, i), s.get(g), b.get(g)));
             }
         }
     });
     shape.push(k as i32);
     Ok(Some(rounded(&out, &shape, dtype)))
+}
+
+/// One weight dequantized as MLX's `dequantize` does: scale · q + bias in the scales' dtype
+/// (`r`), the product and the sum each rounded to it.
+#[inline]
+pub(crate) fn dequantized(r: impl Round, q: u32, scale: f32, bias: f32) -> f32 {
+    r.round(r.round(scale * q as f32) + bias)
 }
 
 /// Token ids of int32 or uint32 (evaluated, row-major) as i64, so that a negative int32 id is
@@ -849,6 +888,111 @@ mod tests {
                 assert!(d <= 1e-5, "n {n}, k {k}, {rows} float32 rows: {d}");
                 let last = tiled(&x32.as_slice::<f32>()[(rows - 1) * k..], 1, false, &tiles, 0..n);
                 assert_eq!(last, floats[(rows - 1) * n..], "n {n}, k {k}, float32 row {rows} alone");
+            }
+        }
+    }
+
+    /// Whether this CPU lets the tests of quantized tiles run (saying so where it does not).
+    #[cfg(target_arch = "x86_64")]
+    fn quantized_tiles_here() -> bool {
+        let here = amx_quantized::available();
+        if !here {
+            eprintln!("no AMX tiles with AVX-512 BF16 on this CPU: quantized tiles are not tested here");
+        }
+        here
+    }
+
+    /// Quantized tiles ([`amx_quantized`]) where the CPU has the unit: MLX's packed weight,
+    /// scales and biases back from them; MLX's float32 product of the same values up to
+    /// summation order, for every format; a row's result the same alone, in a window of any
+    /// size (on the unit) and in either part of a split.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn quantized_tiles_equal_mlxs_product_and_each_row_alone() {
+        if !quantized_tiles_here() {
+            return;
+        }
+        let run = |x: &[f32], rows: usize, bf16_rows: bool, t: &amx_quantized::QuantTiles, outputs| {
+            let mut y = vec![0f32; rows * t.n];
+            // SAFETY: the CPU has the unit and this process may use it (checked above).
+            unsafe { amx_quantized::product(x, rows, bf16_rows, t, outputs, &mut y) };
+            y
+        };
+        for (bits, group_size) in [(4, 32), (4, 64), (4, 128), (8, 32), (8, 64), (8, 128)] {
+            for (n, k) in [(72, 256), (16, 128), (130, 384)] {
+                let w = normal(&[n, k], 30).as_dtype(Dtype::Bfloat16).unwrap();
+                let (wq, scales, biases) = mlx_rs::ops::quantize(&w, group_size, bits).unwrap();
+                let q = Quantization { group_size, bits };
+                let (n, k) = (n as usize, k as usize);
+                let case = format!("{bits} bits, group {group_size}, n {n}, k {k}");
+                let words = wq.as_slice::<u32>();
+                let (s, b) = (bits16(&scales).unwrap(), bits16(&biases).unwrap());
+                let t = amx_quantized::QuantTiles::pack(words, s, b, n, k, bits as u32, group_size as usize);
+                assert_eq!(t.unpack(), (words.to_vec(), s.to_vec(), b.to_vec()), "{case}: MLX's arrays back");
+                for rows in [1, 2, 5, 16, 21] {
+                    let x = normal(&[rows, k as i32], 31 + rows as u64).as_dtype(Dtype::Bfloat16).unwrap();
+                    let xs = x.as_dtype(Dtype::Float32).unwrap();
+                    let xs = xs.as_slice::<f32>();
+                    let rows = rows as usize;
+                    let window = run(xs, rows, true, &t, 0..n);
+                    let ours = Array::from_slice(&window, &[rows as i32, n as i32]);
+                    let d = relative_difference(&ours, &mlx_in_float32(&x, &wq, &scales, &biases, q));
+                    assert!(d <= 1e-5, "{case}, {rows} rows: {d}");
+                    for m in 0..rows {
+                        let alone = run(&xs[m * k..(m + 1) * k], 1, true, &t, 0..n);
+                        assert_eq!(alone, window[m * n..(m + 1) * n], "{case}, row {m} of {rows}");
+                    }
+                    // Split where the threads split: at a whole group of outputs.
+                    let at = amx_bf16::GROUP.min(n);
+                    let mut parts = run(xs, rows, true, &t, 0..at);
+                    let upper = run(xs, rows, true, &t, at..n);
+                    for m in 0..rows {
+                        parts[m * n + at..(m + 1) * n].copy_from_slice(&upper[m * n + at..(m + 1) * n]);
+                    }
+                    assert_eq!(parts, window, "{case}, {rows} rows split at {at}");
+                    // Float32 rows: through the FMAs, near MLX's float32 product.
+                    let x32 = normal(&[rows as i32, k as i32], 50 + rows as u64);
+                    let floats = run(x32.as_slice::<f32>(), rows, false, &t, 0..n);
+                    let ours = Array::from_slice(&floats, &[rows as i32, n as i32]);
+                    let d = relative_difference(&ours, &mlx_in_float32(&x32, &wq, &scales, &biases, q));
+                    assert!(d <= 1e-5, "{case}, {rows} float32 rows: {d}");
+                }
+            }
+        }
+    }
+
+    /// The FMAs sum x·q as the unit does over values of every magnitude, denormals among them:
+    /// a row alone equals the row in a window, bit for bit.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn quantized_fma_loops_sum_as_the_tile_unit_over_wide_and_denormal_values() {
+        if !quantized_tiles_here() {
+            return;
+        }
+        let (n, k, rows, group) = (80usize, 256usize, 4usize, 64usize);
+        let value = |i: usize| {
+            let h = (i as u32).wrapping_mul(2654435761) >> 7;
+            let sign = if h & 1 == 0 { 1.0 } else { -1.0 };
+            sign * (1.0 + (h % 128) as f32 / 128.0) * 2f32.powi((h % 160) as i32 - 140)
+        };
+        let bf16 = |v: f32| half::bf16::from_f32(v);
+        let x: Vec<f32> = (0..rows * k).map(|i| bf16(value(i + 7919)).to_f32()).collect();
+        assert!(x.iter().any(|v| *v != 0.0 && v.abs() < f32::MIN_POSITIVE), "denormal inputs");
+        let scales: Vec<u16> = (0..n * k / group).map(|i| bf16(value(i + 31)).to_bits()).collect();
+        let biases: Vec<u16> = (0..n * k / group).map(|i| bf16(value(i + 97)).to_bits()).collect();
+        for bits in [4u32, 8] {
+            let packed: Vec<u32> =
+                (0..n * k * bits as usize / 32).map(|i| (i as u32).wrapping_mul(2246822519)).collect();
+            let t = amx_quantized::QuantTiles::pack(&packed, &scales, &biases, n, k, bits, group);
+            let mut window = vec![0f32; rows * n];
+            // SAFETY: the CPU has the unit and this process may use it (checked above).
+            unsafe { amx_quantized::product(&x, rows, true, &t, 0..n, &mut window) };
+            let bits_of = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            for m in 0..rows {
+                let mut alone = vec![0f32; n];
+                // SAFETY: as above.
+                unsafe { amx_quantized::product(&x[m * k..(m + 1) * k], 1, true, &t, 0..n, &mut alone) };
+                assert_eq!(bits_of(&alone), bits_of(&window[m * n..(m + 1) * n]), "{bits} bits, row {m}");
             }
         }
     }

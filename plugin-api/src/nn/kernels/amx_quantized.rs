@@ -1,0 +1,412 @@
+//! MLX affine-quantized weights (4 and 8 bits, bfloat16 scales and biases, as mlx-lm converts
+//! bfloat16 checkpoints) on Intel's AMX tile unit, held as [`QuantTiles`]. A verify window of
+//! bfloat16 rows then costs little more than a one-token step, where the AVX-512 loops
+//! (`quantized_avx512`) spend a float32 multiply-add per weight and row.
+//!
+//! The unit multiplies bfloat16 values, and a dequantized weight (scale · q + bias) is not one,
+//! but its integer q is (0 to 255 are exact in bfloat16). So each group's sum is split as MLX's
+//! Metal kernels split it: Σ x·w = scale · Σ x·q + bias · Σ x. The unit sums x·q over a group's
+//! inputs, each product exact in float32; the scale and bias are applied per group after it, in
+//! float32, with Σ x summed once per row and call ([`group_sums`]).
+//!
+//! The packed integers are reordered once ([`QuantTiles::pack`]) so that a B tile's rows lie one
+//! after another: per input pair, that pair for each of 16 outputs, as one byte (4 bits: the even
+//! input in the low nibble, as MLX packs them) or two (8 bits). The unit reads bfloat16, so a
+//! tile's 256 or 512 bytes are widened into an L1 buffer just before it is loaded: four or five
+//! vector operations per 32 weights, whatever the rows' count. The tiles lie in the order a
+//! product reads them, as [`super::amx_bf16::Tiles`] do, and take the bytes MLX's arrays took.
+//!
+//! One row takes AVX-512 FMAs over the same bytes instead, summed as the unit sums (see
+//! [`super::amx_bf16`]'s `fma_rows`): a row's result is the same alone or in a window, bit for
+//! bit. Rows of float32 values take the FMAs too, one at a time: their products are not exact,
+//! but no row's result depends on another's.
+
+use super::amx_bf16::{BLOCK, BLOCKS_AT_ONCE, DEPTH, GROUP, X_ROWS};
+
+/// An MLX-quantized weight [n, k] reordered for the tile unit, with its scales and biases.
+pub struct QuantTiles {
+    /// Per group of [`GROUP`] outputs, per block of 32 inputs, the group's four tiles of 16
+    /// outputs; in a tile, per input pair, the 16 outputs' pairs. Zeros past n.
+    packed: Vec<u8>,
+    /// bfloat16 bits per group of [`GROUP`] outputs, per quantization group, the outputs'
+    /// scales (biases) side by side. Zeros past n.
+    scales: Vec<u16>,
+    biases: Vec<u16>,
+    pub n: usize,
+    pub k: usize,
+    pub bits: u32,
+    pub group: usize,
+}
+
+impl QuantTiles {
+    /// Whether tiles hold weights of this format: 4 or 8 bits, groups of whole input blocks.
+    pub fn takes(bits: u32, group: usize) -> bool {
+        matches!(bits, 4 | 8) && group.is_multiple_of(DEPTH)
+    }
+
+    /// Reorders MLX's packed rows [n, k·bits/32] (32-bit words, low bits first) and their
+    /// bfloat16 scales and biases [n, k / group]. [`takes`](Self::takes) must hold and k be a
+    /// whole number of groups.
+    pub fn pack(packed: &[u32], scales: &[u16], biases: &[u16], n: usize, k: usize, bits: u32, group: usize) -> Self {
+        assert!(Self::takes(bits, group) && k.is_multiple_of(group), "{bits} bits, groups of {group}, k {k}");
+        let row_bytes = k * bits as usize / 8;
+        assert!(packed.len() * 4 == n * row_bytes && scales.len() == n * (k / group) && biases.len() == scales.len());
+        // SAFETY: the words' bytes, in memory order (low bits first on x86-64, as MLX packs).
+        let bytes = unsafe { std::slice::from_raw_parts(packed.as_ptr().cast::<u8>(), packed.len() * 4) };
+        let mut t = QuantTiles {
+            packed: vec![0; n.div_ceil(GROUP) * GROUP * row_bytes],
+            scales: vec![0; n.div_ceil(GROUP) * GROUP * (k / group)],
+            biases: vec![0; n.div_ceil(GROUP) * GROUP * (k / group)],
+            n,
+            k,
+            bits,
+            group,
+        };
+        let unit = t.pair_bytes();
+        for o in 0..n {
+            for pair in 0..k / 2 {
+                let at = t.pair_at(o, pair);
+                t.packed[at..at + unit].copy_from_slice(&bytes[o * row_bytes + pair * unit..][..unit]);
+            }
+            for g in 0..k / group {
+                let at = t.param_at(o, g);
+                t.scales[at] = scales[o * (k / group) + g];
+                t.biases[at] = biases[o * (k / group) + g];
+            }
+        }
+        t
+    }
+
+    /// MLX's packed rows, scales and biases back, as [`pack`](Self::pack) took them.
+    pub fn unpack(&self) -> (Vec<u32>, Vec<u16>, Vec<u16>) {
+        let (unit, groups) = (self.pair_bytes(), self.k / self.group);
+        let mut bytes = Vec::with_capacity(self.n * self.k * self.bits as usize / 8);
+        let (mut scales, mut biases) = (Vec::with_capacity(self.n * groups), Vec::with_capacity(self.n * groups));
+        for o in 0..self.n {
+            for pair in 0..self.k / 2 {
+                bytes.extend_from_slice(&self.packed[self.pair_at(o, pair)..][..unit]);
+            }
+            scales.extend((0..groups).map(|g| self.scales[self.param_at(o, g)]));
+            biases.extend((0..groups).map(|g| self.biases[self.param_at(o, g)]));
+        }
+        let words = bytes.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+        (words, scales, biases)
+    }
+
+    /// The integer q, scale and bias (as float32) of weight [o, i].
+    pub fn weight_parts(&self, o: usize, i: usize) -> (u32, f32, f32) {
+        let byte = |at: usize| self.packed[at] as u32;
+        let q = match self.bits {
+            4 => (byte(self.pair_at(o, i / 2)) >> (4 * (i % 2))) & 0xF,
+            _ => byte(self.pair_at(o, i / 2) + i % 2),
+        };
+        let at = self.param_at(o, i / self.group);
+        let widen = |bits: u16| f32::from_bits((bits as u32) << 16);
+        (q, widen(self.scales[at]), widen(self.biases[at]))
+    }
+
+    /// Bytes held.
+    pub fn nbytes(&self) -> usize {
+        self.packed.len() + 2 * (self.scales.len() + self.biases.len())
+    }
+
+    /// Bytes of one output's input pair: one (4 bits) or two (8 bits).
+    fn pair_bytes(&self) -> usize {
+        self.bits as usize / 4
+    }
+
+    /// Bytes of one tile: 16 outputs × 32 inputs.
+    fn tile_bytes(&self) -> usize {
+        BLOCK * DEPTH * self.bits as usize / 8
+    }
+
+    /// Where the tile of output block `ob` and input block `kb` starts.
+    fn tile_at(&self, ob: usize, kb: usize) -> usize {
+        let (group, c) = (ob / BLOCKS_AT_ONCE, ob % BLOCKS_AT_ONCE);
+        ((group * (self.k / DEPTH) + kb) * BLOCKS_AT_ONCE + c) * self.tile_bytes()
+    }
+
+    /// Where output `o`'s input pair `pair` lies.
+    fn pair_at(&self, o: usize, pair: usize) -> usize {
+        let (kb, row) = (pair / (DEPTH / 2), pair % (DEPTH / 2));
+        self.tile_at(o / BLOCK, kb) + (row * BLOCK + o % BLOCK) * self.pair_bytes()
+    }
+
+    /// Where output `o`'s scale (bias) of quantization group `g` lies.
+    fn param_at(&self, o: usize, g: usize) -> usize {
+        ((o / GROUP) * (self.k / self.group) + g) * GROUP + o % GROUP
+    }
+}
+
+/// Whether products take [`QuantTiles`]: the tile unit's [`super::amx_bf16::available`], and
+/// AVX-512 BW and BF16 for the widening.
+pub fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return super::amx_bf16::available()
+        && std::is_x86_feature_detected!("avx512bw")
+        && std::is_x86_feature_detected!("avx512bf16");
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// y[m, o] = Σ_i w[o, i] · x[m, i] for outputs `outputs` and every row m of x [rows, k]; y is
+/// [rows, n] and only its `outputs` columns are written. Where x holds bfloat16 values
+/// (`bf16_rows`), two rows or more go to the unit and one row to the FMAs, which sum as the
+/// unit does; rows of other values all go to the FMAs.
+///
+/// # Safety
+/// [`available`] must have returned true.
+#[cfg(target_arch = "x86_64")]
+pub unsafe fn product(
+    x: &[f32],
+    rows: usize,
+    bf16_rows: bool,
+    t: &QuantTiles,
+    outputs: std::ops::Range<usize>,
+    y: &mut [f32],
+) {
+    let (n, k, groups) = (t.n, t.k, t.k / t.group);
+    debug_assert!(x.len() == rows * k && y.len() == rows * n);
+    let _flushing = super::amx_bf16::Flushing::set();
+    let sums = group_sums(x, t.group);
+    if rows == 1 || !bf16_rows {
+        for m in 0..rows {
+            let (x, sums, y) =
+                (&x[m * k..(m + 1) * k], &sums[m * groups..(m + 1) * groups], &mut y[m * n..(m + 1) * n]);
+            match t.bits {
+                4 => fma_row::<4>(x, sums, t, outputs.clone(), y),
+                _ => fma_row::<8>(x, sums, t, outputs.clone(), y),
+            }
+        }
+        return;
+    }
+    for m0 in (0..rows).step_by(X_ROWS) {
+        let block = X_ROWS.min(rows - m0);
+        let (x, sums, y) = (&x[m0 * k..(m0 + block) * k], &sums[m0 * groups..], &mut y[m0 * n..(m0 + block) * n]);
+        match t.bits {
+            4 => tiled::<4>(x, block, sums, t, outputs.clone(), y),
+            _ => tiled::<8>(x, block, sums, t, outputs.clone(), y),
+        }
+    }
+}
+
+/// Σ x over each quantization group of each row of x [rows, k] (k a whole number of groups), as
+/// [rows, k / group]: sixteen
+/// lanes summed in order, then the lanes by one fixed tree, so that a row's sums are the same
+/// whichever route and window it takes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn group_sums(x: &[f32], group: usize) -> Vec<f32> {
+    use std::arch::x86_64::*;
+    x.chunks_exact(group)
+        .map(|run| {
+            let mut lanes = _mm512_setzero_ps();
+            for sixteen in run.chunks_exact(16) {
+                lanes = _mm512_add_ps(lanes, _mm512_loadu_ps(sixteen.as_ptr()));
+            }
+            _mm512_reduce_add_ps(lanes)
+        })
+        .collect()
+}
+
+/// The integers of a tile row's 32 weights (16 outputs × an input pair, at `at`) as 32-bit
+/// lanes: output o's pair in lane o, the even input in the low `BITS` bits, the odd above.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn pairs<const BITS: usize>(at: *const u8) -> std::arch::x86_64::__m512i {
+    use std::arch::x86_64::*;
+    if BITS == 4 {
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(at.cast()))
+    } else {
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(at.cast()))
+    }
+}
+
+/// One row of x through AVX-512 FMAs over the tiles' bytes, summed as the unit sums: per block
+/// of 32 inputs the even and the odd inputs' products each summed in order from zero, their sum
+/// added to the group's; then scale · that + bias · Σ x added to the output, group by group.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn fma_row<const BITS: usize>(
+    x: &[f32],
+    sums: &[f32],
+    t: &QuantTiles,
+    outputs: std::ops::Range<usize>,
+    y: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    let per_group = t.group / DEPTH;
+    let (row_bytes, tile_bytes) = (BLOCK * BITS / 4, BLOCK * DEPTH * BITS / 8);
+    let low = _mm512_set1_epi32((1 << BITS) - 1);
+    for og in outputs.start / GROUP..outputs.end.div_ceil(GROUP) {
+        let mut acc = [_mm512_setzero_ps(); BLOCKS_AT_ONCE];
+        for (g, &x_sum) in sums.iter().enumerate() {
+            let mut group_sum = [_mm512_setzero_ps(); BLOCKS_AT_ONCE];
+            for kb in g * per_group..(g + 1) * per_group {
+                let tiles = t.packed.as_ptr().add(t.tile_at(og * BLOCKS_AT_ONCE, kb));
+                _mm_prefetch::<_MM_HINT_T0>(tiles.wrapping_add(PREFETCH_BYTES).cast());
+                let (mut even, mut odd) =
+                    ([_mm512_setzero_ps(); BLOCKS_AT_ONCE], [_mm512_setzero_ps(); BLOCKS_AT_ONCE]);
+                for row in 0..DEPTH / 2 {
+                    let xe = _mm512_set1_ps(*x.get_unchecked(kb * DEPTH + 2 * row));
+                    let xo = _mm512_set1_ps(*x.get_unchecked(kb * DEPTH + 2 * row + 1));
+                    for c in 0..BLOCKS_AT_ONCE {
+                        let q = pairs::<BITS>(tiles.add(c * tile_bytes + row * row_bytes));
+                        let q_even = _mm512_cvtepi32_ps(_mm512_and_si512(q, low));
+                        let q_odd = _mm512_cvtepi32_ps(if BITS == 4 {
+                            _mm512_srli_epi32::<4>(q)
+                        } else {
+                            _mm512_srli_epi32::<8>(q)
+                        });
+                        even[c] = _mm512_fmadd_ps(xe, q_even, even[c]);
+                        odd[c] = _mm512_fmadd_ps(xo, q_odd, odd[c]);
+                    }
+                }
+                for c in 0..BLOCKS_AT_ONCE {
+                    group_sum[c] = _mm512_add_ps(group_sum[c], _mm512_add_ps(even[c], odd[c]));
+                }
+            }
+            for c in 0..BLOCKS_AT_ONCE {
+                acc[c] = apply_group(acc[c], group_sum[c], t, og * GROUP + c * BLOCK, g, x_sum);
+            }
+        }
+        for (c, block) in acc.iter().enumerate() {
+            put_block(y, *block, og * GROUP + c * BLOCK, &outputs);
+        }
+    }
+}
+
+/// How far ahead of its reads [`fma_row`] asks for the tiles' lines: two input blocks.
+const PREFETCH_BYTES: usize = 2 * BLOCKS_AT_ONCE * BLOCK * DEPTH;
+
+/// acc + scale · group_sum + bias · x_sum for the 16 outputs from `first`, quantization group `g`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn apply_group(
+    acc: std::arch::x86_64::__m512,
+    group_sum: std::arch::x86_64::__m512,
+    t: &QuantTiles,
+    first: usize,
+    g: usize,
+    x_sum: f32,
+) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    let at = t.param_at(first, g);
+    let widen = |p: &[u16]| {
+        let bits = _mm256_loadu_si256(p.as_ptr().add(at).cast());
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(bits)))
+    };
+    let acc = _mm512_fmadd_ps(widen(&t.scales), group_sum, acc);
+    _mm512_fmadd_ps(widen(&t.biases), _mm512_set1_ps(x_sum), acc)
+}
+
+/// Writes 16 outputs from `first` into a row of y, those in `outputs` only.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn put_block(y: &mut [f32], block: std::arch::x86_64::__m512, first: usize, outputs: &std::ops::Range<usize>) {
+    let mut lanes = [0f32; BLOCK];
+    std::arch::x86_64::_mm512_storeu_ps(lanes.as_mut_ptr(), block);
+    let columns = first.max(outputs.start)..(first + BLOCK).min(outputs.end);
+    if !columns.is_empty() {
+        y[columns.clone()].copy_from_slice(&lanes[columns.start - first..columns.end - first]);
+    }
+}
+
+/// Up to 16 bfloat16 rows of x on the unit: per group of 64 outputs and quantization group, the
+/// four C tiles sum x·q over the group's input blocks, each B tile widened to bfloat16 in `wide`
+/// just before it is loaded; then the C tiles are stored and scale and bias applied as
+/// [`fma_row`] applies them.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn tiled<const BITS: usize>(
+    x: &[f32],
+    rows: usize,
+    sums: &[f32],
+    t: &QuantTiles,
+    outputs: std::ops::Range<usize>,
+    y: &mut [f32],
+) {
+    use super::amx_bf16::{load_rows, multiply_add, store, zero, Config};
+    use std::arch::asm;
+    use std::arch::x86_64::*;
+    #[repr(C, align(64))]
+    struct Wide([u16; BLOCKS_AT_ONCE * BLOCK * DEPTH]);
+    let (n, k, per_group, groups) = (t.n, t.k, t.group / DEPTH, t.k / t.group);
+    // x's rows as bfloat16 bits (exact: they hold bfloat16 values); k is whole input blocks.
+    let xb: Vec<u16> = x.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+    let mut wide = Wide([0; BLOCKS_AT_ONCE * BLOCK * DEPTH]);
+    let mut c_tile = [0f32; X_ROWS * BLOCK];
+    let config = Config::for_rows(rows);
+    asm!("ldtilecfg [{}]", in(reg) &config as *const Config, options(nostack, readonly));
+    for og in outputs.start / GROUP..outputs.end.div_ceil(GROUP) {
+        let mut acc = [[_mm512_setzero_ps(); BLOCKS_AT_ONCE]; X_ROWS];
+        for g in 0..groups {
+            for c in 0..BLOCKS_AT_ONCE {
+                zero(c);
+            }
+            for kb in g * per_group..(g + 1) * per_group {
+                load_rows(kb % 2, xb.as_ptr().add(kb * DEPTH), 2 * k);
+                let tiles = t.packed.as_ptr().add(t.tile_at(og * BLOCKS_AT_ONCE, kb));
+                for c in 0..BLOCKS_AT_ONCE {
+                    let to = wide.0.as_mut_ptr().add(c * BLOCK * DEPTH);
+                    widen_tile::<BITS>(tiles.add(c * t.tile_bytes()), to);
+                }
+                for c in 0..BLOCKS_AT_ONCE {
+                    multiply_add(c, kb % 2, c % 2, wide.0.as_ptr().add(c * BLOCK * DEPTH));
+                }
+            }
+            for c in 0..BLOCKS_AT_ONCE {
+                store(c, c_tile.as_mut_ptr());
+                for (m, acc) in acc.iter_mut().take(rows).enumerate() {
+                    let group_sum = _mm512_loadu_ps(c_tile.as_ptr().add(m * BLOCK));
+                    acc[c] = apply_group(acc[c], group_sum, t, og * GROUP + c * BLOCK, g, sums[m * groups + g]);
+                }
+            }
+        }
+        for (m, acc) in acc.iter().take(rows).enumerate() {
+            for (c, block) in acc.iter().enumerate() {
+                put_block(&mut y[m * n..(m + 1) * n], *block, og * GROUP + c * BLOCK, &outputs);
+            }
+        }
+    }
+    asm!("tilerelease", options(nostack, nomem));
+}
+
+/// A tile's packed integers (16 rows of 16 outputs' input pairs, at `from`) as the bfloat16
+/// values the unit reads (`to`, 1 KB): each row's 32 integers, output by output, even input first.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn widen_tile<const BITS: usize>(from: *const u8, to: *mut u16) {
+    use std::arch::x86_64::*;
+    let row_bytes = BLOCK * BITS / 4;
+    if BITS == 4 {
+        // Each nibble looked up in a table of the bfloat16 bits of 0 to 15: lane o's low word
+        // indexes by the even input's nibble, its high word by the odd one's.
+        let table = _mm512_loadu_si512(NIBBLES.0.as_ptr().cast());
+        let nibbles = _mm512_set1_epi32(0x000F_000F);
+        for row in 0..DEPTH / 2 {
+            let q = pairs::<4>(from.add(row * row_bytes));
+            // (q | q << 12) & 0x000F000F: the low nibble in the low word, the high one above.
+            let index = _mm512_ternarylogic_epi32::<0xA8>(q, _mm512_slli_epi32::<12>(q), nibbles);
+            _mm512_storeu_si512(to.add(row * 2 * BLOCK).cast(), _mm512_permutexvar_epi16(index, table));
+        }
+    } else {
+        for row in 0..DEPTH / 2 {
+            let at = from.add(row * row_bytes);
+            // Bytes 0–15 are outputs 0–7's pairs, 16–31 outputs 8–15's, in order.
+            let first = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(at.cast())));
+            let second = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(at.add(16).cast())));
+            let values: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(second, first));
+            _mm512_storeu_si512(to.add(row * 2 * BLOCK).cast(), values);
+        }
+    }
+}
+
+/// The bfloat16 bits of 0 to 15, twice (a 32-word table for `vpermw`).
+#[repr(C, align(64))]
+struct Nibbles([u16; 32]);
+static NIBBLES: Nibbles = Nibbles([
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150,
+    0x4160, 0x4170, 0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120, 0x4130,
+    0x4140, 0x4150, 0x4160, 0x4170,
+]);
