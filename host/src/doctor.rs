@@ -19,7 +19,8 @@ pub struct Report {
     pub plugins_dir: PathBuf,
     /// Median f32 throughput of a 512×512×512 matrix product.
     pub matmul_gflops: f64,
-    /// Whether bfloat16 products take AMX's tile unit, could (`HOST_AMX=off`), or cannot here.
+    /// Whether bfloat16 and quantized products take AMX's tile unit, could (`HOST_AMX=off`), or
+    /// cannot here.
     pub amx_tiles: String,
 }
 
@@ -63,7 +64,7 @@ fn amx_tiles() -> &'static str {
         return "not used: MLX runs on another device";
     }
     match (amx_bf16::available(), amx_bf16::supported()) {
-        (true, _) => "in use for bfloat16 products (HOST_AMX=off keeps MLX's layout)",
+        (true, _) => "in use for bfloat16 and quantized products (HOST_AMX=off keeps MLX's layout)",
         (false, true) => "on this CPU, not used (HOST_AMX=off)",
         (false, false) => "not on this CPU",
     }
