@@ -76,8 +76,8 @@ fn quant_tiles_of(w: &Array, scales: &Array, biases: &Array, q: Quantization) ->
     let (scales, biases) = (kernels::row_major(scales).ok()?, kernels::row_major(biases).ok()?);
     let packed = packed.try_as_slice::<u32>().ok()?;
     let (scales, biases) = (kernels::bits16(&scales)?, kernels::bits16(&biases)?);
-    (k.is_multiple_of(group) && scales.len() == n * (k / group))
-        .then(|| QuantTiles::pack(packed, scales, biases, n, k, bits, group))
+    let fits = k.is_multiple_of(group) && scales.len() == n * (k / group) && biases.len() == scales.len();
+    fits.then(|| QuantTiles::pack(packed, scales, biases, n, k, bits, group))
 }
 
 impl Linear {
