@@ -195,7 +195,7 @@ pub unsafe fn product(
 
 /// Writes the sums of the block of 16 outputs from `first` into one row of y, those in
 /// `outputs` only.
-fn put_block(y_row: &mut [f32], lanes: &[f32], first: usize, outputs: &std::ops::Range<usize>) {
+pub(super) fn put_block(y_row: &mut [f32], lanes: &[f32], first: usize, outputs: &std::ops::Range<usize>) {
     let columns = first.max(outputs.start)..(first + BLOCK).min(outputs.end);
     if !columns.is_empty() {
         y_row[columns.clone()].copy_from_slice(&lanes[columns.start - first..columns.end - first]);

@@ -318,10 +318,7 @@ unsafe fn apply_group(
 unsafe fn put_block(y: &mut [f32], block: std::arch::x86_64::__m512, first: usize, outputs: &std::ops::Range<usize>) {
     let mut lanes = [0f32; BLOCK];
     std::arch::x86_64::_mm512_storeu_ps(lanes.as_mut_ptr(), block);
-    let columns = first.max(outputs.start)..(first + BLOCK).min(outputs.end);
-    if !columns.is_empty() {
-        y[columns.clone()].copy_from_slice(&lanes[columns.start - first..columns.end - first]);
-    }
+    super::amx_bf16::put_block(y, &lanes, first, outputs);
 }
 
 /// Up to 16 bfloat16 rows of x on the unit: per group of 64 outputs and quantization group, the
