@@ -256,7 +256,7 @@ unsafe fn fma_row<const BITS: usize>(
             let mut group_sum = [_mm512_setzero_ps(); BLOCKS_AT_ONCE];
             for kb in g * per_group..(g + 1) * per_group {
                 let tiles = t.packed.as_ptr().add(t.tile_at(og * BLOCKS_AT_ONCE, kb));
-                _mm_prefetch::<_MM_HINT_T0>(tiles.wrapping_add(PREFETCH_BYTES).cast());
+                prefetch_ahead::<BITS>(tiles);
                 let (mut even, mut odd) =
                     ([_mm512_setzero_ps(); BLOCKS_AT_ONCE], [_mm512_setzero_ps(); BLOCKS_AT_ONCE]);
                 for row in 0..DEPTH / 2 {
@@ -288,8 +288,21 @@ unsafe fn fma_row<const BITS: usize>(
     }
 }
 
-/// How far ahead of its reads [`fma_row`] asks for the tiles' lines: two input blocks.
-const PREFETCH_BYTES: usize = 2 * BLOCKS_AT_ONCE * BLOCK * DEPTH;
+/// How many input blocks (a group of outputs' four tiles) ahead of its reads a product asks for
+/// the tiles' lines.
+const PREFETCH_BLOCKS: usize = 2;
+
+/// Asks for every line of the input block [`PREFETCH_BLOCKS`] after the one at `tiles`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn prefetch_ahead<const BITS: usize>(tiles: *const u8) {
+    use std::arch::x86_64::*;
+    let block = BLOCKS_AT_ONCE * BLOCK * DEPTH * BITS / 8;
+    let ahead = tiles.wrapping_add(PREFETCH_BLOCKS * block);
+    for line in (0..block).step_by(64) {
+        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line).cast());
+    }
+}
 
 /// acc + scale · group_sum + bias · x_sum for the 16 outputs from `first`, quantization group `g`.
 #[cfg(target_arch = "x86_64")]
@@ -339,29 +352,37 @@ unsafe fn tiled<const BITS: usize>(
     use std::arch::asm;
     use std::arch::x86_64::*;
     #[repr(C, align(64))]
-    struct Wide([u16; BLOCKS_AT_ONCE * BLOCK * DEPTH]);
+    struct Wide([u16; 2 * BLOCKS_AT_ONCE * BLOCK * DEPTH]);
     let (n, k, per_group, groups) = (t.n, t.k, t.group / DEPTH, t.k / t.group);
+    let depth_blocks = k / DEPTH;
     // x's rows as bfloat16 bits (exact: they hold bfloat16 values); k is whole input blocks.
     let xb: Vec<u16> = x.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
-    let mut wide = Wide([0; BLOCKS_AT_ONCE * BLOCK * DEPTH]);
+    // Two buffers of an input block's four tiles: the next block is widened while the unit
+    // reads this one, so that its loads do not wait for the stores just made.
+    let mut wide = Wide([0; 2 * BLOCKS_AT_ONCE * BLOCK * DEPTH]);
+    let buffer = |kb: usize, c: usize| ((kb % 2) * BLOCKS_AT_ONCE + c) * BLOCK * DEPTH;
     let mut c_tile = [0f32; X_ROWS * BLOCK];
+    let mut acc = [[_mm512_setzero_ps(); BLOCKS_AT_ONCE]; X_ROWS];
     let config = Config::for_rows(rows);
     asm!("ldtilecfg [{}]", in(reg) &config as *const Config, options(nostack, readonly));
     for og in outputs.start / GROUP..outputs.end.div_ceil(GROUP) {
-        let mut acc = [[_mm512_setzero_ps(); BLOCKS_AT_ONCE]; X_ROWS];
+        for acc in acc.iter_mut().take(rows) {
+            *acc = [_mm512_setzero_ps(); BLOCKS_AT_ONCE];
+        }
+        let block = |kb: usize| t.packed.as_ptr().add(t.tile_at(og * BLOCKS_AT_ONCE, kb));
+        widen_block::<BITS>(block(0), wide.0.as_mut_ptr().add(buffer(0, 0)));
         for g in 0..groups {
             for c in 0..BLOCKS_AT_ONCE {
                 zero(c);
             }
             for kb in g * per_group..(g + 1) * per_group {
                 load_rows(kb % 2, xb.as_ptr().add(kb * DEPTH), 2 * k);
-                let tiles = t.packed.as_ptr().add(t.tile_at(og * BLOCKS_AT_ONCE, kb));
                 for c in 0..BLOCKS_AT_ONCE {
-                    let to = wide.0.as_mut_ptr().add(c * BLOCK * DEPTH);
-                    widen_tile::<BITS>(tiles.add(c * t.tile_bytes()), to);
+                    multiply_add(c, kb % 2, c % 2, wide.0.as_ptr().add(buffer(kb, c)));
                 }
-                for c in 0..BLOCKS_AT_ONCE {
-                    multiply_add(c, kb % 2, c % 2, wide.0.as_ptr().add(c * BLOCK * DEPTH));
+                if kb + 1 < depth_blocks {
+                    prefetch_ahead::<BITS>(block(kb + 1));
+                    widen_block::<BITS>(block(kb + 1), wide.0.as_mut_ptr().add(buffer(kb + 1, 0)));
                 }
             }
             for c in 0..BLOCKS_AT_ONCE {
@@ -379,6 +400,15 @@ unsafe fn tiled<const BITS: usize>(
         }
     }
     asm!("tilerelease", options(nostack, nomem));
+}
+
+/// The four tiles of an input block (at `from`, one after another) widened into `to`, 1 KB each.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn widen_block<const BITS: usize>(from: *const u8, to: *mut u16) {
+    for c in 0..BLOCKS_AT_ONCE {
+        widen_tile::<BITS>(from.add(c * BLOCK * DEPTH * BITS / 8), to.add(c * BLOCK * DEPTH));
+    }
 }
 
 /// A tile's packed integers (16 rows of 16 outputs' input pairs, at `from`) as the bfloat16
