@@ -114,20 +114,8 @@ impl Linear {
     /// tile unit where it applies: MLX's arrays are then dropped, and the tiles serve every
     /// product.
     pub fn quantized(weight: Array, scales: Array, biases: Array, q: Quantization) -> Linear {
-        match quant_tiles_of(&weight, &scales, &biases, q) {
-            Some(tiles) => Linear {
-                weight: Stored::QuantTiles(Arc::new(tiles)),
-                scales: None,
-                biases: None,
-                quantization: Some(q),
-            },
-            None => Linear {
-                weight: Stored::Mlx(weight),
-                scales: Some(scales),
-                biases: Some(biases),
-                quantization: Some(q),
-            },
-        }
+        let (weight, scales, biases) = Stored::quantized(weight, scales, biases, q);
+        Linear { weight, scales, biases, quantization: Some(q) }
     }
 
     /// The weight as an MLX array (packed integers where quantized), rebuilt from the tiles
@@ -159,6 +147,20 @@ impl Stored {
         }
     }
 
+    /// A quantized weight with its scales and biases: as tiles, which hold them, where that
+    /// applies, else MLX's arrays.
+    fn quantized(
+        weight: Array,
+        scales: Array,
+        biases: Array,
+        q: Quantization,
+    ) -> (Stored, Option<Array>, Option<Array>) {
+        match quant_tiles_of(&weight, &scales, &biases, q) {
+            Some(tiles) => (Stored::QuantTiles(Arc::new(tiles)), None, None),
+            None => (Stored::Mlx(weight), Some(scales), Some(biases)),
+        }
+    }
+
     fn array(&self) -> Array {
         match self {
             Stored::Mlx(w) => w.clone(),
@@ -166,8 +168,8 @@ impl Stored {
                 kernels::from_bits16(&tiles.unpack(), &[tiles.n as i32, tiles.k as i32], Dtype::Bfloat16)
             }
             Stored::QuantTiles(tiles) => {
-                let words = tiles.unpack().0;
-                Array::from_slice(&words, &[tiles.n as i32, (words.len() / tiles.n.max(1)) as i32])
+                let words_per_row = tiles.k * tiles.bits as usize / 32;
+                Array::from_slice(&tiles.unpack().0, &[tiles.n as i32, words_per_row as i32])
             }
         }
     }
@@ -222,7 +224,7 @@ impl Embedding {
                 Embedding { weight: Stored::plain(w), scales: None, biases: None, quantization: q }
             }
             (Stored::Mlx(w), Some(s), Some(b), Some(q)) => {
-                let Linear { weight, scales, biases, .. } = Linear::quantized(w, s, b, q);
+                let (weight, scales, biases) = Stored::quantized(w, s, b, q);
                 Embedding { weight, scales, biases, quantization: Some(q) }
             }
             (weight, scales, biases, quantization) => Embedding { weight, scales, biases, quantization },
