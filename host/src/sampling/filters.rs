@@ -127,19 +127,27 @@ fn exponentials(values: &[f32], out: &mut [f32]) {
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-        use std::arch::x86_64::*;
-        done = values.len().min(out.len()) / 8 * 8;
-        for i in (0..done).step_by(8) {
-            // SAFETY: the CPU has AVX2 and FMA (checked above); i + 8 <= both lengths.
-            unsafe {
-                let e = plugin_api::nn::ops::mlx_exp8(_mm256_loadu_ps(values.as_ptr().add(i)));
-                _mm256_storeu_ps(out.as_mut_ptr().add(i), e);
-            }
-        }
+        // SAFETY: the CPU has AVX2 and FMA (checked above).
+        done = unsafe { exponentials_avx2(values, out) };
     }
     for (e, &x) in out[done..].iter_mut().zip(&values[done..]) {
         *e = plugin_api::nn::ops::mlx_exp(x);
     }
+}
+
+/// [`exponentials`] of whole runs of eight; returns how many it wrote. (The loop sits in a
+/// function of its own so that the intrinsics compile inline, with the features enabled.)
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn exponentials_avx2(values: &[f32], out: &mut [f32]) -> usize {
+    use std::arch::x86_64::*;
+    let done = values.len().min(out.len()) / 8 * 8;
+    for i in (0..done).step_by(8) {
+        // SAFETY: i + 8 <= both lengths.
+        let e = plugin_api::nn::ops::mlx_exp8(_mm256_loadu_ps(values.as_ptr().add(i)));
+        _mm256_storeu_ps(out.as_mut_ptr().add(i), e);
+    }
+    done
 }
 
 /// Those of `tokens` at or above `cut`, most likely first, ties in token order: the order a full

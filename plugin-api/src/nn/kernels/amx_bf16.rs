@@ -142,6 +142,7 @@ fn request_tiles() -> bool {
 /// # Safety
 /// [`supported`] must have returned true; `tiles` is a weight [n, k].
 #[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
 pub unsafe fn product(
     x: &[f32],
     rows: usize,
@@ -184,7 +185,8 @@ pub unsafe fn product(
             for c in 0..BLOCKS_AT_ONCE {
                 store(c, sums.as_mut_ptr());
                 let first = (group * BLOCKS_AT_ONCE + c) * BLOCK;
-                for (m, lanes) in sums.chunks_exact(BLOCK).take(block).enumerate() {
+                for m in 0..block {
+                    let lanes = std::arch::x86_64::_mm512_loadu_ps(sums.as_ptr().add(m * BLOCK));
                     put_block(&mut y[(m0 + m) * n..(m0 + m + 1) * n], lanes, first, &outputs);
                 }
             }
@@ -194,11 +196,23 @@ pub unsafe fn product(
 }
 
 /// Writes the sums of the block of 16 outputs from `first` into one row of y, those in
-/// `outputs` only.
-pub(super) fn put_block(y_row: &mut [f32], lanes: &[f32], first: usize, outputs: &std::ops::Range<usize>) {
-    let columns = first.max(outputs.start)..(first + BLOCK).min(outputs.end);
-    if !columns.is_empty() {
-        y_row[columns.clone()].copy_from_slice(&lanes[columns.start - first..columns.end - first]);
+/// `outputs` only, by one masked store (a slice copy of up to 16 floats was a call to
+/// `memmove` per block and row).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(super) unsafe fn put_block(
+    y_row: &mut [f32],
+    lanes: std::arch::x86_64::__m512,
+    first: usize,
+    outputs: &std::ops::Range<usize>,
+) {
+    use std::arch::x86_64::*;
+    let (start, end) = (first.max(outputs.start), (first + BLOCK).min(outputs.end));
+    if start < end {
+        assert!(end <= y_row.len(), "outputs {start}..{end} past a row of {}", y_row.len());
+        let below = |i: usize| ((1u32 << (i - first)) - 1) as u16;
+        // SAFETY: the unmasked lanes are columns start..end of the row, inside it.
+        _mm512_mask_storeu_ps(y_row.as_mut_ptr().add(first), below(end) & !below(start), lanes);
     }
 }
 
@@ -406,9 +420,7 @@ unsafe fn fma_block<const R: usize, const B: usize>(
         }
         for (r, sums) in acc.iter().enumerate() {
             for (b, block) in sums.iter().enumerate() {
-                let mut lanes = [0f32; BLOCK];
-                _mm512_storeu_ps(lanes.as_mut_ptr(), *block);
-                put_block(&mut y[r * n..(r + 1) * n], &lanes, (first + b) * BLOCK, &outputs);
+                put_block(&mut y[r * n..(r + 1) * n], *block, (first + b) * BLOCK, &outputs);
             }
         }
     }

@@ -9,19 +9,25 @@
 //! inputs, each product exact in float32; the scale and bias are applied per group after it, in
 //! float32, with Σ x summed once per row and call ([`group_sums`]).
 //!
-//! The packed integers are reordered once ([`QuantTiles::pack`]) so that a B tile's rows lie one
-//! after another: per input pair, that pair for each of 16 outputs, as one byte (4 bits: the even
-//! input in the low nibble, as MLX packs them) or two (8 bits). The unit reads bfloat16, so a
-//! tile's 256 or 512 bytes are widened into an L1 buffer just before it is loaded: four or five
-//! vector operations per 32 weights, whatever the rows' count. The tiles lie in the order a
-//! product reads them, as [`super::amx_bf16::Tiles`] do, and take the bytes MLX's arrays took.
+//! The packed integers are reordered once ([`QuantTiles::pack`]) into tiles of 16 outputs and
+//! 32 inputs, which lie in the order a product reads them, as [`super::amx_bf16::Tiles`] do,
+//! and take the bytes MLX's arrays took. The unit reads bfloat16, so a tile is widened into an
+//! L1 buffer just before it is loaded, whatever the rows' count; a tile row is the 16 outputs'
+//! input pairs, 32 values, and the layout is chosen for that widening:
+//! - 8 bits: a tile row's 32 bytes in order (two per output), widened by conversions through
+//!   float32: five vector operations per row.
+//! - 4 bits: four tile rows share 64 bytes, as 32 words whose four nibbles are the four rows'
+//!   values at the word's place. `vpermw` looks a word's low bits up in a table of the bfloat16
+//!   values of 0 to 15, so a row takes one shift and one lookup. MLX's order (two inputs of one
+//!   output per byte) took a widening, a shift and a mask more per row, and the lookup ports
+//!   bound a window's products.
 //!
 //! One row takes AVX-512 FMAs over the same bytes instead, summed as the unit sums (see
 //! [`super::amx_bf16`]'s `fma_rows`): a row's result is the same alone or in a window, bit for
 //! bit. Rows of float32 values take the FMAs too, one at a time: their products are not exact,
 //! but no row's result depends on another's.
 
-use super::amx_bf16::{BLOCK, BLOCKS_AT_ONCE, DEPTH, GROUP, X_ROWS};
+use super::amx_bf16::{put_block, BLOCK, BLOCKS_AT_ONCE, DEPTH, GROUP, X_ROWS};
 
 /// An MLX-quantized weight [n, k] reordered for the tile unit, with its scales and biases.
 pub struct QuantTiles {
@@ -62,18 +68,26 @@ impl QuantTiles {
             bits,
             group,
         };
-        // Tile by tile, each written front to back: a pair index per byte took a quarter of the
-        // load of a 4-bit model.
-        let unit = t.pair_bytes();
-        let mut to = t.packed.chunks_exact_mut(BLOCK * unit);
+        // Tile by tile, each written front to back: an index computed per value took a quarter
+        // of the load of a 4-bit model.
+        let tile_bytes = t.tile_bytes();
+        let mut to = t.packed.chunks_exact_mut(tile_bytes);
         for og in 0..n.div_ceil(GROUP) {
             for kb in 0..k / DEPTH {
                 for ob in og * BLOCKS_AT_ONCE..(og + 1) * BLOCKS_AT_ONCE {
-                    for row in 0..DEPTH / 2 {
-                        let tile_row = to.next().expect("tiles sized for the weight");
-                        let pair = kb * DEPTH / 2 + row;
-                        for (j, out) in tile_row.chunks_exact_mut(unit).enumerate().take(n.saturating_sub(ob * BLOCK)) {
-                            out.copy_from_slice(&bytes[(ob * BLOCK + j) * row_bytes + pair * unit..][..unit]);
+                    let tile = to.next().expect("tiles sized for the weight");
+                    // Each output's 32 inputs of this block, as MLX packs them.
+                    let block_bytes = DEPTH * bits as usize / 8;
+                    let rows = (ob * BLOCK..n.min((ob + 1) * BLOCK))
+                        .map(|o| &bytes[o * row_bytes + kb * block_bytes..][..block_bytes]);
+                    for (o, from) in rows.enumerate() {
+                        match bits {
+                            4 => put_nibbles(tile, o, from),
+                            _ => {
+                                for row in 0..DEPTH / 2 {
+                                    tile[row * 2 * BLOCK + 2 * o..][..2].copy_from_slice(&from[2 * row..][..2]);
+                                }
+                            }
                         }
                     }
                 }
@@ -91,12 +105,16 @@ impl QuantTiles {
 
     /// MLX's packed rows, scales and biases back, as [`pack`](Self::pack) took them.
     pub fn unpack(&self) -> (Vec<u32>, Vec<u16>, Vec<u16>) {
-        let (unit, groups) = (self.pair_bytes(), self.k / self.group);
+        let groups = self.k / self.group;
         let mut bytes = Vec::with_capacity(self.n * self.k * self.bits as usize / 8);
         let (mut scales, mut biases) = (Vec::with_capacity(self.n * groups), Vec::with_capacity(self.n * groups));
         for o in 0..self.n {
-            for pair in 0..self.k / 2 {
-                bytes.extend_from_slice(&self.packed[self.pair_at(o, pair)..][..unit]);
+            for i in (0..self.k).step_by(2) {
+                let (even, odd) = (self.q(o, i) as u8, self.q(o, i + 1) as u8);
+                match self.bits {
+                    4 => bytes.push(even | odd << 4),
+                    _ => bytes.extend([even, odd]),
+                }
             }
             scales.extend((0..groups).map(|g| self.scales[self.param_at(o, g)]));
             biases.extend((0..groups).map(|g| self.biases[self.param_at(o, g)]));
@@ -107,24 +125,29 @@ impl QuantTiles {
 
     /// The integer q, scale and bias (as float32) of weight [o, i].
     pub fn weight_parts(&self, o: usize, i: usize) -> (u32, f32, f32) {
-        let byte = |at: usize| self.packed[at] as u32;
-        let q = match self.bits {
-            4 => (byte(self.pair_at(o, i / 2)) >> (4 * (i % 2))) & 0xF,
-            _ => byte(self.pair_at(o, i / 2) + i % 2),
-        };
         let at = self.param_at(o, i / self.group);
         let widen = |bits: u16| f32::from_bits((bits as u32) << 16);
-        (q, widen(self.scales[at]), widen(self.biases[at]))
+        (self.q(o, i), widen(self.scales[at]), widen(self.biases[at]))
+    }
+
+    /// The integer q of weight [o, i].
+    fn q(&self, o: usize, i: usize) -> u32 {
+        let (row, parity) = (i % DEPTH / 2, i % 2);
+        let tile = self.tile_at(o / BLOCK, i / DEPTH);
+        let word = 2 * (o % BLOCK) + parity;
+        match self.bits {
+            4 => {
+                let (quad, nibble) = (row / 4, row % 4);
+                let byte = self.packed[tile + quad * QUAD + 2 * word + nibble / 2] as u32;
+                (byte >> (4 * (nibble % 2))) & 0xF
+            }
+            _ => self.packed[tile + row * 2 * BLOCK + word] as u32,
+        }
     }
 
     /// Bytes held.
     pub fn nbytes(&self) -> usize {
         self.packed.len() + 2 * (self.scales.len() + self.biases.len())
-    }
-
-    /// Bytes of one output's input pair: one (4 bits) or two (8 bits).
-    fn pair_bytes(&self) -> usize {
-        self.bits as usize / 4
     }
 
     /// Bytes of one tile: 16 outputs × 32 inputs.
@@ -138,15 +161,25 @@ impl QuantTiles {
         ((group * (self.k / DEPTH) + kb) * BLOCKS_AT_ONCE + c) * self.tile_bytes()
     }
 
-    /// Where output `o`'s input pair `pair` lies.
-    fn pair_at(&self, o: usize, pair: usize) -> usize {
-        let (kb, row) = (pair / (DEPTH / 2), pair % (DEPTH / 2));
-        self.tile_at(o / BLOCK, kb) + (row * BLOCK + o % BLOCK) * self.pair_bytes()
-    }
-
     /// Where output `o`'s scale (bias) of quantization group `g` lies.
     fn param_at(&self, o: usize, g: usize) -> usize {
         ((o / GROUP) * (self.k / self.group) + g) * GROUP + o % GROUP
+    }
+}
+
+/// Bytes of a 4-bit tile's quad: the 32 words that hold four tile rows.
+const QUAD: usize = 64;
+
+/// Writes output `o`'s 32 inputs of a block (`from`: 16 bytes, MLX's order, the even input in
+/// the low nibble) into a 4-bit tile: input 2·(4·quad + s) + parity goes to nibble s of word
+/// 2·o + parity of the quad.
+fn put_nibbles(tile: &mut [u8], o: usize, from: &[u8]) {
+    for quad in 0..DEPTH / 8 {
+        for parity in 0..2 {
+            let word =
+                (0..4).fold(0u16, |word, s| word | ((from[4 * quad + s] >> (4 * parity)) as u16 & 0xF) << (4 * s));
+            tile[quad * QUAD + 2 * (2 * o + parity)..][..2].copy_from_slice(&word.to_le_bytes());
+        }
     }
 }
 
@@ -221,24 +254,70 @@ unsafe fn group_sums(x: &[f32], group: usize) -> Vec<f32> {
         .collect()
 }
 
-/// The integers of a tile row's 32 weights (16 outputs × an input pair, at `at`) as 32-bit
-/// lanes: output o's pair in lane o, the even input in the low `BITS` bits, the odd above.
+/// Tile rows 4·quad to 4·quad + 3 of the tile at `tile` as the bfloat16 bits the unit reads:
+/// per row 32 words, output o's even input in word 2·o, its odd input in word 2·o + 1.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn pairs<const BITS: usize>(at: *const u8) -> std::arch::x86_64::__m512i {
+unsafe fn four_rows<const BITS: usize>(tile: *const u8, quad: usize) -> [std::arch::x86_64::__m512i; 4] {
     use std::arch::x86_64::*;
     if BITS == 4 {
-        _mm512_cvtepu8_epi32(_mm_loadu_si128(at.cast()))
+        // vpermw reads a word's low five bits: the row's nibble and one bit above it, which
+        // the table, written twice, ignores.
+        let words = _mm512_loadu_si512(tile.add(quad * QUAD).cast());
+        let table = _mm512_load_si512(NIBBLES.0.as_ptr().cast());
+        [
+            _mm512_permutexvar_epi16(words, table),
+            _mm512_permutexvar_epi16(_mm512_srli_epi16::<4>(words), table),
+            _mm512_permutexvar_epi16(_mm512_srli_epi16::<8>(words), table),
+            _mm512_permutexvar_epi16(_mm512_srli_epi16::<12>(words), table),
+        ]
     } else {
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(at.cast()))
+        // (No closures here: one that calls intrinsics is compiled without the caller's target
+        // features, and then calls each intrinsic out of line.)
+        let mut rows = [_mm512_setzero_si512(); 4];
+        for (s, row) in rows.iter_mut().enumerate() {
+            // Bytes 0–15 are outputs 0–7's pairs, 16–31 outputs 8–15's, in order.
+            let at = tile.add((4 * quad + s) * 2 * BLOCK);
+            let first = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(at.cast())));
+            let second = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(at.add(16).cast())));
+            *row = std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(second, first));
+        }
+        rows
     }
+}
+
+/// The rows of [`four_rows`] as float32: per row the 16 outputs' even inputs, and their odd
+/// ones. 4-bit values take the lookup and a shift or a mask; 8-bit ones a mask or a shift and
+/// a conversion, two operations fewer than through bfloat16.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn four_row_values<const BITS: usize>(
+    tile: *const u8,
+    quad: usize,
+) -> [(std::arch::x86_64::__m512, std::arch::x86_64::__m512); 4] {
+    use std::arch::x86_64::*;
+    let mut values = [(_mm512_setzero_ps(), _mm512_setzero_ps()); 4];
+    if BITS == 4 {
+        let odd_mask = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
+        for (value, w) in values.iter_mut().zip(four_rows::<4>(tile, quad)) {
+            *value =
+                (_mm512_castsi512_ps(_mm512_slli_epi32::<16>(w)), _mm512_castsi512_ps(_mm512_and_si512(w, odd_mask)));
+        }
+    } else {
+        let low = _mm512_set1_epi32(0xFF);
+        for (s, value) in values.iter_mut().enumerate() {
+            let q = _mm512_cvtepu16_epi32(_mm256_loadu_si256(tile.add((4 * quad + s) * 2 * BLOCK).cast()));
+            *value = (_mm512_cvtepi32_ps(_mm512_and_si512(q, low)), _mm512_cvtepi32_ps(_mm512_srli_epi32::<8>(q)));
+        }
+    }
+    values
 }
 
 /// One row of x through AVX-512 FMAs over the tiles' bytes, summed as the unit sums: per block
 /// of 32 inputs the even and the odd inputs' products each summed in order from zero, their sum
 /// added to the group's; then scale · that + bias · Σ x added to the output, group by group.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 unsafe fn fma_row<const BITS: usize>(
     x: &[f32],
     sums: &[f32],
@@ -248,8 +327,7 @@ unsafe fn fma_row<const BITS: usize>(
 ) {
     use std::arch::x86_64::*;
     let per_group = t.group / DEPTH;
-    let (row_bytes, tile_bytes) = (BLOCK * BITS / 4, BLOCK * DEPTH * BITS / 8);
-    let low = _mm512_set1_epi32((1 << BITS) - 1);
+    let tile_bytes = t.tile_bytes();
     for og in outputs.start / GROUP..outputs.end.div_ceil(GROUP) {
         let mut acc = [_mm512_setzero_ps(); BLOCKS_AT_ONCE];
         for (g, &x_sum) in sums.iter().enumerate() {
@@ -259,19 +337,14 @@ unsafe fn fma_row<const BITS: usize>(
                 prefetch_ahead::<BITS>(tiles);
                 let (mut even, mut odd) =
                     ([_mm512_setzero_ps(); BLOCKS_AT_ONCE], [_mm512_setzero_ps(); BLOCKS_AT_ONCE]);
-                for row in 0..DEPTH / 2 {
-                    let xe = _mm512_set1_ps(*x.get_unchecked(kb * DEPTH + 2 * row));
-                    let xo = _mm512_set1_ps(*x.get_unchecked(kb * DEPTH + 2 * row + 1));
+                for quad in 0..DEPTH / 8 {
                     for c in 0..BLOCKS_AT_ONCE {
-                        let q = pairs::<BITS>(tiles.add(c * tile_bytes + row * row_bytes));
-                        let q_even = _mm512_cvtepi32_ps(_mm512_and_si512(q, low));
-                        let q_odd = _mm512_cvtepi32_ps(if BITS == 4 {
-                            _mm512_srli_epi32::<4>(q)
-                        } else {
-                            _mm512_srli_epi32::<8>(q)
-                        });
-                        even[c] = _mm512_fmadd_ps(xe, q_even, even[c]);
-                        odd[c] = _mm512_fmadd_ps(xo, q_odd, odd[c]);
+                        let rows = four_row_values::<BITS>(tiles.add(c * tile_bytes), quad);
+                        for (s, (w_even, w_odd)) in rows.into_iter().enumerate() {
+                            let at = kb * DEPTH + 2 * (4 * quad + s);
+                            even[c] = _mm512_fmadd_ps(_mm512_set1_ps(*x.get_unchecked(at)), w_even, even[c]);
+                            odd[c] = _mm512_fmadd_ps(_mm512_set1_ps(*x.get_unchecked(at + 1)), w_odd, odd[c]);
+                        }
                     }
                 }
                 for c in 0..BLOCKS_AT_ONCE {
@@ -304,6 +377,22 @@ unsafe fn prefetch_ahead<const BITS: usize>(tiles: *const u8) {
     }
 }
 
+/// The scales and biases (float32) of the 16 outputs from `first`, quantization group `g`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn group_params(
+    t: &QuantTiles,
+    first: usize,
+    g: usize,
+) -> (std::arch::x86_64::__m512, std::arch::x86_64::__m512) {
+    use std::arch::x86_64::*;
+    let at = t.param_at(first, g);
+    // (No closure: see `four_rows`.)
+    let scales = _mm512_cvtepu16_epi32(_mm256_loadu_si256(t.scales.as_ptr().add(at).cast()));
+    let biases = _mm512_cvtepu16_epi32(_mm256_loadu_si256(t.biases.as_ptr().add(at).cast()));
+    (_mm512_castsi512_ps(_mm512_slli_epi32::<16>(scales)), _mm512_castsi512_ps(_mm512_slli_epi32::<16>(biases)))
+}
+
 /// acc + scale · group_sum + bias · x_sum for the 16 outputs from `first`, quantization group `g`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
@@ -316,22 +405,8 @@ unsafe fn apply_group(
     x_sum: f32,
 ) -> std::arch::x86_64::__m512 {
     use std::arch::x86_64::*;
-    let at = t.param_at(first, g);
-    let widen = |p: &[u16]| {
-        let bits = _mm256_loadu_si256(p.as_ptr().add(at).cast());
-        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(bits)))
-    };
-    let acc = _mm512_fmadd_ps(widen(&t.scales), group_sum, acc);
-    _mm512_fmadd_ps(widen(&t.biases), _mm512_set1_ps(x_sum), acc)
-}
-
-/// Writes 16 outputs from `first` into a row of y, those in `outputs` only.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn put_block(y: &mut [f32], block: std::arch::x86_64::__m512, first: usize, outputs: &std::ops::Range<usize>) {
-    let mut lanes = [0f32; BLOCK];
-    std::arch::x86_64::_mm512_storeu_ps(lanes.as_mut_ptr(), block);
-    super::amx_bf16::put_block(y, &lanes, first, outputs);
+    let (scale, bias) = group_params(t, first, g);
+    _mm512_fmadd_ps(bias, _mm512_set1_ps(x_sum), _mm512_fmadd_ps(scale, group_sum, acc))
 }
 
 /// Up to 16 bfloat16 rows of x on the unit: per group of 64 outputs and quantization group, the
@@ -358,10 +433,14 @@ unsafe fn tiled<const BITS: usize>(
     // x's rows as bfloat16 bits (exact: they hold bfloat16 values); k is whole input blocks.
     let xb: Vec<u16> = x.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
     // Two buffers of an input block's four tiles: the next block is widened while the unit
-    // reads this one, so that its loads do not wait for the stores just made.
-    let mut wide = Wide([0; 2 * BLOCKS_AT_ONCE * BLOCK * DEPTH]);
+    // reads this one, so that its loads do not wait for the stores just made. Every tile is
+    // widened before the unit loads it, so the buffers need no zeroing.
+    let mut wide = std::mem::MaybeUninit::<Wide>::uninit();
+    let wide = wide.as_mut_ptr().cast::<u16>();
     let buffer = |kb: usize, c: usize| ((kb % 2) * BLOCKS_AT_ONCE + c) * BLOCK * DEPTH;
-    let mut c_tile = [0f32; X_ROWS * BLOCK];
+    // A C tile's rows, stored before they are read.
+    let mut c_tile = std::mem::MaybeUninit::<[f32; X_ROWS * BLOCK]>::uninit();
+    let c_tile = c_tile.as_mut_ptr().cast::<f32>();
     let mut acc = [[_mm512_setzero_ps(); BLOCKS_AT_ONCE]; X_ROWS];
     let config = Config::for_rows(rows);
     asm!("ldtilecfg [{}]", in(reg) &config as *const Config, options(nostack, readonly));
@@ -370,26 +449,32 @@ unsafe fn tiled<const BITS: usize>(
             *acc = [_mm512_setzero_ps(); BLOCKS_AT_ONCE];
         }
         let block = |kb: usize| t.packed.as_ptr().add(t.tile_at(og * BLOCKS_AT_ONCE, kb));
-        widen_block::<BITS>(block(0), wide.0.as_mut_ptr().add(buffer(0, 0)));
+        widen_block::<BITS>(block(0), wide.add(buffer(0, 0)));
         for g in 0..groups {
             for c in 0..BLOCKS_AT_ONCE {
                 zero(c);
             }
             for kb in g * per_group..(g + 1) * per_group {
                 load_rows(kb % 2, xb.as_ptr().add(kb * DEPTH), 2 * k);
-                for c in 0..BLOCKS_AT_ONCE {
-                    multiply_add(c, kb % 2, c % 2, wide.0.as_ptr().add(buffer(kb, c)));
-                }
-                if kb + 1 < depth_blocks {
+                let next = kb + 1 < depth_blocks;
+                if next {
                     prefetch_ahead::<BITS>(block(kb + 1));
-                    widen_block::<BITS>(block(kb + 1), wide.0.as_mut_ptr().add(buffer(kb + 1, 0)));
+                }
+                for c in 0..BLOCKS_AT_ONCE {
+                    multiply_add(c, kb % 2, c % 2, wide.add(buffer(kb, c)));
+                    if next {
+                        let from = block(kb + 1).add(c * t.tile_bytes());
+                        widen_tile::<BITS>(from, wide.add(buffer(kb + 1, c)));
+                    }
                 }
             }
             for c in 0..BLOCKS_AT_ONCE {
-                store(c, c_tile.as_mut_ptr());
+                store(c, c_tile);
+                let (scale, bias) = group_params(t, og * GROUP + c * BLOCK, g);
                 for (m, acc) in acc.iter_mut().take(rows).enumerate() {
-                    let group_sum = _mm512_loadu_ps(c_tile.as_ptr().add(m * BLOCK));
-                    acc[c] = apply_group(acc[c], group_sum, t, og * GROUP + c * BLOCK, g, sums[m * groups + g]);
+                    let group_sum = _mm512_loadu_ps(c_tile.add(m * BLOCK));
+                    let x_sum = _mm512_set1_ps(*sums.get_unchecked(m * groups + g));
+                    acc[c] = _mm512_fmadd_ps(bias, x_sum, _mm512_fmadd_ps(scale, group_sum, acc[c]));
                 }
             }
         }
@@ -411,32 +496,15 @@ unsafe fn widen_block<const BITS: usize>(from: *const u8, to: *mut u16) {
     }
 }
 
-/// A tile's packed integers (16 rows of 16 outputs' input pairs, at `from`) as the bfloat16
-/// values the unit reads (`to`, 1 KB): each row's 32 integers, output by output, even input first.
+/// A tile's packed integers (at `from`) as the bfloat16 values the unit reads (`to`, 1 KB):
+/// each row's 32 integers, output by output, even input first.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn widen_tile<const BITS: usize>(from: *const u8, to: *mut u16) {
     use std::arch::x86_64::*;
-    let row_bytes = BLOCK * BITS / 4;
-    if BITS == 4 {
-        // Each nibble looked up in a table of the bfloat16 bits of 0 to 15: lane o's low word
-        // indexes by the even input's nibble, its high word by the odd one's.
-        let table = _mm512_loadu_si512(NIBBLES.0.as_ptr().cast());
-        let nibbles = _mm512_set1_epi32(0x000F_000F);
-        for row in 0..DEPTH / 2 {
-            let q = pairs::<4>(from.add(row * row_bytes));
-            // (q | q << 12) & 0x000F000F: the low nibble in the low word, the high one above.
-            let index = _mm512_ternarylogic_epi32::<0xA8>(q, _mm512_slli_epi32::<12>(q), nibbles);
-            _mm512_storeu_si512(to.add(row * 2 * BLOCK).cast(), _mm512_permutexvar_epi16(index, table));
-        }
-    } else {
-        for row in 0..DEPTH / 2 {
-            let at = from.add(row * row_bytes);
-            // Bytes 0–15 are outputs 0–7's pairs, 16–31 outputs 8–15's, in order.
-            let first = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(at.cast())));
-            let second = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(at.add(16).cast())));
-            let values: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(second, first));
-            _mm512_storeu_si512(to.add(row * 2 * BLOCK).cast(), values);
+    for quad in 0..DEPTH / 8 {
+        for (s, row) in four_rows::<BITS>(from, quad).into_iter().enumerate() {
+            _mm512_store_si512(to.add((4 * quad + s) * 2 * BLOCK).cast(), row);
         }
     }
 }

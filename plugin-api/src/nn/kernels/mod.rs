@@ -236,19 +236,35 @@ fn outputs(
         let rows = xs.len() / x.shape().last().map_or(1, |&k| k.max(1) as usize);
         let mut shape = x.shape().to_vec();
         *shape.last_mut().expect("x has a last axis") = n as i32;
-        with_sums(rows * n, split.is_some(), |y, upper| {
-            match split {
-                None => run(xs, 0..n, y),
-                Some(at) => {
-                    super::helper::join(|| run(xs, 0..at, y), || run(xs, at..n, upper));
-                    for m in 0..rows {
-                        y[m * n + at..(m + 1) * n].copy_from_slice(&upper[m * n + at..(m + 1) * n]);
-                    }
-                }
+        with_sums(rows * n, split.is_some(), |y, upper| match split {
+            None => {
+                run(xs, 0..n, y);
+                rounded(y, &shape, x.dtype())
             }
-            rounded(y, &shape, x.dtype())
+            Some(at) => {
+                super::helper::join(|| run(xs, 0..at, y), || run(xs, at..n, upper));
+                rounded_halves(y, upper, at, &shape, x.dtype())
+            }
         })
     })
+}
+
+/// [`rounded`] of rows [.., n] whose columns up to `at` are in `low` and the rest in `high`.
+/// Rounded to bfloat16 each half is read where it lies, rather than copied over first.
+fn rounded_halves(low: &mut [f32], high: &[f32], at: usize, shape: &[i32], dtype: Dtype) -> Array {
+    let n = shape.last().map_or(1, |&n| n as usize);
+    if dtype == Dtype::Bfloat16 {
+        let mut bits = vec![0u16; low.len()];
+        for ((row, low), high) in bits.chunks_exact_mut(n).zip(low.chunks_exact(n)).zip(high.chunks_exact(n)) {
+            bf16_into(&low[..at], &mut row[..at]);
+            bf16_into(&high[at..], &mut row[at..]);
+        }
+        return from_bits16(&bits, shape, dtype);
+    }
+    for (low, high) in low.chunks_exact_mut(n).zip(high.chunks_exact(n)) {
+        low[at..].copy_from_slice(&high[at..]);
+    }
+    rounded(low, shape, dtype)
 }
 
 /// Floats a thread's products keep for their sums between calls, up to this many per buffer.
@@ -396,16 +412,63 @@ pub(crate) fn bf16_bits(v: f32) -> u16 {
     (if x & 0x7FFF_FFFF > 0x7F80_0000 { quiet_nan } else { nearest }) as u16
 }
 
+/// The bfloat16 bit patterns of `values`, each rounded by [`bf16_bits`] (every product's
+/// outputs and most elementwise ops' results pass through here).
+fn bf16_all(values: &[f32]) -> Vec<u16> {
+    let mut bits = vec![0u16; values.len()];
+    bf16_into(values, &mut bits);
+    bits
+}
+
+/// [`bf16_all`] into `bits` (as long as `values`).
+fn bf16_into(values: &[f32], bits: &mut [u16]) {
+    #[cfg(target_arch = "x86_64")]
+    if bf16_conversion() {
+        // SAFETY: the CPU has AVX-512 F, DQ and BF16 (checked above).
+        return unsafe { bf16_into_avx512(values, bits) };
+    }
+    bf16_into_loop(values, bits)
+}
+
 avx2_where_available! {
-    /// The bfloat16 bit patterns of `values`, each rounded by [`bf16_bits`] (every product's
-    /// outputs and most elementwise ops' results pass through here).
-    fn bf16_all(values: &[f32]) -> Vec<u16> {
-        let mut bits = vec![0u16; values.len()];
+    /// [`bf16_into`] one value at a time.
+    fn bf16_into_loop(values: &[f32], bits: &mut [u16]) {
         for (b, &v) in bits.iter_mut().zip(values) {
             *b = bf16_bits(v);
         }
-        bits
     }
+}
+
+/// Whether the CPU converts float32 to bfloat16 itself (AVX-512 BF16, with F and DQ).
+#[cfg(target_arch = "x86_64")]
+fn bf16_conversion() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| std::is_x86_feature_detected!("avx512bf16") && std::is_x86_feature_detected!("avx512dq"))
+}
+
+/// [`bf16_into`] 32 values per `vcvtne2ps2bf16`, which rounds as [`bf16_bits`] does (to nearest
+/// even, NaNs quieted the same way) except that it reads denormals as zero: a run of 32 that
+/// holds one takes the loop instead. Twice to four times the loop's speed, on the rounding that
+/// every product and elementwise op ends with.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512dq,avx512bf16")]
+unsafe fn bf16_into_avx512(values: &[f32], bits: &mut [u16]) {
+    use std::arch::x86_64::*;
+    const DENORMAL: i32 = 0x20;
+    assert_eq!(values.len(), bits.len());
+    let runs = values.len() / 32;
+    for (from, to) in values.chunks_exact(32).zip(bits.chunks_exact_mut(32)) {
+        let (low, high) = (_mm512_loadu_ps(from.as_ptr()), _mm512_loadu_ps(from.as_ptr().add(16)));
+        if _mm512_fpclass_ps_mask::<DENORMAL>(low) | _mm512_fpclass_ps_mask::<DENORMAL>(high) == 0 {
+            _mm512_storeu_si512(
+                to.as_mut_ptr().cast(),
+                std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(high, low)),
+            );
+        } else {
+            bf16_into_loop(from, to);
+        }
+    }
+    bf16_into_loop(&values[runs * 32..], &mut bits[runs * 32..]);
 }
 
 avx2_where_available! {
