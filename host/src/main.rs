@@ -201,6 +201,10 @@ struct BenchArgs {
     /// $HOST_MLX_LM_PYTHON; `make oracle` makes tests/oracle/.venv/bin/python).
     #[arg(long, value_name = "PATH")]
     mlx_lm_python: Option<PathBuf>,
+    /// Time the host alone, without mlx-lm's reference runs: on a large quantized model its CPU
+    /// kernels take seconds per token.
+    #[arg(long, conflicts_with = "mlx_lm_python")]
+    no_mlx_lm: bool,
     #[arg(long)]
     json: bool,
     #[command(flatten)]
@@ -634,6 +638,7 @@ fn bench(args: BenchArgs, quiet: bool) -> Result<()> {
         pairs: args.pairs,
         max_tokens: args.max_tokens,
         mlx_lm_python: args.mlx_lm_python,
+        no_mlx_lm: args.no_mlx_lm,
         plugins_dir: plugins_dir::resolve(args.dir.plugins_dir),
         serving: args.serving,
         requests: args.requests,

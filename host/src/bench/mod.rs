@@ -25,8 +25,8 @@ const MLX_LM_DECODE: &str = include_str!("mlx_lm_decode.py");
 #[derive(Debug, Clone)]
 pub struct BenchConfig {
     pub pairs: usize,
-    /// The Python that has mlx-lm installed.
-    pub mlx_lm_python: PathBuf,
+    /// The Python that has mlx-lm installed; none to time the host alone.
+    pub mlx_lm_python: Option<PathBuf>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -109,16 +109,23 @@ pub fn plain(
     config: &BenchConfig,
 ) -> Result<PlainBench, BenchError> {
     // One unmeasured run of each, so that neither side pays first-touch costs in the sample.
+    let reference = |python: &std::path::Path| run_mlx_lm(python, model_dir, request);
     run_host(model, request)?;
-    run_mlx_lm(model_dir, request, config)?;
+    if let Some(python) = &config.mlx_lm_python {
+        reference(python)?;
+    }
     let (mut host, mut mlx_lm) = (Vec::new(), Vec::new());
     for pair in 0..config.pairs {
-        if pair % 2 == 0 {
-            host.push(run_host(model, request)?);
-            mlx_lm.push(run_mlx_lm(model_dir, request, config)?);
-        } else {
-            mlx_lm.push(run_mlx_lm(model_dir, request, config)?);
-            host.push(run_host(model, request)?);
+        match &config.mlx_lm_python {
+            None => host.push(run_host(model, request)?),
+            Some(python) if pair % 2 == 0 => {
+                host.push(run_host(model, request)?);
+                mlx_lm.push(reference(python)?);
+            }
+            Some(python) => {
+                mlx_lm.push(reference(python)?);
+                host.push(run_host(model, request)?);
+            }
         }
     }
     let (step_ms, window_ms, logits) = window_cost(model, &request.prompt, 4 * config.pairs.max(1))?;
@@ -186,9 +193,13 @@ fn run_host(model: &Gemma4, request: &Request) -> Result<Throughput, BenchError>
     })
 }
 
-fn run_mlx_lm(model_dir: &std::path::Path, request: &Request, config: &BenchConfig) -> Result<Throughput, BenchError> {
+fn run_mlx_lm(
+    python: &std::path::Path,
+    model_dir: &std::path::Path,
+    request: &Request,
+) -> Result<Throughput, BenchError> {
     let ids: Vec<String> = request.prompt.iter().map(u32::to_string).collect();
-    let mut command = std::process::Command::new(&config.mlx_lm_python);
+    let mut command = std::process::Command::new(python);
     command
         .arg("-c")
         .arg(MLX_LM_DECODE)
@@ -198,7 +209,7 @@ fn run_mlx_lm(model_dir: &std::path::Path, request: &Request, config: &BenchConf
         .arg(ids.join(","))
         .arg("--max-tokens")
         .arg(request.max_tokens.to_string());
-    let shown = format!("{} mlx_lm_decode.py", config.mlx_lm_python.display());
+    let shown = format!("{} mlx_lm_decode.py", python.display());
     let failed = |reason: String| BenchError::Reference { command: shown.clone(), reason };
     let out = crate::runtime::starting_children(|| command.output()).map_err(|e| failed(e.to_string()))?;
     if !out.status.success() {
@@ -217,9 +228,11 @@ fn run_mlx_lm(model_dir: &std::path::Path, request: &Request, config: &BenchConf
     })
 }
 
-/// Single-thread read bandwidth of this machine: the best of three sums over 256 MiB.
+/// Single-thread read bandwidth of this machine's memory: the best of three sums over a buffer
+/// twice its largest cache (at least 256 MiB). A server's last-level cache can hold 256 MiB, and
+/// a sum over that read the cache, not memory.
 pub fn memory_bandwidth_gb_per_s() -> f64 {
-    let words = 32 << 20;
+    let words = (2 * largest_cache_bytes().unwrap_or(0)).max(256 << 20) / 8;
     let data: Vec<u64> = (0..words as u64).collect();
     let mut best = f64::MAX;
     for _ in 0..3 {
@@ -234,6 +247,28 @@ pub fn memory_bandwidth_gb_per_s() -> f64 {
         best = best.min(start.elapsed().as_secs_f64());
     }
     (words * 8) as f64 / best / 1e9
+}
+
+/// The largest cache Linux reports for the first CPU (`/sys/devices/system/cpu/cpu0/cache`).
+fn largest_cache_bytes() -> Option<usize> {
+    let caches = std::fs::read_dir("/sys/devices/system/cpu/cpu0/cache").ok()?;
+    caches
+        .filter_map(|cache| std::fs::read_to_string(cache.ok()?.path().join("size")).ok())
+        .filter_map(|size| cache_size_bytes(size.trim()))
+        .max()
+}
+
+/// A cache size as sysfs writes it ("48K", "2048K", "480M").
+fn cache_size_bytes(size: &str) -> Option<usize> {
+    let (digits, unit) = size.split_at(size.find(|c: char| !c.is_ascii_digit()).unwrap_or(size.len()));
+    let scale = match unit {
+        "" => 1,
+        "K" => 1 << 10,
+        "M" => 1 << 20,
+        "G" => 1 << 30,
+        _ => return None,
+    };
+    digits.parse::<usize>().ok().map(|n| n * scale)
 }
 
 /// Median and range of a sample, for printing.
@@ -303,4 +338,19 @@ pub fn speculative(
         stats,
         plain_forwards,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cache_size_bytes;
+
+    #[test]
+    fn cache_sizes_read_as_sysfs_writes_them() {
+        assert_eq!(cache_size_bytes("48K"), Some(48 << 10));
+        assert_eq!(cache_size_bytes("491520K"), Some(480 << 20));
+        assert_eq!(cache_size_bytes("2M"), Some(2 << 20));
+        assert_eq!(cache_size_bytes("512"), Some(512));
+        assert_eq!(cache_size_bytes("12X"), None);
+        assert_eq!(cache_size_bytes("K"), None);
+    }
 }

@@ -23,6 +23,8 @@ pub struct BenchOptions {
     pub pairs: usize,
     pub max_tokens: u32,
     pub mlx_lm_python: Option<PathBuf>,
+    /// Time the host alone (`--no-mlx-lm`).
+    pub no_mlx_lm: bool,
     pub plugins_dir: PathBuf,
     /// Measure the serving engine at these concurrencies instead (`--serving`).
     pub serving: Option<Vec<usize>>,
@@ -107,11 +109,16 @@ pub fn bench(options: &BenchOptions) -> Result<BenchReport, BenchRunError> {
             result,
         });
     }
-    let python = options
-        .mlx_lm_python
-        .clone()
-        .or_else(|| std::env::var_os(MLX_LM_PYTHON_ENV).map(PathBuf::from))
-        .ok_or(BenchRunError::NoMlxLm)?;
+    let python = match options.no_mlx_lm {
+        true => None,
+        false => Some(
+            options
+                .mlx_lm_python
+                .clone()
+                .or_else(|| std::env::var_os(MLX_LM_PYTHON_ENV).map(PathBuf::from))
+                .ok_or(BenchRunError::NoMlxLm)?,
+        ),
+    };
     let config = BenchConfig { pairs: options.pairs, mlx_lm_python: python };
     let result = plain(&model, &manifest.target_model, &request, &config)?;
     Ok(BenchReport::Plain { prompt_tokens, max_tokens, result })
@@ -172,14 +179,25 @@ fn plain_text(prompt_tokens: usize, max_tokens: usize, r: &PlainBench) -> String
     let (mp, _, _) = stat(r.mlx_lm.iter().map(|t| t.prefill_tokens_per_s).collect());
     let (dr, dr_lo, dr_hi) = summary(&r.decode_ratios);
     let (pr, pr_lo, pr_hi) = summary(&r.prefill_ratios);
+    let rates = match r.mlx_lm.is_empty() {
+        true => format!(
+            "plain decoding, {prompt_tokens} prompt tokens, {max_tokens} generated, {} runs (median; mlx-lm not run)\n\
+             \x20 decode   host {hd:8.1} tok/s\n\
+             \x20 prefill  host {hp:8.1} tok/s\n",
+            r.host.len()
+        ),
+        false => format!(
+            "plain decoding, {prompt_tokens} prompt tokens, {max_tokens} generated, {} pairs (median; ratio range)\n\
+             \x20 decode   host {hd:8.1} tok/s   mlx-lm {md:8.1} tok/s   ratio {dr:.3}x  [{dr_lo:.3}, {dr_hi:.3}]\n\
+             \x20 prefill  host {hp:8.1} tok/s   mlx-lm {mp:8.1} tok/s   ratio {pr:.3}x  [{pr_lo:.3}, {pr_hi:.3}]\n",
+            r.host.len()
+        ),
+    };
     format!(
-        "plain decoding, {prompt_tokens} prompt tokens, {max_tokens} generated, {} pairs (median; ratio range)\n\
-         \x20 decode   host {hd:8.1} tok/s   mlx-lm {md:8.1} tok/s   ratio {dr:.3}x  [{dr_lo:.3}, {dr_hi:.3}]\n\
-         \x20 prefill  host {hp:8.1} tok/s   mlx-lm {mp:8.1} tok/s   ratio {pr:.3}x  [{pr_lo:.3}, {pr_hi:.3}]\n\
+        "{rates}\
          \x20 {}\n\
          \x20 verify window of {} tokens {:.2} ms, one-token step {:.2} ms: {:.2}x a step (median)\n\
          {}",
-        r.host.len(),
         match (r.bandwidth_bound_tokens_per_s, r.memory_gb_per_s) {
             (Some(bound), Some(gb_per_s)) => format!(
                 "bandwidth bound {bound:.1} tok/s ({:.1} MB of weights per token at {gb_per_s:.1} GB/s measured); host decode at {:.0}% of it",
@@ -267,5 +285,21 @@ mod tests {
         assert!(on_cpu.contains("bandwidth bound 500.0 tok/s (20.0 MB of weights per token at 10.0 GB/s measured); host decode at 20% of it"), "{on_cpu}");
         let elsewhere = super::plain_text(8, 32, &bench(None));
         assert!(elsewhere.contains("bandwidth bound not measured: MLX runs on another device"), "{elsewhere}");
+    }
+
+    #[test]
+    fn without_mlx_lm_only_the_hosts_rates_are_shown() {
+        let paired = super::plain_text(8, 32, &bench(Some(10.0)));
+        assert!(paired.contains("decode   host    100.0 tok/s   mlx-lm    100.0 tok/s   ratio 1.000x"), "{paired}");
+        let alone = PlainBench {
+            mlx_lm: Vec::new(),
+            decode_ratios: Vec::new(),
+            prefill_ratios: Vec::new(),
+            ..bench(Some(10.0))
+        };
+        let text = super::plain_text(8, 32, &alone);
+        assert!(text.contains("2 runs (median; mlx-lm not run)\n  decode   host    100.0 tok/s\n"), "{text}");
+        assert!(!text.contains("ratio"), "{text}");
+        assert!(text.contains("verify window of 5 tokens 15.00 ms, one-token step 10.00 ms: 1.50x a step"), "{text}");
     }
 }
