@@ -448,8 +448,7 @@ fn bf16_conversion() -> bool {
 
 /// [`bf16_into`] 32 values per `vcvtne2ps2bf16`, which rounds as [`bf16_bits`] does (to nearest
 /// even, NaNs quieted the same way) except that it reads denormals as zero: a run of 32 that
-/// holds one takes the loop instead. Twice to four times the loop's speed, on the rounding that
-/// every product and elementwise op ends with.
+/// holds one takes the loop instead.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512dq,avx512bf16")]
 unsafe fn bf16_into_avx512(values: &[f32], bits: &mut [u16]) {
