@@ -114,6 +114,13 @@ pub fn product(
                 return;
             }
         }
+        if let Weight::F32(w) = w {
+            if avx512_f32::available() {
+                // SAFETY: the CPU has AVX-512 F, VL and DQ (checked by `available`).
+                unsafe { avx512_f32::product(x, rows, k, w, outputs, n, y) };
+                return;
+            }
+        }
         if let Weight::Quantized(w) = w {
             if super::quantized_avx512::takes(w.bits, w.group) && super::quantized_avx512::available() {
                 // SAFETY: the CPU has the features and the loops take this format (checked).
@@ -429,6 +436,120 @@ pub(super) mod avx2 {
         let quad = _mm_add_ps(pair, _mm_movehl_ps(pair, pair));
         let one = _mm_add_ss(quad, _mm_shuffle_ps(quad, quad, 1));
         _mm_cvtss_f32(one)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512_f32 {
+    use std::arch::x86_64::*;
+
+    /// float32 values per 512-bit vector.
+    const LANES: usize = 16;
+    /// Register tiles of up to 6 x rows × 4 W rows: 24 accumulators, four weight vectors and one
+    /// x vector in the 32 vector registers. A 5-token verify window is one tile deep, each
+    /// weight loaded once into a register for all five rows, where the AVX2 loops (eight lanes,
+    /// tiles of three x rows) loaded it twice and took twice the multiply-adds.
+    const X_BLOCK: usize = 6;
+    const W_BLOCK: usize = 4;
+
+    pub fn available() -> bool {
+        super::super::lanes::available()
+    }
+
+    /// [`super::product`] for float32 W, read in place; the last partial vector of every row,
+    /// of W and of x alike, through a mask (zeros past k).
+    #[target_feature(enable = "avx512f,avx512vl,avx512dq")]
+    pub unsafe fn product(
+        x: &[f32],
+        rows: usize,
+        k: usize,
+        w: &[f32],
+        outputs: std::ops::Range<usize>,
+        n: usize,
+        y: &mut [f32],
+    ) {
+        let mut o = outputs.start;
+        while o < outputs.end {
+            let width = W_BLOCK.min(outputs.end - o);
+            // As the AVX2 loops do: the next block of W rows is asked for while this one is
+            // multiplied.
+            super::avx2::prefetch_rows(super::Weight::F32(w), k, o + width..(o + 2 * width).min(outputs.end));
+            let mut m0 = 0;
+            while m0 < rows {
+                let block = X_BLOCK.min(rows - m0);
+                let at = Tile { x, w, k, m0, o, n };
+                match (block, width) {
+                    (6, 4) => at.run::<6, 4>(y),
+                    (5, 4) => at.run::<5, 4>(y),
+                    (4, 4) => at.run::<4, 4>(y),
+                    (3, 4) => at.run::<3, 4>(y),
+                    (2, 4) => at.run::<2, 4>(y),
+                    (1, 4) => at.run::<1, 4>(y),
+                    (6, 3) => at.run::<6, 3>(y),
+                    (5, 3) => at.run::<5, 3>(y),
+                    (4, 3) => at.run::<4, 3>(y),
+                    (3, 3) => at.run::<3, 3>(y),
+                    (2, 3) => at.run::<2, 3>(y),
+                    (1, 3) => at.run::<1, 3>(y),
+                    (6, 2) => at.run::<6, 2>(y),
+                    (5, 2) => at.run::<5, 2>(y),
+                    (4, 2) => at.run::<4, 2>(y),
+                    (3, 2) => at.run::<3, 2>(y),
+                    (2, 2) => at.run::<2, 2>(y),
+                    (1, 2) => at.run::<1, 2>(y),
+                    (6, 1) => at.run::<6, 1>(y),
+                    (5, 1) => at.run::<5, 1>(y),
+                    (4, 1) => at.run::<4, 1>(y),
+                    (3, 1) => at.run::<3, 1>(y),
+                    (2, 1) => at.run::<2, 1>(y),
+                    (1, 1) => at.run::<1, 1>(y),
+                    _ => unreachable!("blocks of at most {X_BLOCK} x rows and {W_BLOCK} W rows"),
+                }
+                m0 += block;
+            }
+            o += width;
+        }
+    }
+
+    /// Where a register tile works: x's rows and W's rows `o..` (both k apart), from x row
+    /// `m0`; y is [rows, n].
+    struct Tile<'a> {
+        x: &'a [f32],
+        w: &'a [f32],
+        k: usize,
+        m0: usize,
+        o: usize,
+        n: usize,
+    }
+
+    impl Tile<'_> {
+        /// y[m0 + b, o + j] = Σ_i w[o + j, i] · x[m0 + b, i] for b < XB, j < WB, each output in
+        /// its own accumulator. Element i goes to lane i mod 16 and the lanes are summed last
+        /// by one tree ([`super::super::lanes::store_sums`]), so a sum does not change when
+        /// zeros are appended to both operands, nor with the tile its row shares.
+        #[allow(clippy::needless_range_loop, reason = "register tiles read best by index")]
+        #[target_feature(enable = "avx512f,avx512vl,avx512dq")]
+        unsafe fn run<const XB: usize, const WB: usize>(&self, y: &mut [f32]) {
+            let Tile { x, w, k, m0, o, n } = *self;
+            let mut acc = [[_mm512_setzero_ps(); XB]; WB];
+            let mut wv = [_mm512_setzero_ps(); WB];
+            let mut i = 0;
+            while i < k {
+                let rest = k - i;
+                let mask: __mmask16 = if rest >= LANES { 0xFFFF } else { (1 << rest) - 1 };
+                for j in 0..WB {
+                    wv[j] = _mm512_maskz_loadu_ps(mask, w.as_ptr().add((o + j) * k + i));
+                }
+                for b in 0..XB {
+                    let xv = _mm512_maskz_loadu_ps(mask, x.as_ptr().add((m0 + b) * k + i));
+                    for j in 0..WB {
+                        acc[j][b] = _mm512_fmadd_ps(wv[j], xv, acc[j][b]);
+                    }
+                }
+                i += LANES;
+            }
+            super::super::lanes::store_sums(acc, y, m0, o, n);
+        }
     }
 }
 

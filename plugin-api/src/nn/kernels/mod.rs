@@ -736,9 +736,9 @@ mod tests {
         }
     }
 
-    /// A verify window of five or six rows shares one tile of quantized weights, and on AVX2 up
-    /// to six rows of half-precision or quantized weights take other loops than more rows do;
-    /// each row still gives what it gives alone.
+    /// A verify window of five or six rows shares one tile of quantized weights, and of float32
+    /// weights on AVX-512; on AVX2 up to six rows of half-precision or quantized weights take
+    /// other loops than more rows do. Each row still gives what it gives alone.
     #[test]
     fn rows_of_a_window_equal_each_row_alone() {
         let (k, n) = (128, 13);
@@ -762,7 +762,8 @@ mod tests {
         };
         // Finite in both half-precision formats, of either sign.
         let halves: Vec<u16> = (0..n * k).map(|i| 0x3c00 ^ ((i as u16).wrapping_mul(40503) & 0x83ff)).collect();
-        for w in [quantized(4), quantized(8), Weight::Bf16(&halves), Weight::F16(&halves)] {
+        let floats: Vec<f32> = (0..n * k).map(|i| ((i * 53 % 97) as f32 - 48.0) / 40.0).collect();
+        for w in [quantized(4), quantized(8), Weight::Bf16(&halves), Weight::F16(&halves), Weight::F32(&floats)] {
             let dispatched = |x: &[f32], rows, y: &mut [f32]| dot::product(x, Dtype::Float32, rows, k, w, 0..n, n, y);
             // The AVX2 loops too, which a CPU with AVX-512 does not take.
             #[cfg(target_arch = "x86_64")]
