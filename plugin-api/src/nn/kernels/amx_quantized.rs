@@ -352,7 +352,7 @@ unsafe fn fma_row<const BITS: usize>(
                 }
             }
             for c in 0..BLOCKS_AT_ONCE {
-                acc[c] = apply_group(acc[c], group_sum[c], t, og * GROUP + c * BLOCK, g, x_sum);
+                acc[c] = apply_group(acc[c], group_sum[c], group_params(t, og * GROUP + c * BLOCK, g), x_sum);
             }
         }
         for (c, block) in acc.iter().enumerate() {
@@ -393,19 +393,17 @@ unsafe fn group_params(
     (_mm512_castsi512_ps(_mm512_slli_epi32::<16>(scales)), _mm512_castsi512_ps(_mm512_slli_epi32::<16>(biases)))
 }
 
-/// acc + scale · group_sum + bias · x_sum for the 16 outputs from `first`, quantization group `g`.
+/// acc + scale · group_sum + bias · x_sum, with a group's [`group_params`]: how every route
+/// applies them.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn apply_group(
     acc: std::arch::x86_64::__m512,
     group_sum: std::arch::x86_64::__m512,
-    t: &QuantTiles,
-    first: usize,
-    g: usize,
+    (scale, bias): (std::arch::x86_64::__m512, std::arch::x86_64::__m512),
     x_sum: f32,
 ) -> std::arch::x86_64::__m512 {
     use std::arch::x86_64::*;
-    let (scale, bias) = group_params(t, first, g);
     _mm512_fmadd_ps(bias, _mm512_set1_ps(x_sum), _mm512_fmadd_ps(scale, group_sum, acc))
 }
 
@@ -470,11 +468,10 @@ unsafe fn tiled<const BITS: usize>(
             }
             for c in 0..BLOCKS_AT_ONCE {
                 store(c, c_tile);
-                let (scale, bias) = group_params(t, og * GROUP + c * BLOCK, g);
+                let params = group_params(t, og * GROUP + c * BLOCK, g);
                 for (m, acc) in acc.iter_mut().take(rows).enumerate() {
                     let group_sum = _mm512_loadu_ps(c_tile.add(m * BLOCK));
-                    let x_sum = _mm512_set1_ps(*sums.get_unchecked(m * groups + g));
-                    acc[c] = _mm512_fmadd_ps(bias, x_sum, _mm512_fmadd_ps(scale, group_sum, acc[c]));
+                    acc[c] = apply_group(acc[c], group_sum, params, *sums.get_unchecked(m * groups + g));
                 }
             }
         }

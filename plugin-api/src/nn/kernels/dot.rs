@@ -439,6 +439,72 @@ pub(super) mod avx2 {
     }
 }
 
+/// A register tile of the AVX-512 loops, placed at x row `m0` and W row `o` when built:
+/// `run::<XB, WB>` multiplies XB rows of x by WB rows of W into y.
+#[cfg(target_arch = "x86_64")]
+trait RegisterTile {
+    /// # Safety
+    /// The CPU has the loops' features; the tile's rows lie inside x, W and y.
+    unsafe fn run<const XB: usize, const WB: usize>(&self, y: &mut [f32]);
+}
+
+/// Register tiles of up to `x_block` (at most 6) × `w_block` (at most 4) rows over every row of
+/// x and W's rows `outputs`, the next block of W rows asked for (`prefetch`) while one is
+/// multiplied, as the AVX2 loops do. `tile(m0, o)` places a tile.
+///
+/// # Safety
+/// As [`RegisterTile::run`].
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn each_tile<T: RegisterTile>(
+    rows: usize,
+    outputs: std::ops::Range<usize>,
+    (x_block, w_block): (usize, usize),
+    prefetch: impl Fn(std::ops::Range<usize>),
+    tile: impl Fn(usize, usize) -> T,
+    y: &mut [f32],
+) {
+    let mut o = outputs.start;
+    while o < outputs.end {
+        let width = w_block.min(outputs.end - o);
+        prefetch(o + width..(o + 2 * width).min(outputs.end));
+        let mut m0 = 0;
+        while m0 < rows {
+            let block = x_block.min(rows - m0);
+            let at = tile(m0, o);
+            match (block, width) {
+                (6, 4) => at.run::<6, 4>(y),
+                (5, 4) => at.run::<5, 4>(y),
+                (4, 4) => at.run::<4, 4>(y),
+                (3, 4) => at.run::<3, 4>(y),
+                (2, 4) => at.run::<2, 4>(y),
+                (1, 4) => at.run::<1, 4>(y),
+                (6, 3) => at.run::<6, 3>(y),
+                (5, 3) => at.run::<5, 3>(y),
+                (4, 3) => at.run::<4, 3>(y),
+                (3, 3) => at.run::<3, 3>(y),
+                (2, 3) => at.run::<2, 3>(y),
+                (1, 3) => at.run::<1, 3>(y),
+                (6, 2) => at.run::<6, 2>(y),
+                (5, 2) => at.run::<5, 2>(y),
+                (4, 2) => at.run::<4, 2>(y),
+                (3, 2) => at.run::<3, 2>(y),
+                (2, 2) => at.run::<2, 2>(y),
+                (1, 2) => at.run::<1, 2>(y),
+                (6, 1) => at.run::<6, 1>(y),
+                (5, 1) => at.run::<5, 1>(y),
+                (4, 1) => at.run::<4, 1>(y),
+                (3, 1) => at.run::<3, 1>(y),
+                (2, 1) => at.run::<2, 1>(y),
+                (1, 1) => at.run::<1, 1>(y),
+                _ => unreachable!("blocks of at most 6 x rows and 4 W rows, not {block} × {width}"),
+            }
+            m0 += block;
+        }
+        o += width;
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx512_f32 {
     use std::arch::x86_64::*;
@@ -468,47 +534,8 @@ mod avx512_f32 {
         n: usize,
         y: &mut [f32],
     ) {
-        let mut o = outputs.start;
-        while o < outputs.end {
-            let width = W_BLOCK.min(outputs.end - o);
-            // As the AVX2 loops do: the next block of W rows is asked for while this one is
-            // multiplied.
-            super::avx2::prefetch_rows(super::Weight::F32(w), k, o + width..(o + 2 * width).min(outputs.end));
-            let mut m0 = 0;
-            while m0 < rows {
-                let block = X_BLOCK.min(rows - m0);
-                let at = Tile { x, w, k, m0, o, n };
-                match (block, width) {
-                    (6, 4) => at.run::<6, 4>(y),
-                    (5, 4) => at.run::<5, 4>(y),
-                    (4, 4) => at.run::<4, 4>(y),
-                    (3, 4) => at.run::<3, 4>(y),
-                    (2, 4) => at.run::<2, 4>(y),
-                    (1, 4) => at.run::<1, 4>(y),
-                    (6, 3) => at.run::<6, 3>(y),
-                    (5, 3) => at.run::<5, 3>(y),
-                    (4, 3) => at.run::<4, 3>(y),
-                    (3, 3) => at.run::<3, 3>(y),
-                    (2, 3) => at.run::<2, 3>(y),
-                    (1, 3) => at.run::<1, 3>(y),
-                    (6, 2) => at.run::<6, 2>(y),
-                    (5, 2) => at.run::<5, 2>(y),
-                    (4, 2) => at.run::<4, 2>(y),
-                    (3, 2) => at.run::<3, 2>(y),
-                    (2, 2) => at.run::<2, 2>(y),
-                    (1, 2) => at.run::<1, 2>(y),
-                    (6, 1) => at.run::<6, 1>(y),
-                    (5, 1) => at.run::<5, 1>(y),
-                    (4, 1) => at.run::<4, 1>(y),
-                    (3, 1) => at.run::<3, 1>(y),
-                    (2, 1) => at.run::<2, 1>(y),
-                    (1, 1) => at.run::<1, 1>(y),
-                    _ => unreachable!("blocks of at most {X_BLOCK} x rows and {W_BLOCK} W rows"),
-                }
-                m0 += block;
-            }
-            o += width;
-        }
+        let prefetch = |rows| super::avx2::prefetch_rows(super::Weight::F32(w), k, rows);
+        super::each_tile(rows, outputs, (X_BLOCK, W_BLOCK), prefetch, |m0, o| Tile { x, w, k, m0, o, n }, y);
     }
 
     /// Where a register tile works: x's rows and W's rows `o..` (both k apart), from x row
@@ -522,7 +549,7 @@ mod avx512_f32 {
         n: usize,
     }
 
-    impl Tile<'_> {
+    impl super::RegisterTile for Tile<'_> {
         /// y[m0 + b, o + j] = Σ_i w[o + j, i] · x[m0 + b, i] for b < XB, j < WB, each output in
         /// its own accumulator. Element i goes to lane i mod 16 and the lanes are summed last
         /// by one tree ([`super::super::lanes::store_sums`]), so a sum does not change when
@@ -590,39 +617,9 @@ mod avx512_bf16 {
                 *to = (v.to_bits() >> 16) as u16;
             }
         }
-        let mut o = outputs.start;
-        while o < outputs.end {
-            let width = W_BLOCK.min(outputs.end - o);
-            // As the AVX2 loops do: the next block of W rows is asked for while this one is
-            // multiplied.
-            super::avx2::prefetch_rows(super::Weight::Bf16(w), k, o + width..(o + 2 * width).min(outputs.end));
-            let mut m0 = 0;
-            while m0 < rows {
-                let block = X_BLOCK.min(rows - m0);
-                let at = Tile { x: &xb, stride, w, k, m0, o, n };
-                match (block, width) {
-                    (4, 4) => at.run::<4, 4>(y),
-                    (3, 4) => at.run::<3, 4>(y),
-                    (2, 4) => at.run::<2, 4>(y),
-                    (1, 4) => at.run::<1, 4>(y),
-                    (4, 3) => at.run::<4, 3>(y),
-                    (3, 3) => at.run::<3, 3>(y),
-                    (2, 3) => at.run::<2, 3>(y),
-                    (1, 3) => at.run::<1, 3>(y),
-                    (4, 2) => at.run::<4, 2>(y),
-                    (3, 2) => at.run::<3, 2>(y),
-                    (2, 2) => at.run::<2, 2>(y),
-                    (1, 2) => at.run::<1, 2>(y),
-                    (4, 1) => at.run::<4, 1>(y),
-                    (3, 1) => at.run::<3, 1>(y),
-                    (2, 1) => at.run::<2, 1>(y),
-                    (1, 1) => at.run::<1, 1>(y),
-                    _ => unreachable!("blocks of at most {X_BLOCK} x rows and {W_BLOCK} W rows"),
-                }
-                m0 += block;
-            }
-            o += width;
-        }
+        let prefetch = |rows| super::avx2::prefetch_rows(super::Weight::Bf16(w), k, rows);
+        let tile = |m0, o| Tile { x: &xb, stride, w, k, m0, o, n };
+        super::each_tile(rows, outputs, (X_BLOCK, W_BLOCK), prefetch, tile, y);
     }
 
     /// Where a register tile works: x's bfloat16 rows (`stride` apart, zero-padded), W's rows
@@ -637,7 +634,7 @@ mod avx512_bf16 {
         n: usize,
     }
 
-    impl Tile<'_> {
+    impl super::RegisterTile for Tile<'_> {
         /// y[m0 + b, o + j] = Σ_i w[o + j, i] · x[m0 + b, i] for b < XB, j < WB, each output in
         /// its own accumulator. Elements 2l and 2l + 1 of every vector go to lane l, and the
         /// lanes are summed last, so zeros appended to both operands leave a sum as it was.
