@@ -78,15 +78,34 @@ const SUMMED_TOGETHER: usize = 8;
 /// their latency; several rows' chains advance together, and a batch's norms take little more
 /// time than one row's.
 fn squares_summed_in_order(rows: &[f32], n: usize) -> impl Iterator<Item = f32> {
-    let count = rows.len() / n;
     let mut sums = [0f32; SUMMED_TOGETHER];
+    // The row count is a constant in each arm, so that the sums stay in registers.
+    match rows.len() / n {
+        1 => squares_of::<1>(rows, n, &mut sums),
+        2 => squares_of::<2>(rows, n, &mut sums),
+        3 => squares_of::<3>(rows, n, &mut sums),
+        4 => squares_of::<4>(rows, n, &mut sums),
+        5 => squares_of::<5>(rows, n, &mut sums),
+        6 => squares_of::<6>(rows, n, &mut sums),
+        7 => squares_of::<7>(rows, n, &mut sums),
+        _ => squares_of::<8>(rows, n, &mut sums),
+    }
+    sums.into_iter().take(rows.len() / n)
+}
+
+/// [`squares_summed_in_order`] of `R` rows, into `out`'s first `R`.
+#[inline(always)]
+fn squares_of<const R: usize>(rows: &[f32], n: usize, out: &mut [f32; SUMMED_TOGETHER]) {
+    let rows: [&[f32]; R] = std::array::from_fn(|r| &rows[r * n..][..n]);
+    let mut sums = [0f32; R];
+    // Element i of every row, then i + 1: the rows' chains advance together.
+    #[allow(clippy::needless_range_loop)]
     for i in 0..n {
-        for (r, sum) in sums.iter_mut().enumerate().take(count) {
-            let v = rows[r * n + i];
-            *sum += v * v;
+        for r in 0..R {
+            sums[r] += rows[r][i] * rows[r][i];
         }
     }
-    sums.into_iter().take(count)
+    out[..R].copy_from_slice(&sums);
 }
 
 /// One row of [`cpu_rms_norm`] after its sum: x times the scale, rounded, times the weight,

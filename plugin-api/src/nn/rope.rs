@@ -83,16 +83,11 @@ impl Rope {
         let (heads, length, d) = (shape[1] as usize, shape[2] as usize, shape[3] as usize);
         let end = offsets.iter().map(|&o| o as usize + length).max().unwrap_or(0);
         let table = self.table(dtype, end)?;
-        let half = dims / 2;
         let x = row_major(x)?;
         let y = with_floats(&x, |xs| {
             let mut y = xs.to_vec();
-            for (i, (v, out)) in xs.chunks(d).zip(y.chunks_mut(d)).enumerate() {
-                let (b, l) = (i / (heads * length), i % length);
-                let position = offsets[b] as usize + l;
-                let (cos, sin) = (&table.cos[position * half..][..half], &table.sin[position * half..][..half]);
-                with_round!(dtype, |r| rotated(r, &v[..dims], cos, sin, &mut out[..dims]));
-            }
+            let vectors = Vectors { heads, length, d, dims, offsets };
+            rotated_vectors(dtype, xs, &table, vectors, &mut y);
             rounded(&y, &shape, dtype)
         })?;
         Ok(Some(y))
@@ -122,6 +117,31 @@ impl Rope {
     }
 }
 
+/// How x [B, H, L, D] is laid out: each of its vectors of `d` has its first `dims` rotated, at
+/// position `offsets[b] + l`.
+#[derive(Clone, Copy)]
+struct Vectors<'a> {
+    heads: usize,
+    length: usize,
+    d: usize,
+    dims: usize,
+    offsets: &'a [i32],
+}
+
+super::kernels::avx2_where_available! {
+    /// Every vector of `xs` rotated into `out` (which holds a copy of `xs`), rounded to `dtype`.
+    /// Built with AVX2 the rounding is vectorized: a window's rotations cost four times less.
+    fn rotated_vectors(dtype: Dtype, xs: &[f32], table: &Table, v: Vectors, out: &mut [f32]) {
+        let half = v.dims / 2;
+        for (i, (x, out)) in xs.chunks(v.d).zip(out.chunks_mut(v.d)).enumerate() {
+            let (b, l) = (i / (v.heads * v.length), i % v.length);
+            let position = v.offsets[b] as usize + l;
+            let (cos, sin) = (&table.cos[position * half..][..half], &table.sin[position * half..][..half]);
+            with_round!(dtype, |r| rotated(r, &x[..v.dims], cos, sin, &mut out[..v.dims]));
+        }
+    }
+}
+
 /// One head of one position rotated: x₁·cos − x₂·sin and x₁·sin + x₂·cos over the two halves
 /// of `x`, each product and sum rounded by `r`.
 #[inline(always)]
@@ -129,9 +149,11 @@ fn rotated(r: impl Round, x: &[f32], cos: &[f32], sin: &[f32], out: &mut [f32]) 
     let half = cos.len();
     let (x1, x2) = x.split_at(half);
     let (out1, out2) = out.split_at_mut(half);
-    for j in 0..half {
-        out1[j] = r.round(r.round(x1[j] * cos[j]) - r.round(x2[j] * sin[j]));
-        out2[j] = r.round(r.round(x1[j] * sin[j]) + r.round(x2[j] * cos[j]));
+    // Zipped, with no index to check, the loop compiles to vector code.
+    let rows = out1.iter_mut().zip(out2.iter_mut()).zip(x1.iter().zip(x2)).zip(cos.iter().zip(sin));
+    for (((y1, y2), (&x1, &x2)), (&cos, &sin)) in rows {
+        *y1 = r.round(r.round(x1 * cos) - r.round(x2 * sin));
+        *y2 = r.round(r.round(x1 * sin) + r.round(x2 * cos));
     }
 }
 

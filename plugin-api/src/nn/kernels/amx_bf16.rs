@@ -102,7 +102,7 @@ pub fn available() -> bool {
     *WANTED.get_or_init(|| std::env::var("HOST_AMX").map_or(true, |v| v != "off")) && supported()
 }
 
-/// Whether the CPU has AMX-TILE, AMX-BF16 and AVX-512F, and Linux granted this process the
+/// Whether the CPU has AMX-TILE, AMX-BF16 and AVX-512 F and BW, and Linux granted this process the
 /// tiles.
 pub fn supported() -> bool {
     static GRANTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -112,7 +112,10 @@ pub fn supported() -> bool {
 #[cfg(target_arch = "x86_64")]
 fn cpu_has_tiles() -> bool {
     let leaf7 = std::arch::x86_64::__cpuid_count(7, 0);
-    leaf7.edx & (1 << 22) != 0 && leaf7.edx & (1 << 24) != 0 && std::is_x86_feature_detected!("avx512f")
+    leaf7.edx & (1 << 22) != 0
+        && leaf7.edx & (1 << 24) != 0
+        && std::is_x86_feature_detected!("avx512f")
+        && std::is_x86_feature_detected!("avx512bw")
 }
 
 #[cfg(not(target_arch = "x86_64"))]
@@ -151,22 +154,41 @@ pub unsafe fn product(
     outputs: std::ops::Range<usize>,
     y: &mut [f32],
 ) {
-    use std::arch::asm;
     if rows == 1 || !bf16_rows {
         return fma_rows(x, rows, tiles, outputs, y);
     }
-    let (n, k) = (tiles.n, tiles.k);
-    let depth_blocks = k.div_ceil(DEPTH);
-    let stride = depth_blocks * DEPTH;
+    let k = tiles.k;
+    let stride = k.div_ceil(DEPTH) * DEPTH;
+    // x's rows as bfloat16 bits (exact: they hold bfloat16 values), zero-padded.
+    let mut xb = vec![0u16; rows * stride];
+    for (to, row) in xb.chunks_exact_mut(stride).zip(x.chunks_exact(k)) {
+        for (to, v) in to.iter_mut().zip(row) {
+            *to = (v.to_bits() >> 16) as u16;
+        }
+    }
+    rows_on_unit(&xb, stride, rows, tiles, outputs, F32Rows { y, n: tiles.n });
+}
+
+/// Rows of x as bfloat16 bits on the unit, 16 at a time: `xb` holds `rows` rows `stride` values
+/// apart, each zero-padded to whole input blocks. Outputs `outputs` go to `sink`.
+///
+/// # Safety
+/// [`supported`] must have returned true; `tiles` is a weight [n, k].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(super) unsafe fn rows_on_unit(
+    xb: &[u16],
+    stride: usize,
+    rows: usize,
+    tiles: &Tiles,
+    outputs: std::ops::Range<usize>,
+    mut sink: impl RowSink,
+) {
+    use std::arch::asm;
+    let depth_blocks = tiles.k.div_ceil(DEPTH);
+    assert!(stride >= depth_blocks * DEPTH && xb.len() >= rows * stride, "rows of {stride} for k {}", tiles.k);
     for m0 in (0..rows).step_by(X_ROWS) {
         let block = X_ROWS.min(rows - m0);
-        // x's rows as bfloat16 bits (exact: they hold bfloat16 values), zero-padded.
-        let mut xb = vec![0u16; block * stride];
-        for (m, row) in x[m0 * k..(m0 + block) * k].chunks_exact(k).enumerate() {
-            for (to, v) in xb[m * stride..].iter_mut().zip(row) {
-                *to = (v.to_bits() >> 16) as u16;
-            }
-        }
         let config = Config::for_rows(block);
         asm!("ldtilecfg [{}]", in(reg) &config as *const Config, options(nostack, readonly));
         for group in outputs.start / GROUP..outputs.end.div_ceil(GROUP) {
@@ -174,7 +196,7 @@ pub unsafe fn product(
                 zero(c);
             }
             for kb in 0..depth_blocks {
-                let a = xb.as_ptr().add(kb * DEPTH);
+                let a = xb.as_ptr().add(m0 * stride + kb * DEPTH);
                 load_rows(kb % 2, a, 2 * stride);
                 let b = tiles.data.as_ptr().add(Tiles::at(group * BLOCKS_AT_ONCE, kb, depth_blocks));
                 for c in 0..BLOCKS_AT_ONCE {
@@ -187,12 +209,108 @@ pub unsafe fn product(
                 let first = (group * BLOCKS_AT_ONCE + c) * BLOCK;
                 for m in 0..block {
                     let lanes = std::arch::x86_64::_mm512_loadu_ps(sums.as_ptr().add(m * BLOCK));
-                    put_block(&mut y[(m0 + m) * n..(m0 + m + 1) * n], lanes, first, &outputs);
+                    sink.put(m0 + m, lanes, first, &outputs);
                 }
             }
         }
         asm!("tilerelease", options(nostack, nomem));
     }
+}
+
+/// Where a product writes its sums: a block of 16 outputs of one row at a time, of which only
+/// the columns in `outputs`.
+#[cfg(target_arch = "x86_64")]
+pub(super) trait RowSink {
+    /// # Safety
+    /// The CPU has AVX-512 F and BW.
+    unsafe fn put(
+        &mut self,
+        row: usize,
+        lanes: std::arch::x86_64::__m512,
+        first: usize,
+        outputs: &std::ops::Range<usize>,
+    );
+}
+
+/// Float32 rows y [rows, n].
+#[cfg(target_arch = "x86_64")]
+pub(super) struct F32Rows<'a> {
+    pub y: &'a mut [f32],
+    pub n: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl RowSink for F32Rows<'_> {
+    #[inline(always)]
+    unsafe fn put(
+        &mut self,
+        row: usize,
+        lanes: std::arch::x86_64::__m512,
+        first: usize,
+        outputs: &std::ops::Range<usize>,
+    ) {
+        put_block(&mut self.y[row * self.n..(row + 1) * self.n], lanes, first, outputs);
+    }
+}
+
+/// bfloat16 rows [rows, n] (their bits), the sums rounded as [`super::bf16_bits`] rounds them:
+/// so a window's products are rounded by the thread that summed them, and a split product's
+/// halves need no joining. Both threads of a split write into the same rows, each its own
+/// columns, so this holds a pointer rather than a slice.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+pub(super) struct Bf16Rows {
+    bits: *mut u16,
+    rows: usize,
+    n: usize,
+}
+
+// SAFETY: the threads sharing one write disjoint columns (their `outputs`), and its owner reads
+// the rows only after both are done.
+#[cfg(target_arch = "x86_64")]
+unsafe impl Send for Bf16Rows {}
+#[cfg(target_arch = "x86_64")]
+unsafe impl Sync for Bf16Rows {}
+
+#[cfg(target_arch = "x86_64")]
+impl Bf16Rows {
+    pub(super) fn new(bits: &mut [u16], n: usize) -> Bf16Rows {
+        Bf16Rows { bits: bits.as_mut_ptr(), rows: bits.len() / n.max(1), n }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl RowSink for Bf16Rows {
+    #[inline(always)]
+    unsafe fn put(
+        &mut self,
+        row: usize,
+        lanes: std::arch::x86_64::__m512,
+        first: usize,
+        outputs: &std::ops::Range<usize>,
+    ) {
+        use std::arch::x86_64::*;
+        if let Some(mask) = columns_mask(first, outputs) {
+            assert!(
+                row < self.rows && outputs.end <= self.n,
+                "row {row}, outputs to {} of {} × {}",
+                outputs.end,
+                self.rows,
+                self.n
+            );
+            let bits = _mm512_castsi256_si512(super::bf16_bits_avx512(lanes));
+            // SAFETY: the unmasked lanes are columns of `outputs` in row `row`, inside the rows.
+            _mm512_mask_storeu_epi16(self.bits.add(row * self.n + first).cast(), mask as u32, bits);
+        }
+    }
+}
+
+/// Which of the 16 lanes of the block from `first` are columns of `outputs`; `None` if none.
+#[inline(always)]
+fn columns_mask(first: usize, outputs: &std::ops::Range<usize>) -> Option<u16> {
+    let (start, end) = (first.max(outputs.start), (first + BLOCK).min(outputs.end));
+    let below = |i: usize| ((1u32 << (i - first)) - 1) as u16;
+    (start < end).then(|| below(end) & !below(start))
 }
 
 /// Writes the sums of the block of 16 outputs from `first` into one row of y, those in
@@ -207,12 +325,15 @@ pub(super) unsafe fn put_block(
     outputs: &std::ops::Range<usize>,
 ) {
     use std::arch::x86_64::*;
-    let (start, end) = (first.max(outputs.start), (first + BLOCK).min(outputs.end));
-    if start < end {
-        assert!(end <= y_row.len(), "outputs {start}..{end} past a row of {}", y_row.len());
-        let below = |i: usize| ((1u32 << (i - first)) - 1) as u16;
-        // SAFETY: the unmasked lanes are columns start..end of the row, inside it.
-        _mm512_mask_storeu_ps(y_row.as_mut_ptr().add(first), below(end) & !below(start), lanes);
+    if let Some(mask) = columns_mask(first, outputs) {
+        assert!(
+            outputs.end.min(first + BLOCK) <= y_row.len(),
+            "outputs to {} past a row of {}",
+            outputs.end,
+            y_row.len()
+        );
+        // SAFETY: the unmasked lanes are columns of `outputs`, inside the row.
+        _mm512_mask_storeu_ps(y_row.as_mut_ptr().add(first), mask, lanes);
     }
 }
 

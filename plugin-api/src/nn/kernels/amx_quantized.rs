@@ -27,7 +27,7 @@
 //! bit. Rows of float32 values take the FMAs too, one at a time: their products are not exact,
 //! but no row's result depends on another's.
 
-use super::amx_bf16::{put_block, BLOCK, BLOCKS_AT_ONCE, DEPTH, GROUP, X_ROWS};
+use super::amx_bf16::{put_block, F32Rows, RowSink, BLOCK, BLOCKS_AT_ONCE, DEPTH, GROUP, X_ROWS};
 
 /// An MLX-quantized weight [n, k] reordered for the tile unit, with its scales and biases.
 pub struct QuantTiles {
@@ -225,12 +225,34 @@ pub unsafe fn product(
         }
         return;
     }
+    // x's rows as bfloat16 bits (exact: they hold bfloat16 values).
+    let xb: Vec<u16> = x.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+    rows_on_unit(&xb, rows, &sums, t, outputs, F32Rows { y, n });
+}
+
+/// Rows of x as bfloat16 bits (`xb`, [rows, k]) on the unit, 16 at a time, with their
+/// [`group_sums`]; outputs `outputs` go to `sink`.
+///
+/// # Safety
+/// [`available`] must have returned true.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+pub(super) unsafe fn rows_on_unit(
+    xb: &[u16],
+    rows: usize,
+    sums: &[f32],
+    t: &QuantTiles,
+    outputs: std::ops::Range<usize>,
+    mut sink: impl RowSink,
+) {
+    let (k, groups) = (t.k, t.k / t.group);
+    assert!(xb.len() == rows * k && sums.len() == rows * groups, "{rows} rows for a weight of k {k}");
+    let _flushing = super::amx_bf16::Flushing::set();
     for m0 in (0..rows).step_by(X_ROWS) {
         let block = X_ROWS.min(rows - m0);
-        let (x, sums, y) = (&x[m0 * k..(m0 + block) * k], &sums[m0 * groups..], &mut y[m0 * n..(m0 + block) * n]);
         match t.bits {
-            4 => tiled::<4>(x, block, sums, t, outputs.clone(), y),
-            _ => tiled::<8>(x, block, sums, t, outputs.clone(), y),
+            4 => tiled::<4>(xb, m0, block, sums, t, outputs.clone(), &mut sink),
+            _ => tiled::<8>(xb, m0, block, sums, t, outputs.clone(), &mut sink),
         }
     }
 }
@@ -243,15 +265,32 @@ pub unsafe fn product(
 #[target_feature(enable = "avx512f")]
 unsafe fn group_sums(x: &[f32], group: usize) -> Vec<f32> {
     use std::arch::x86_64::*;
-    x.chunks_exact(group)
-        .map(|run| {
-            let mut lanes = _mm512_setzero_ps();
-            for sixteen in run.chunks_exact(16) {
-                lanes = _mm512_add_ps(lanes, _mm512_loadu_ps(sixteen.as_ptr()));
-            }
-            _mm512_reduce_add_ps(lanes)
-        })
-        .collect()
+    let mut sums = Vec::with_capacity(x.len() / group);
+    for run in x.chunks_exact(group) {
+        let mut lanes = _mm512_setzero_ps();
+        for sixteen in run.chunks_exact(16) {
+            lanes = _mm512_add_ps(lanes, _mm512_loadu_ps(sixteen.as_ptr()));
+        }
+        sums.push(_mm512_reduce_add_ps(lanes));
+    }
+    sums
+}
+
+/// [`group_sums`] of rows given as bfloat16 bits: the same sums of the same values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn group_sums_of_bits(xb: &[u16], group: usize) -> Vec<f32> {
+    use std::arch::x86_64::*;
+    let mut sums = Vec::with_capacity(xb.len() / group);
+    for run in xb.chunks_exact(group) {
+        let mut lanes = _mm512_setzero_ps();
+        for sixteen in run.chunks_exact(16) {
+            let bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(sixteen.as_ptr().cast()));
+            lanes = _mm512_add_ps(lanes, _mm512_castsi512_ps(_mm512_slli_epi32::<16>(bits)));
+        }
+        sums.push(_mm512_reduce_add_ps(lanes));
+    }
+    sums
 }
 
 /// Tile rows 4·quad to 4·quad + 3 of the tile at `tile` as the bfloat16 bits the unit reads:
@@ -414,22 +453,24 @@ unsafe fn apply_group(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 unsafe fn tiled<const BITS: usize>(
-    x: &[f32],
+    xb: &[u16],
+    m0: usize,
     rows: usize,
     sums: &[f32],
     t: &QuantTiles,
     outputs: std::ops::Range<usize>,
-    y: &mut [f32],
+    sink: &mut impl RowSink,
 ) {
     use super::amx_bf16::{load_rows, multiply_add, store, zero, Config};
     use std::arch::asm;
     use std::arch::x86_64::*;
     #[repr(C, align(64))]
     struct Wide([u16; 2 * BLOCKS_AT_ONCE * BLOCK * DEPTH]);
-    let (n, k, per_group, groups) = (t.n, t.k, t.group / DEPTH, t.k / t.group);
+    let (k, per_group, groups) = (t.k, t.group / DEPTH, t.k / t.group);
     let depth_blocks = k / DEPTH;
-    // x's rows as bfloat16 bits (exact: they hold bfloat16 values); k is whole input blocks.
-    let xb: Vec<u16> = x.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+    // Rows m0 to m0 + rows; k is whole input blocks.
+    let xb = &xb[m0 * k..(m0 + rows) * k];
+    let sums = &sums[m0 * groups..(m0 + rows) * groups];
     // Two buffers of an input block's four tiles: the next block is widened while the unit
     // reads this one, so that its loads do not wait for the stores just made. Every tile is
     // widened before the unit loads it, so the buffers need no zeroing.
@@ -477,7 +518,7 @@ unsafe fn tiled<const BITS: usize>(
         }
         for (m, acc) in acc.iter().take(rows).enumerate() {
             for (c, block) in acc.iter().enumerate() {
-                put_block(&mut y[m * n..(m + 1) * n], *block, og * GROUP + c * BLOCK, &outputs);
+                sink.put(m0 + m, *block, og * GROUP + c * BLOCK, &outputs);
             }
         }
     }
