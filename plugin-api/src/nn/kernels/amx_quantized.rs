@@ -476,34 +476,43 @@ unsafe fn tiled<const BITS: usize>(
     // widened before the unit loads it, so the buffers need no zeroing.
     let mut wide = std::mem::MaybeUninit::<Wide>::uninit();
     let wide = wide.as_mut_ptr().cast::<u16>();
-    let buffer = |kb: usize, c: usize| ((kb % 2) * BLOCKS_AT_ONCE + c) * BLOCK * DEPTH;
+    let buffer = |step: usize, c: usize| ((step % 2) * BLOCKS_AT_ONCE + c) * BLOCK * DEPTH;
     // A C tile's rows, stored before they are read.
     let mut c_tile = std::mem::MaybeUninit::<[f32; X_ROWS * BLOCK]>::uninit();
     let c_tile = c_tile.as_mut_ptr().cast::<f32>();
     let mut acc = [[_mm512_setzero_ps(); BLOCKS_AT_ONCE]; X_ROWS];
+    // The groups' input blocks lie one after another, in the order they are read: each step
+    // widens the next block, the next group's first after a group's last.
+    let groups_of_outputs = outputs.start / GROUP..outputs.end.div_ceil(GROUP);
+    if groups_of_outputs.is_empty() {
+        return;
+    }
     let config = Config::for_rows(rows);
     asm!("ldtilecfg [{}]", in(reg) &config as *const Config, options(nostack, readonly));
-    for og in outputs.start / GROUP..outputs.end.div_ceil(GROUP) {
+    let first = t.packed.as_ptr().add(t.tile_at(groups_of_outputs.start * BLOCKS_AT_ONCE, 0));
+    let block = |step: usize| first.add(step * BLOCKS_AT_ONCE * t.tile_bytes());
+    let steps = groups_of_outputs.len() * depth_blocks;
+    widen_block::<BITS>(block(0), wide.add(buffer(0, 0)));
+    for (i, og) in groups_of_outputs.enumerate() {
         for acc in acc.iter_mut().take(rows) {
             *acc = [_mm512_setzero_ps(); BLOCKS_AT_ONCE];
         }
-        let block = |kb: usize| t.packed.as_ptr().add(t.tile_at(og * BLOCKS_AT_ONCE, kb));
-        widen_block::<BITS>(block(0), wide.add(buffer(0, 0)));
         for g in 0..groups {
             for c in 0..BLOCKS_AT_ONCE {
                 zero(c);
             }
             for kb in g * per_group..(g + 1) * per_group {
-                load_rows(kb % 2, xb.as_ptr().add(kb * DEPTH), 2 * k);
-                let next = kb + 1 < depth_blocks;
+                let step = i * depth_blocks + kb;
+                load_rows(step % 2, xb.as_ptr().add(kb * DEPTH), 2 * k);
+                let next = step + 1 < steps;
                 if next {
-                    prefetch_ahead::<BITS>(block(kb + 1));
+                    prefetch_ahead::<BITS>(block(step + 1));
                 }
                 for c in 0..BLOCKS_AT_ONCE {
-                    multiply_add(c, kb % 2, c % 2, wide.add(buffer(kb, c)));
+                    multiply_add(c, step % 2, c % 2, wide.add(buffer(step, c)));
                     if next {
-                        let from = block(kb + 1).add(c * t.tile_bytes());
-                        widen_tile::<BITS>(from, wide.add(buffer(kb + 1, c)));
+                        let from = block(step + 1).add(c * t.tile_bytes());
+                        widen_tile::<BITS>(from, wide.add(buffer(step + 1, c)));
                     }
                 }
             }
