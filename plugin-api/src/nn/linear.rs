@@ -133,17 +133,6 @@ impl Linear {
         times_transposed(x, &self.weight, self.scales.as_ref(), self.biases.as_ref(), self.quantization)
     }
 
-    /// `first.forward(x)` and `second.forward(x)`; a window of bfloat16 rows on the tile unit
-    /// takes one on each thread ([`kernels::tiled_pair`]).
-    pub fn forward_pair(first: &Linear, second: &Linear, x: &Array) -> Result<(Array, Array), Exception> {
-        if let (Some(a), Some(b)) = (first.weight.tiled(), second.weight.tiled()) {
-            if let Some(pair) = kernels::tiled_pair(x, a, b)? {
-                return Ok(pair);
-            }
-        }
-        Ok((first.forward(x)?, second.forward(x)?))
-    }
-
     pub fn nbytes(&self) -> usize {
         self.weight.nbytes(self.scales.as_ref(), self.biases.as_ref())
     }

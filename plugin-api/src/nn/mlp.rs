@@ -27,14 +27,12 @@ impl Mlp {
 
     /// `down(gelu_tanh(gate(x)) · up(x))`, Gemma's.
     pub fn geglu(&self, x: &Array) -> Result<Array, Exception> {
-        let (gate, up) = Linear::forward_pair(&self.gate_proj, &self.up_proj, x)?;
-        self.down_proj.forward(&geglu(&gate, &up)?)
+        self.down_proj.forward(&geglu(&self.gate_proj.forward(x)?, &self.up_proj.forward(x)?)?)
     }
 
     /// `down(silu(gate(x)) · up(x))`, Qwen's.
     pub fn swiglu(&self, x: &Array) -> Result<Array, Exception> {
-        let (gate, up) = Linear::forward_pair(&self.gate_proj, &self.up_proj, x)?;
-        self.down_proj.forward(&swiglu(&gate, &up)?)
+        self.down_proj.forward(&swiglu(&self.gate_proj.forward(x)?, &self.up_proj.forward(x)?)?)
     }
 
     pub fn nbytes(&self) -> usize {

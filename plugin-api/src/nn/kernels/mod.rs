@@ -169,94 +169,40 @@ pub fn tiled_product(x: &Array, tiles: Tiled) -> Result<Option<Array>, Exception
 fn bf16_rows_on_unit(x: &Array, tiles: Tiled, rows: usize, split: Option<usize>) -> Result<Array, Exception> {
     let x = row_major(x)?;
     let xb = bits16(&x).ok_or_else(|| Exception::custom("bfloat16 data"))?;
-    let window = Window::of(xb, tiles, rows);
-    let n = tiles.shape().0;
+    let (n, k) = tiles.shape();
     let mut bits = vec![0u16; rows * n];
     let out = amx_bf16::Bf16Rows::new(&mut bits, n);
-    match split {
-        Some(at) => super::helper::join(|| window.run(0..at, out), || window.run(at..n, out)),
-        None => window.run(0..n, out),
-    }
-    Ok(from_bits16(&bits, &with_last(x.shape(), n), Dtype::Bfloat16))
-}
-
-/// `x · aᵀ` and `x · bᵀ` (an MLP's gate and up projections) for two bfloat16 rows or more, on
-/// the unit, one product on each thread: x crosses to the helper's core once, and neither
-/// product's outputs are split between the cores. `None` where [`tiled_product`] would not take
-/// both to the unit in this way.
-pub fn tiled_pair(x: &Array, a: Tiled, b: Tiled) -> Result<Option<(Array, Array)>, Exception> {
-    let rows = super::wide::rows(x) as usize;
-    let k = x.shape().last().map(|&k| k as usize);
-    let takes = |t: Tiled| t.shape().1 == k.unwrap_or(0) && t.available();
-    if x.dtype() != Dtype::Bfloat16 || rows < 2 || !super::wide::on_cpu() || !takes(a) || !takes(b) {
-        return Ok(None);
-    }
-    #[cfg(target_arch = "x86_64")]
-    {
-        let x = row_major(x)?;
-        let xb = bits16(&x).ok_or_else(|| Exception::custom("bfloat16 data"))?;
-        let (na, nb) = (a.shape().0, b.shape().0);
-        let (window_a, window_b) = (Window::of(xb, a, rows), Window::of(xb, b, rows));
-        let (mut bits_a, mut bits_b) = (vec![0u16; rows * na], vec![0u16; rows * nb]);
-        let (out_a, out_b) = (amx_bf16::Bf16Rows::new(&mut bits_a, na), amx_bf16::Bf16Rows::new(&mut bits_b, nb));
-        super::helper::join(|| window_a.run(0..na, out_a), || window_b.run(0..nb, out_b));
-        let array = |bits: &[u16], n| from_bits16(bits, &with_last(x.shape(), n), Dtype::Bfloat16);
-        Ok(Some((array(&bits_a, na), array(&bits_b, nb))))
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    unreachable!("the tile unit is x86-64's")
-}
-
-/// `shape` with its last axis `n` long.
-fn with_last(shape: &[i32], n: usize) -> Vec<i32> {
-    let mut shape = shape.to_vec();
-    *shape.last_mut().expect("x has a last axis") = n as i32;
-    shape
-}
-
-/// Bfloat16 rows of x ready for the unit with one weight: zero-padded to whole input blocks
-/// where k is not, with a quantized weight's sums of each group.
-#[cfg(target_arch = "x86_64")]
-struct Window<'a> {
-    tiles: Tiled<'a>,
-    xb: std::borrow::Cow<'a, [u16]>,
-    stride: usize,
-    rows: usize,
-    sums: Vec<f32>,
-}
-
-#[cfg(target_arch = "x86_64")]
-impl<'a> Window<'a> {
-    fn of(xb: &'a [u16], tiles: Tiled<'a>, rows: usize) -> Window<'a> {
-        let k = tiles.shape().1;
-        let stride = k.next_multiple_of(amx_bf16::DEPTH);
-        let xb = if stride == k {
-            std::borrow::Cow::Borrowed(xb)
-        } else {
-            let padding = std::iter::repeat_n(0, stride - k);
-            std::borrow::Cow::Owned(
-                xb.chunks_exact(k).flat_map(|row| row.iter().copied().chain(padding.clone())).collect(),
-            )
-        };
-        let sums = match tiles {
-            // SAFETY: the unit is there (`Tiled::available`), and with it AVX-512 F.
-            Tiled::Quantized(t) => unsafe { amx_quantized::group_sums_of_bits(&xb, t.group) },
-            Tiled::Bf16(_) => Vec::new(),
-        };
-        Window { tiles, xb, stride, rows, sums }
-    }
-
-    /// Outputs `range` of every row into `out`.
-    fn run(&self, range: std::ops::Range<usize>, out: amx_bf16::Bf16Rows) {
-        // SAFETY: the unit is there and granted (`Tiled::available`); the tiles hold an [n, k]
-        // weight; `out` holds [rows, n], of which this writes only the columns `range`.
-        unsafe {
-            match self.tiles {
-                Tiled::Bf16(t) => amx_bf16::rows_on_unit(&self.xb, self.stride, self.rows, t, range, out),
-                Tiled::Quantized(t) => amx_quantized::rows_on_unit(&self.xb, self.rows, &self.sums, t, range, out),
-            }
+    // Quantized rows' sums per group, once for both threads.
+    let sums = match tiles {
+        // SAFETY: the unit is there (`Tiled::available`), and with it AVX-512 F.
+        Tiled::Quantized(t) => unsafe { amx_quantized::group_sums_of_bits(xb, t.group) },
+        Tiled::Bf16(_) => Vec::new(),
+    };
+    // Rows of whole input blocks are read in place; others are copied, zero-padded.
+    let stride = k.next_multiple_of(amx_bf16::DEPTH);
+    let padded: Vec<u16>;
+    let xb = if stride == k {
+        xb
+    } else {
+        padded =
+            xb.chunks_exact(k).flat_map(|row| row.iter().copied().chain(std::iter::repeat_n(0, stride - k))).collect();
+        &padded
+    };
+    // SAFETY: the unit is there and granted (`Tiled::available`); the tiles hold an [n, k]
+    // weight; each thread writes only its own outputs of `bits`, which outlives both.
+    let run = |range: std::ops::Range<usize>| unsafe {
+        match tiles {
+            Tiled::Bf16(t) => amx_bf16::rows_on_unit(xb, stride, rows, t, range, out),
+            Tiled::Quantized(t) => amx_quantized::rows_on_unit(xb, rows, &sums, t, range, out),
         }
+    };
+    match split {
+        Some(at) => super::helper::join(|| run(0..at), || run(at..n)),
+        None => run(0..n),
     }
+    let mut shape = x.shape().to_vec();
+    *shape.last_mut().expect("x has a last axis") = n as i32;
+    Ok(from_bits16(&bits, &shape, Dtype::Bfloat16))
 }
 
 /// Rows `ids` (any shape, int32 or uint32) of a quantized table [vocab, k], dequantized as
@@ -1240,8 +1186,7 @@ mod tests {
 
     /// Bfloat16 windows on the unit, rounded by the threads that summed them: each row the
     /// bits it has alone (a step's route: the FMAs, then rounding), split between the threads
-    /// or not, or paired with another product, for bfloat16 tiles of every padding and
-    /// quantized tiles of every format.
+    /// or not, for bfloat16 tiles of every padding and quantized tiles of every format.
     #[test]
     #[cfg(target_arch = "x86_64")]
     fn bfloat16_windows_on_the_unit_equal_each_row_alone() {
@@ -1252,10 +1197,6 @@ mod tests {
             for rows in [2, 5, 17] {
                 let x = normal(&[1, rows, k as i32], 70 + rows as u64).as_dtype(Dtype::Bfloat16).unwrap();
                 let window = tiled_product(&x, tiles).unwrap().expect("the tiles apply");
-                // Paired with itself, one product on each thread: the same bits twice.
-                let (first, second) = tiled_pair(&x, tiles, tiles).unwrap().expect("the tiles apply");
-                assert_eq!(bits16(&first), bits16(&window), "{case}, {rows} rows paired");
-                assert_eq!(bits16(&second), bits16(&window), "{case}, {rows} rows paired, on the helper");
                 for m in 0..rows {
                     let row = x.index((.., m..m + 1, ..));
                     let alone = tiled_product(&row, tiles).unwrap().expect("the tiles apply");
