@@ -276,11 +276,13 @@ unsafe fn group_sums(x: &[f32], group: usize) -> Vec<f32> {
     sums
 }
 
-/// [`group_sums`] of rows given as bfloat16 bits: the same sums of the same values.
+/// [`group_sums`] of rows given as bfloat16 bits: the same sums of the same values, denormals
+/// read and written as zero as they are inside [`product`].
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 pub(super) unsafe fn group_sums_of_bits(xb: &[u16], group: usize) -> Vec<f32> {
     use std::arch::x86_64::*;
+    let _flushing = super::amx_bf16::Flushing::set();
     let mut sums = Vec::with_capacity(xb.len() / group);
     for run in xb.chunks_exact(group) {
         let mut lanes = _mm512_setzero_ps();

@@ -1150,6 +1150,24 @@ mod tests {
                 unsafe { amx_quantized::product(&x[m * k..(m + 1) * k], 1, true, &t, 0..n, &mut alone) };
                 assert_eq!(bits_of(&alone), bits_of(&window[m * n..(m + 1) * n]), "{bits} bits, row {m}");
             }
+            // The same rows as a bfloat16 array, the window's route reading their bits; the
+            // first row all denormals, read as zero by the unit and so by its groups' sums (of
+            // normal size unflushed).
+            let mut xb: Vec<u16> = x.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+            for (i, b) in xb[..k].iter_mut().enumerate() {
+                *b = (i % 127 + 1) as u16;
+            }
+            let x_array = from_bits16(&xb, &[1, rows as i32, k as i32], Dtype::Bfloat16);
+            let window = tiled_product(&x_array, Tiled::Quantized(&t)).unwrap().expect("the tiles apply");
+            for m in 0..rows {
+                let row = from_bits16(&xb[m * k..(m + 1) * k], &[1, 1, k as i32], Dtype::Bfloat16);
+                let alone = tiled_product(&row, Tiled::Quantized(&t)).unwrap().expect("the tiles apply");
+                assert_eq!(
+                    bits16(&alone).unwrap(),
+                    &bits16(&window).unwrap()[m * n..(m + 1) * n],
+                    "{bits} bits, row {m} of the array"
+                );
+            }
         }
     }
 
