@@ -29,19 +29,27 @@ fn cpu_rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Option<Ar
     if !matches!(dtype, Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16) || n == 0 || !weight_fits {
         return Ok(None);
     }
-    let weight = weight.map(|w| row_major(w).and_then(|w| with_floats(&w, <[f32]>::to_vec))).transpose()?;
     let x = row_major(x)?;
     let inverse_n = (1.0 / n as f64) as f32;
+    let scale_of = |sum: f32| 1.0 / (sum * inverse_n + eps).sqrt();
+    if dtype == Dtype::Bfloat16 {
+        // Read and written as bit patterns, with no float32 copy of x or of the weight.
+        let weight = weight.map(row_major).transpose()?;
+        let weight =
+            weight.as_ref().map(|w| bits16(w).ok_or_else(|| Exception::custom("bfloat16 weight"))).transpose()?;
+        let bits = bits16(&x).ok_or_else(|| Exception::custom("bfloat16 data"))?;
+        let scales = bits.chunks(SUMMED_TOGETHER * n).flat_map(|rows| squares_summed_in_order(rows, n));
+        let scales: Vec<f32> = scales.map(scale_of).collect();
+        let mut y = vec![0u16; bits.len()];
+        for ((row, out), &scale) in bits.chunks(n).zip(y.chunks_mut(n)).zip(&scales) {
+            normalized_bf16(row, scale, weight, out);
+        }
+        return Ok(Some(super::kernels::from_bits16(&y, x.shape(), dtype)));
+    }
+    let weight = weight.map(|w| row_major(w).and_then(|w| with_floats(&w, <[f32]>::to_vec))).transpose()?;
     let y = with_floats(&x, |xs| {
         let scales = xs.chunks(SUMMED_TOGETHER * n).flat_map(|rows| squares_summed_in_order(rows, n));
-        let scales: Vec<f32> = scales.map(|sum| 1.0 / (sum * inverse_n + eps).sqrt()).collect();
-        if dtype == Dtype::Bfloat16 {
-            let mut y = vec![0u16; xs.len()];
-            for ((row, out), &scale) in xs.chunks(n).zip(y.chunks_mut(n)).zip(&scales) {
-                normalized_bf16(row, scale, weight.as_deref(), out);
-            }
-            return super::kernels::from_bits16(&y, x.shape(), dtype);
-        }
+        let scales: Vec<f32> = scales.map(scale_of).collect();
         let mut y = vec![0f32; xs.len()];
         for ((row, out), &scale) in xs.chunks(n).zip(y.chunks_mut(n)).zip(&scales) {
             with_round!(dtype, |r| normalized(r, row, scale, weight.as_deref(), out));
@@ -52,21 +60,40 @@ fn cpu_rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Option<Ar
 }
 
 super::kernels::avx2_where_available! {
-    /// [`normalized`] for bfloat16, written as bit patterns.
-    fn normalized_bf16(row: &[f32], scale: f32, weight: Option<&[f32]>, out: &mut [u16]) {
+    /// [`normalized`] for bfloat16, read and written as bit patterns.
+    fn normalized_bf16(row: &[u16], scale: f32, weight: Option<&[u16]>, out: &mut [u16]) {
         use super::kernels::{bf16_bits, ToBf16};
         match weight {
             Some(w) => {
                 for ((y, &v), &w) in out.iter_mut().zip(row).zip(w) {
-                    *y = bf16_bits(ToBf16.round(v * scale) * w);
+                    *y = bf16_bits(ToBf16.round(v.as_f32() * scale) * w.as_f32());
                 }
             }
             None => {
                 for (y, &v) in out.iter_mut().zip(row) {
-                    *y = bf16_bits(v * scale);
+                    *y = bf16_bits(v.as_f32() * scale);
                 }
             }
         }
+    }
+}
+
+/// A value read as float32: a float32 itself, or bfloat16 bits.
+trait AsF32: Copy {
+    fn as_f32(self) -> f32;
+}
+
+impl AsF32 for f32 {
+    #[inline(always)]
+    fn as_f32(self) -> f32 {
+        self
+    }
+}
+
+impl AsF32 for u16 {
+    #[inline(always)]
+    fn as_f32(self) -> f32 {
+        f32::from_bits((self as u32) << 16)
     }
 }
 
@@ -77,32 +104,33 @@ const SUMMED_TOGETHER: usize = 8;
 /// element order as MLX sums it. One row's sum is a chain of dependent additions, bound by
 /// their latency; several rows' chains advance together, and a batch's norms take little more
 /// time than one row's.
-fn squares_summed_in_order(rows: &[f32], n: usize) -> impl Iterator<Item = f32> {
+fn squares_summed_in_order<T: AsF32>(rows: &[T], n: usize) -> impl Iterator<Item = f32> {
     let mut sums = [0f32; SUMMED_TOGETHER];
     // The row count is a constant in each arm, so that the sums stay in registers.
     match rows.len() / n {
-        1 => squares_of::<1>(rows, n, &mut sums),
-        2 => squares_of::<2>(rows, n, &mut sums),
-        3 => squares_of::<3>(rows, n, &mut sums),
-        4 => squares_of::<4>(rows, n, &mut sums),
-        5 => squares_of::<5>(rows, n, &mut sums),
-        6 => squares_of::<6>(rows, n, &mut sums),
-        7 => squares_of::<7>(rows, n, &mut sums),
-        _ => squares_of::<8>(rows, n, &mut sums),
+        1 => squares_of::<1, T>(rows, n, &mut sums),
+        2 => squares_of::<2, T>(rows, n, &mut sums),
+        3 => squares_of::<3, T>(rows, n, &mut sums),
+        4 => squares_of::<4, T>(rows, n, &mut sums),
+        5 => squares_of::<5, T>(rows, n, &mut sums),
+        6 => squares_of::<6, T>(rows, n, &mut sums),
+        7 => squares_of::<7, T>(rows, n, &mut sums),
+        _ => squares_of::<8, T>(rows, n, &mut sums),
     }
     sums.into_iter().take(rows.len() / n)
 }
 
 /// [`squares_summed_in_order`] of `R` rows, into `out`'s first `R`.
 #[inline(always)]
-fn squares_of<const R: usize>(rows: &[f32], n: usize, out: &mut [f32; SUMMED_TOGETHER]) {
-    let rows: [&[f32]; R] = std::array::from_fn(|r| &rows[r * n..][..n]);
+fn squares_of<const R: usize, T: AsF32>(rows: &[T], n: usize, out: &mut [f32; SUMMED_TOGETHER]) {
+    let rows: [&[T]; R] = std::array::from_fn(|r| &rows[r * n..][..n]);
     let mut sums = [0f32; R];
     // Element i of every row, then i + 1: the rows' chains advance together.
     #[allow(clippy::needless_range_loop)]
     for i in 0..n {
         for r in 0..R {
-            sums[r] += rows[r][i] * rows[r][i];
+            let v = rows[r][i].as_f32();
+            sums[r] += v * v;
         }
     }
     out[..R].copy_from_slice(&sums);
