@@ -4,7 +4,7 @@ use mlx_rs::error::Exception;
 use mlx_rs::fast::ScaledDotProductAttentionMask;
 use mlx_rs::{Array, Dtype};
 
-use super::kernels::{bits16, round_to, rounded, row_major, with_floats, with_round, Round};
+use super::kernels::{bits16, round_to, rounded, row_major, with_floats, with_round, Round, Value};
 
 /// RMSNorm with a weight (multiplied as is, not 1 + w) or without one.
 pub fn rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Array, Exception> {
@@ -78,25 +78,6 @@ super::kernels::avx2_where_available! {
     }
 }
 
-/// A value read as float32: a float32 itself, or bfloat16 bits.
-trait AsF32: Copy {
-    fn as_f32(self) -> f32;
-}
-
-impl AsF32 for f32 {
-    #[inline(always)]
-    fn as_f32(self) -> f32 {
-        self
-    }
-}
-
-impl AsF32 for u16 {
-    #[inline(always)]
-    fn as_f32(self) -> f32 {
-        f32::from_bits((self as u32) << 16)
-    }
-}
-
 /// Rows whose sums of squares [`squares_summed_in_order`] takes side by side.
 const SUMMED_TOGETHER: usize = 8;
 
@@ -104,7 +85,7 @@ const SUMMED_TOGETHER: usize = 8;
 /// element order as MLX sums it. One row's sum is a chain of dependent additions, bound by
 /// their latency; several rows' chains advance together, and a batch's norms take little more
 /// time than one row's.
-fn squares_summed_in_order<T: AsF32>(rows: &[T], n: usize) -> impl Iterator<Item = f32> {
+fn squares_summed_in_order<T: Value>(rows: &[T], n: usize) -> impl Iterator<Item = f32> {
     let mut sums = [0f32; SUMMED_TOGETHER];
     // The row count is a constant in each arm, so that the sums stay in registers.
     match rows.len() / n {
@@ -122,7 +103,7 @@ fn squares_summed_in_order<T: AsF32>(rows: &[T], n: usize) -> impl Iterator<Item
 
 /// [`squares_summed_in_order`] of `R` rows, into `out`'s first `R`.
 #[inline(always)]
-fn squares_of<const R: usize, T: AsF32>(rows: &[T], n: usize, out: &mut [f32; SUMMED_TOGETHER]) {
+fn squares_of<const R: usize, T: Value>(rows: &[T], n: usize, out: &mut [f32; SUMMED_TOGETHER]) {
     let rows: [&[T]; R] = std::array::from_fn(|r| &rows[r * n..][..n]);
     let mut sums = [0f32; R];
     // Element i of every row, then i + 1: the rows' chains advance together.

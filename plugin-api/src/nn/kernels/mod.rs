@@ -475,6 +475,35 @@ pub(crate) fn bf16_bits(v: f32) -> u16 {
     (if x & 0x7FFF_FFFF > 0x7F80_0000 { quiet_nan } else { nearest }) as u16
 }
 
+/// A value as the elementwise loops read and write it: a float32, or a bfloat16's bits (read
+/// without a widened copy of the array, written rounded by [`bf16_bits`]).
+pub(crate) trait Value: Copy {
+    fn as_f32(self) -> f32;
+    fn from_f32(v: f32) -> Self;
+}
+
+impl Value for f32 {
+    #[inline(always)]
+    fn as_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn from_f32(v: f32) -> f32 {
+        v
+    }
+}
+
+impl Value for u16 {
+    #[inline(always)]
+    fn as_f32(self) -> f32 {
+        f32::from_bits((self as u32) << 16)
+    }
+    #[inline(always)]
+    fn from_f32(v: f32) -> u16 {
+        bf16_bits(v)
+    }
+}
+
 /// [`bf16_bits`] of 16 floats at once.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
