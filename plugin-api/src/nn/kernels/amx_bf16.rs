@@ -137,36 +137,15 @@ fn request_tiles() -> bool {
     false
 }
 
-/// y[m, o] = Σ_i w[o, i] · x[m, i] for outputs `outputs` and every row m of x [rows, k]; y is
-/// [rows, n] and only its `outputs` columns are written. Where x holds bfloat16 values
-/// (`bf16_rows`), two rows or more go to the unit and one row to `fma_rows`, which sums as
-/// the unit does; rows of other values all go to `fma_rows`.
-///
-/// # Safety
-/// [`supported`] must have returned true; `tiles` is a weight [n, k].
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-pub unsafe fn product(
-    x: &[f32],
-    rows: usize,
-    bf16_rows: bool,
-    tiles: &Tiles,
-    outputs: std::ops::Range<usize>,
-    y: &mut [f32],
-) {
-    if rows == 1 || !bf16_rows {
-        return fma_rows(x, rows, tiles, outputs, y);
+/// Rows of bfloat16 bits [rows, k] as [`rows_on_unit`] reads them: in place where k is whole
+/// input blocks, else copied with each row zero-padded to them; and the rows' stride.
+pub(super) fn padded(xb: &[u16], k: usize) -> (std::borrow::Cow<'_, [u16]>, usize) {
+    let stride = k.next_multiple_of(DEPTH);
+    if stride == k {
+        return (std::borrow::Cow::Borrowed(xb), k);
     }
-    let k = tiles.k;
-    let stride = k.div_ceil(DEPTH) * DEPTH;
-    // x's rows as bfloat16 bits (exact: they hold bfloat16 values), zero-padded.
-    let mut xb = vec![0u16; rows * stride];
-    for (to, row) in xb.chunks_exact_mut(stride).zip(x.chunks_exact(k)) {
-        for (to, v) in to.iter_mut().zip(row) {
-            *to = (v.to_bits() >> 16) as u16;
-        }
-    }
-    rows_on_unit(&xb, stride, rows, tiles, outputs, F32Rows { y, n: tiles.n });
+    let rows = xb.chunks_exact(k).flat_map(|row| row.iter().copied().chain(std::iter::repeat_n(0, stride - k)));
+    (std::borrow::Cow::Owned(rows.collect()), stride)
 }
 
 /// Rows of x as bfloat16 bits on the unit, 16 at a time: `xb` holds `rows` rows `stride` values
@@ -232,14 +211,14 @@ pub(super) trait RowSink {
     );
 }
 
-/// Float32 rows y [rows, n].
-#[cfg(target_arch = "x86_64")]
+/// Float32 rows y [rows, n]: the unit's sums before rounding, which the tests hold to MLX's.
+#[cfg(all(test, target_arch = "x86_64"))]
 pub(super) struct F32Rows<'a> {
     pub y: &'a mut [f32],
     pub n: usize,
 }
 
-#[cfg(target_arch = "x86_64")]
+#[cfg(all(test, target_arch = "x86_64"))]
 impl RowSink for F32Rows<'_> {
     #[inline(always)]
     unsafe fn put(
@@ -431,7 +410,10 @@ pub(super) unsafe fn store(c: usize, to: *mut f32) {
     }
 }
 
-/// Rows of x through AVX-512 FMAs over the tiles, summed as `tdpbf16ps` sums (found bit for
+/// y[m, o] = Σ_i w[o, i] · x[m, i] for outputs `outputs` and every row m of x [rows, k] (y is
+/// [rows, n], only its `outputs` columns written), through AVX-512 FMAs over the tiles: one
+/// bfloat16 row (more go to the unit, `rows_on_unit`), or rows of other values. Summed as
+/// `tdpbf16ps` sums (found bit for
 /// bit on this unit, as the SDM's pseudocode has it): per block of 32 inputs, the even and the
 /// odd inputs' products each summed in order from zero, then their sum added to the output,
 /// every step rounded to nearest with denormals read and written as zero (MXCSR's DAZ and FTZ,
@@ -440,8 +422,11 @@ pub(super) unsafe fn store(c: usize, to: *mut f32) {
 ///
 /// Rows of float32 values go through the same loops: their products are not exact, but each
 /// row's sums still do not depend on the others'.
+///
+/// # Safety
+/// [`supported`] must have returned true; `tiles` is a weight [n, k].
 #[cfg(target_arch = "x86_64")]
-unsafe fn fma_rows(x: &[f32], rows: usize, tiles: &Tiles, outputs: std::ops::Range<usize>, y: &mut [f32]) {
+pub unsafe fn fma_rows(x: &[f32], rows: usize, tiles: &Tiles, outputs: std::ops::Range<usize>, y: &mut [f32]) {
     let _flushing = Flushing::set();
     let (n, k) = (tiles.n, tiles.k);
     let stride = k.div_ceil(DEPTH) * DEPTH;

@@ -7,7 +7,7 @@
 //! but its integer q is (0 to 255 are exact in bfloat16). So each group's sum is split as MLX's
 //! Metal kernels split it: Σ x·w = scale · Σ x·q + bias · Σ x. The unit sums x·q over a group's
 //! inputs, each product exact in float32; the scale and bias are applied per group after it, in
-//! float32, with Σ x summed once per row and call ([`group_sums`]).
+//! float32, with Σ x summed once per row and call (`group_sums`).
 //!
 //! The packed integers are reordered once ([`QuantTiles::pack`]) into tiles of 16 outputs and
 //! 32 inputs, which lie in the order a product reads them, as [`super::amx_bf16::Tiles`] do,
@@ -27,7 +27,7 @@
 //! bit. Rows of float32 values take the FMAs too, one at a time: their products are not exact,
 //! but no row's result depends on another's.
 
-use super::amx_bf16::{put_block, F32Rows, RowSink, BLOCK, BLOCKS_AT_ONCE, DEPTH, GROUP, X_ROWS};
+use super::amx_bf16::{put_block, RowSink, BLOCK, BLOCKS_AT_ONCE, DEPTH, GROUP, X_ROWS};
 
 /// An MLX-quantized weight [n, k] reordered for the tile unit, with its scales and biases.
 pub struct QuantTiles {
@@ -194,40 +194,26 @@ pub fn available() -> bool {
     false
 }
 
-/// y[m, o] = Σ_i w[o, i] · x[m, i] for outputs `outputs` and every row m of x [rows, k]; y is
-/// [rows, n] and only its `outputs` columns are written. Where x holds bfloat16 values
-/// (`bf16_rows`), two rows or more go to the unit and one row to the FMAs, which sum as the
-/// unit does; rows of other values all go to the FMAs.
+/// y[m, o] = Σ_i w[o, i] · x[m, i] for outputs `outputs` and every row m of x [rows, k] (y is
+/// [rows, n], only its `outputs` columns written), through AVX-512 FMAs over the tiles' bytes,
+/// a row at a time: one bfloat16 row (more go to the unit, `rows_on_unit`), which they sum as
+/// the unit does, or rows of other values.
 ///
 /// # Safety
 /// [`available`] must have returned true.
 #[cfg(target_arch = "x86_64")]
-pub unsafe fn product(
-    x: &[f32],
-    rows: usize,
-    bf16_rows: bool,
-    t: &QuantTiles,
-    outputs: std::ops::Range<usize>,
-    y: &mut [f32],
-) {
+pub unsafe fn fma_rows(x: &[f32], rows: usize, t: &QuantTiles, outputs: std::ops::Range<usize>, y: &mut [f32]) {
     let (n, k, groups) = (t.n, t.k, t.k / t.group);
     debug_assert!(x.len() == rows * k && y.len() == rows * n);
     let _flushing = super::amx_bf16::Flushing::set();
     let sums = group_sums(x, t.group);
-    if rows == 1 || !bf16_rows {
-        for m in 0..rows {
-            let (x, sums, y) =
-                (&x[m * k..(m + 1) * k], &sums[m * groups..(m + 1) * groups], &mut y[m * n..(m + 1) * n]);
-            match t.bits {
-                4 => fma_row::<4>(x, sums, t, outputs.clone(), y),
-                _ => fma_row::<8>(x, sums, t, outputs.clone(), y),
-            }
+    for m in 0..rows {
+        let (x, sums, y) = (&x[m * k..(m + 1) * k], &sums[m * groups..(m + 1) * groups], &mut y[m * n..(m + 1) * n]);
+        match t.bits {
+            4 => fma_row::<4>(x, sums, t, outputs.clone(), y),
+            _ => fma_row::<8>(x, sums, t, outputs.clone(), y),
         }
-        return;
     }
-    // x's rows as bfloat16 bits (exact: they hold bfloat16 values).
-    let xb: Vec<u16> = x.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
-    rows_on_unit(&xb, rows, &sums, t, outputs, F32Rows { y, n });
 }
 
 /// Rows of x as bfloat16 bits (`xb`, [rows, k]) on the unit, 16 at a time, with their
@@ -277,7 +263,7 @@ unsafe fn group_sums(x: &[f32], group: usize) -> Vec<f32> {
 }
 
 /// [`group_sums`] of rows given as bfloat16 bits: the same sums of the same values, denormals
-/// read and written as zero as they are inside [`product`].
+/// read and written as zero as they are inside [`fma_rows`].
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 pub(super) unsafe fn group_sums_of_bits(xb: &[u16], group: usize) -> Vec<f32> {

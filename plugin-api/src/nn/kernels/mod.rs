@@ -150,8 +150,8 @@ pub fn tiled_product(x: &Array, tiles: Tiled) -> Result<Option<Array>, Exception
         // SAFETY: the unit is there and granted (`available`); the tiles hold an [n, k] weight.
         outputs(x, n, split, |xs, range, y| unsafe {
             match tiles {
-                Tiled::Bf16(t) => amx_bf16::product(xs, rows, bf16, t, range, y),
-                Tiled::Quantized(t) => amx_quantized::product(xs, rows, bf16, t, range, y),
+                Tiled::Bf16(t) => amx_bf16::fma_rows(xs, rows, t, range, y),
+                Tiled::Quantized(t) => amx_quantized::fma_rows(xs, rows, t, range, y),
             }
         })
         .map(Some)
@@ -178,16 +178,8 @@ fn bf16_rows_on_unit(x: &Array, tiles: Tiled, rows: usize, split: Option<usize>)
         Tiled::Quantized(t) => unsafe { amx_quantized::group_sums_of_bits(xb, t.group) },
         Tiled::Bf16(_) => Vec::new(),
     };
-    // Rows of whole input blocks are read in place; others are copied, zero-padded.
-    let stride = k.next_multiple_of(amx_bf16::DEPTH);
-    let padded: Vec<u16>;
-    let xb = if stride == k {
-        xb
-    } else {
-        padded =
-            xb.chunks_exact(k).flat_map(|row| row.iter().copied().chain(std::iter::repeat_n(0, stride - k))).collect();
-        &padded
-    };
+    let (xb, stride) = amx_bf16::padded(xb, k);
+    let xb = &xb[..];
     // SAFETY: the unit is there and granted (`Tiled::available`); the tiles hold an [n, k]
     // weight; each thread writes only its own outputs of `bits`, which outlives both.
     let run = |range: std::ops::Range<usize>| unsafe {
@@ -1017,6 +1009,44 @@ mod tests {
         here
     }
 
+    /// y [rows, n] of x [rows, k] by the routes a product takes: two bfloat16 rows or more
+    /// (`bf16_rows`) on the unit, their float32 sums before rounding; others through the FMAs.
+    #[cfg(target_arch = "x86_64")]
+    fn unit_or_fmas(
+        x: &[f32],
+        rows: usize,
+        bf16_rows: bool,
+        tiles: Tiled,
+        outputs: std::ops::Range<usize>,
+    ) -> Vec<f32> {
+        let (n, k) = tiles.shape();
+        let mut y = vec![0f32; rows * n];
+        // SAFETY: the callers checked that the CPU has the unit and this process may use it.
+        unsafe {
+            if rows == 1 || !bf16_rows {
+                match tiles {
+                    Tiled::Bf16(t) => amx_bf16::fma_rows(x, rows, t, outputs, &mut y),
+                    Tiled::Quantized(t) => amx_quantized::fma_rows(x, rows, t, outputs, &mut y),
+                }
+                return y;
+            }
+            // x's rows as bfloat16 bits (exact: they hold bfloat16 values).
+            let xb: Vec<u16> = x.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+            let out = amx_bf16::F32Rows { y: &mut y, n };
+            match tiles {
+                Tiled::Bf16(t) => {
+                    let (xb, stride) = amx_bf16::padded(&xb, k);
+                    amx_bf16::rows_on_unit(&xb, stride, rows, t, outputs, out);
+                }
+                Tiled::Quantized(t) => {
+                    let sums = amx_quantized::group_sums_of_bits(&xb, t.group);
+                    amx_quantized::rows_on_unit(&xb, rows, &sums, t, outputs, out);
+                }
+            }
+        }
+        y
+    }
+
     /// The AMX tiles ([`amx_bf16`]) where the CPU has them: MLX's float32 product of the same
     /// values up to summation order, a row's result the same alone, in a window of any size and
     /// in either half of a split, and zeros appended to both operands changing no sum.
@@ -1027,10 +1057,7 @@ mod tests {
             return;
         }
         let tiled = |x: &[f32], rows: usize, bf16_rows: bool, tiles: &amx_bf16::Tiles, outputs| {
-            let mut y = vec![0f32; rows * tiles.n];
-            // SAFETY: the CPU has the unit and this process may use it (checked above).
-            unsafe { amx_bf16::product(x, rows, bf16_rows, tiles, outputs, &mut y) };
-            y
+            unit_or_fmas(x, rows, bf16_rows, Tiled::Bf16(tiles), outputs)
         };
         for (n, k) in [(72, 264), (16, 32), (100, 36), (40, 1000)] {
             let w = normal(&[n, k], 1).as_dtype(Dtype::Bfloat16).unwrap();
@@ -1098,10 +1125,7 @@ mod tests {
             return;
         }
         let run = |x: &[f32], rows: usize, bf16_rows: bool, t: &amx_quantized::QuantTiles, outputs| {
-            let mut y = vec![0f32; rows * t.n];
-            // SAFETY: the CPU has the unit and this process may use it (checked above).
-            unsafe { amx_quantized::product(x, rows, bf16_rows, t, outputs, &mut y) };
-            y
+            unit_or_fmas(x, rows, bf16_rows, Tiled::Quantized(t), outputs)
         };
         for (bits, group_size) in [(4, 32), (4, 64), (4, 128), (8, 32), (8, 64), (8, 128)] {
             for (n, k) in [(72, 256), (16, 128), (130, 384)] {
@@ -1169,14 +1193,10 @@ mod tests {
             let packed: Vec<u32> =
                 (0..n * k * bits as usize / 32).map(|i| (i as u32).wrapping_mul(2246822519)).collect();
             let t = amx_quantized::QuantTiles::pack(&packed, &scales, &biases, n, k, bits, group);
-            let mut window = vec![0f32; rows * n];
-            // SAFETY: the CPU has the unit and this process may use it (checked above).
-            unsafe { amx_quantized::product(&x, rows, true, &t, 0..n, &mut window) };
+            let window = unit_or_fmas(&x, rows, true, Tiled::Quantized(&t), 0..n);
             let bits_of = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             for m in 0..rows {
-                let mut alone = vec![0f32; n];
-                // SAFETY: as above.
-                unsafe { amx_quantized::product(&x[m * k..(m + 1) * k], 1, true, &t, 0..n, &mut alone) };
+                let alone = unit_or_fmas(&x[m * k..(m + 1) * k], 1, true, Tiled::Quantized(&t), 0..n);
                 assert_eq!(bits_of(&alone), bits_of(&window[m * n..(m + 1) * n]), "{bits} bits, row {m}");
             }
             // The same rows as a bfloat16 array, the window's route reading their bits; the
@@ -1219,14 +1239,10 @@ mod tests {
         let x: Vec<f32> = (0..rows * k).map(|i| bf16(value(i + 7919)).to_f32()).collect();
         assert!(x.iter().any(|v| *v != 0.0 && v.abs() < f32::MIN_POSITIVE), "denormal inputs");
         let tiles = amx_bf16::Tiles::pack(&w, n, k);
-        let mut window = vec![0f32; rows * n];
-        // SAFETY: the CPU has the unit and this process may use it (checked above).
-        unsafe { amx_bf16::product(&x, rows, true, &tiles, 0..n, &mut window) };
+        let window = unit_or_fmas(&x, rows, true, Tiled::Bf16(&tiles), 0..n);
         let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         for m in 0..rows {
-            let mut alone = vec![0f32; n];
-            // SAFETY: as above.
-            unsafe { amx_bf16::product(&x[m * k..(m + 1) * k], 1, true, &tiles, 0..n, &mut alone) };
+            let alone = unit_or_fmas(&x[m * k..(m + 1) * k], 1, true, Tiled::Bf16(&tiles), 0..n);
             assert_eq!(bits(&alone), bits(&window[m * n..(m + 1) * n]), "row {m}");
         }
     }
