@@ -126,3 +126,12 @@ mod tests {
         }
     }
 }
+
+/// Asks for the line at element `i` of each of `rows` rows of `k` elements from `first`: where
+/// a register tile reads its own rows, in the rows after them (see `dot`'s `RegisterTile`).
+#[inline(always)]
+pub unsafe fn prefetch_lines<T>(first: *const T, k: usize, rows: usize, i: usize) {
+    for j in 0..rows {
+        _mm_prefetch::<_MM_HINT_T0>(first.wrapping_add(j * k + i).cast());
+    }
+}
