@@ -98,6 +98,17 @@ unsafe fn sum_lanes_16(v: [__m512; 16]) -> __m512 {
     _mm512_add_ps(_mm512_shuffle_ps::<0x88>(u[0], u[1]), _mm512_shuffle_ps::<0xDD>(u[0], u[1]))
 }
 
+/// Asks for the line at element `i` of each of `rows` rows of `k` elements from `first`: where
+/// a register tile reads its own rows, in the rows after them (see `dot`'s `RegisterTile`).
+#[inline(always)]
+pub fn prefetch_lines<T>(first: *const T, k: usize, rows: usize, i: usize) {
+    for j in 0..rows {
+        // SAFETY: a prefetch is a hint that never faults, whatever the address; SSE is part of
+        // x86-64.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(first.wrapping_add(j * k + i).cast()) };
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -124,14 +135,5 @@ mod tests {
                 }
             }
         }
-    }
-}
-
-/// Asks for the line at element `i` of each of `rows` rows of `k` elements from `first`: where
-/// a register tile reads its own rows, in the rows after them (see `dot`'s `RegisterTile`).
-#[inline(always)]
-pub unsafe fn prefetch_lines<T>(first: *const T, k: usize, rows: usize, i: usize) {
-    for j in 0..rows {
-        _mm_prefetch::<_MM_HINT_T0>(first.wrapping_add(j * k + i).cast());
     }
 }
