@@ -452,8 +452,8 @@ pub(super) mod avx2 {
 #[cfg(target_arch = "x86_64")]
 trait RegisterTile {
     /// # Safety
-    /// The CPU has the loops' features; the tile's rows, and the `ahead` rows after them, lie
-    /// inside x, W and y.
+    /// The CPU has the loops' features; the tile's rows lie inside x, W and y (the rows it asks
+    /// for need not: a prefetch never faults).
     unsafe fn run<const XB: usize, const WB: usize>(&self, ahead: usize, y: &mut [f32]);
 }
 
@@ -480,7 +480,6 @@ unsafe fn each_tile<T: RegisterTile>(
         while m0 < rows {
             let block = x_block.min(rows - m0);
             let at = tile(m0, o);
-            let y = &mut *y;
             match (block, width) {
                 (6, 4) => at.run::<6, 4>(ahead, y),
                 (5, 4) => at.run::<5, 4>(ahead, y),
