@@ -30,16 +30,13 @@ fn cpu_rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Option<Ar
         return Ok(None);
     }
     let x = row_major(x)?;
-    let inverse_n = (1.0 / n as f64) as f32;
-    let scale_of = |sum: f32| 1.0 / (sum * inverse_n + eps).sqrt();
     if dtype == Dtype::Bfloat16 {
         // Read and written as bit patterns, with no float32 copy of x or of the weight.
         let weight = weight.map(row_major).transpose()?;
         let weight =
             weight.as_ref().map(|w| bits16(w).ok_or_else(|| Exception::custom("bfloat16 weight"))).transpose()?;
         let bits = bits16(&x).ok_or_else(|| Exception::custom("bfloat16 data"))?;
-        let scales = bits.chunks(SUMMED_TOGETHER * n).flat_map(|rows| squares_summed_in_order(rows, n));
-        let scales: Vec<f32> = scales.map(scale_of).collect();
+        let scales = row_scales(bits, n, eps);
         let mut y = vec![0u16; bits.len()];
         for ((row, out), &scale) in bits.chunks(n).zip(y.chunks_mut(n)).zip(&scales) {
             normalized_bf16(row, scale, weight, out);
@@ -48,8 +45,7 @@ fn cpu_rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Option<Ar
     }
     let weight = weight.map(|w| row_major(w).and_then(|w| with_floats(&w, <[f32]>::to_vec))).transpose()?;
     let y = with_floats(&x, |xs| {
-        let scales = xs.chunks(SUMMED_TOGETHER * n).flat_map(|rows| squares_summed_in_order(rows, n));
-        let scales: Vec<f32> = scales.map(scale_of).collect();
+        let scales = row_scales(xs, n, eps);
         let mut y = vec![0f32; xs.len()];
         for ((row, out), &scale) in xs.chunks(n).zip(y.chunks_mut(n)).zip(&scales) {
             with_round!(dtype, |r| normalized(r, row, scale, weight.as_deref(), out));
@@ -76,6 +72,13 @@ super::kernels::avx2_where_available! {
             }
         }
     }
+}
+
+/// Each row's 1/√(mean of squares + eps), the rows `n` long: what its values are multiplied by.
+fn row_scales<T: Value>(xs: &[T], n: usize, eps: f32) -> Vec<f32> {
+    let inverse_n = (1.0 / n as f64) as f32;
+    let sums = xs.chunks(SUMMED_TOGETHER * n).flat_map(|rows| squares_summed_in_order(rows, n));
+    sums.map(|sum| 1.0 / (sum * inverse_n + eps).sqrt()).collect()
 }
 
 /// Rows whose sums of squares [`squares_summed_in_order`] takes side by side.
