@@ -3,15 +3,14 @@
 //! Plugin authors do not implement these directly: the SDK ([`crate::sdk`]) adapts plain Rust
 //! traits to them and guards every entry against panics.
 
-use std::ffi::c_void;
 
 use abi_stable::library::RootModule;
 use abi_stable::sabi_trait;
 use abi_stable::sabi_types::VersionStrings;
 use abi_stable::std_types::{RBox, ROption, RResult, RSlice, RStr, RString, RVec};
-use abi_stable::type_layout::TypeLayout;
 use abi_stable::{declare_root_module_statics, StableAbi};
 
+pub use crate::extension::Extension;
 use crate::target::TargetViewBox;
 use crate::{ArrayRef, Descriptor, OwnedArray, PluginError, ProviderInfo};
 
@@ -36,23 +35,6 @@ impl RootModule for DrafterRootRef {
     const BASE_NAME: &'static str = "drafter";
     const NAME: &'static str = "drafter";
     const VERSION_STRINGS: VersionStrings = VersionStrings::new(crate::API_VERSION);
-}
-
-/// An extension table: a pointer to a `StableAbi` struct and that struct's layout, which the
-/// host checks against the layout it expects for the id before using the table.
-/// **ABI-frozen.**
-#[repr(C)]
-#[derive(StableAbi, Clone, Copy)]
-pub struct Extension {
-    pub layout: &'static TypeLayout,
-    pub table: *const c_void,
-}
-
-impl Extension {
-    /// The extension table `table`, which must live as long as the library (a `static`).
-    pub fn of<T: StableAbi>(table: &'static T) -> Self {
-        Extension { layout: T::LAYOUT, table: (table as *const T).cast() }
-    }
 }
 
 /// Token ids of B rows of equal length, row-major. **ABI-frozen.**

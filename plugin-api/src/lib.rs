@@ -69,14 +69,18 @@ pub mod config;
 pub mod conformance;
 pub mod descriptor;
 pub mod error;
+pub mod extension;
 pub mod guide;
-pub mod nn;
 pub mod random;
 pub mod sdk;
+pub mod shared_helper;
 pub mod target;
 pub mod tensor;
 pub mod train_guide;
 pub mod version;
+
+/// The model toolkit (its own crate, `nn`), at the path drafters have always used.
+pub use nn;
 
 pub use descriptor::{Capabilities, Descriptor, OptionDoc, Ports, PrefillMode, ProviderInfo};
 pub use error::{ErrorKind, PluginError};

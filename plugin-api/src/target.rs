@@ -90,7 +90,7 @@ pub trait TargetViewAbi {
     /// trait itself never grows, so plugins and hosts of different minors keep loading each
     /// other. `RNone` when the host has none.
     #[sabi(last_prefix_field)]
-    fn extension(&self, id: RStr<'_>) -> ROption<crate::abi::Extension>;
+    fn extension(&self, id: RStr<'_>) -> ROption<crate::extension::Extension>;
 }
 
 /// A target view owned by whoever holds it.

@@ -125,7 +125,7 @@ pub fn load(path: &Path, pin: Option<&str>) -> Result<Plugin, LoadError> {
 /// (`plugin_api::nn::helper`). A plugin without the extension, or with another layout of it,
 /// keeps its own.
 fn share_helper(plugin: &Plugin) {
-    use plugin_api::nn::helper::{shared, SharedHelperExtension, SHARED_HELPER_ID};
+    use plugin_api::shared_helper::{shared, SharedHelperExtension, SHARED_HELPER_ID};
     if let Ok(Some(table)) = plugin.extension::<SharedHelperExtension>(SHARED_HELPER_ID) {
         (table.share)(shared());
     }

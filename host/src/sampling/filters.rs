@@ -1,7 +1,7 @@
 //! top-k and top-p over log-probabilities, exactly as a sort of the whole vocabulary gives them,
 //! at the cost of a vector pass or two and a sort of a few tokens. Removed tokens become -inf.
 
-use super::scan;
+use kernels::scan::{self, exponentials};
 
 /// Keeps the `k` most likely tokens; of tokens tied at the k-th value, the first ones.
 pub(super) fn top_k(lp: &mut [f32], k: usize) {
@@ -119,35 +119,6 @@ impl Histogram {
             self.best - (b + 2) as f32 / BINS_PER_NAT
         }
     }
-}
-
-/// `out[i] = exp(values[i])` by MLX's float32 exponential, eight at a time where the CPU has
-/// AVX2: the histogram's masses otherwise cost a C library call per token.
-fn exponentials(values: &[f32], out: &mut [f32]) {
-    let mut done = 0;
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-        // SAFETY: the CPU has AVX2 and FMA (checked above).
-        done = unsafe { exponentials_avx2(values, out) };
-    }
-    for (e, &x) in out[done..].iter_mut().zip(&values[done..]) {
-        *e = plugin_api::nn::ops::mlx_exp(x);
-    }
-}
-
-/// [`exponentials`] of whole runs of eight; returns how many it wrote. (The loop sits in a
-/// function of its own so that the intrinsics compile inline, with the features enabled.)
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn exponentials_avx2(values: &[f32], out: &mut [f32]) -> usize {
-    use std::arch::x86_64::*;
-    let done = values.len().min(out.len()) / 8 * 8;
-    for i in (0..done).step_by(8) {
-        // SAFETY: i + 8 <= both lengths.
-        let e = plugin_api::nn::ops::mlx_exp8(_mm256_loadu_ps(values.as_ptr().add(i)));
-        _mm256_storeu_ps(out.as_mut_ptr().add(i), e);
-    }
-    done
 }
 
 /// Those of `tokens` at or above `cut`, most likely first, ties in token order: the order a full

@@ -11,7 +11,7 @@
 //! value), so a chunk lying further below the best score needs no hash at all. The result is
 //! the argmax over every token.
 
-use super::scan::{chunk_maxima, set_flags, CHUNK};
+use kernels::scan::{chunk_maxima, flags_where, set_flags, CHUNK};
 use plugin_api::random::{step_key, uniform, uniform_bits};
 
 /// The noise's largest value is below this.
@@ -55,7 +55,6 @@ fn best_draw(logprobs: &[f32], offset: u64, temperature: f32, key: u64) -> Optio
         }
     }
     draw.set_bounds();
-    let reaching = reaching_for_this_cpu();
     let mut flags = [0u8; CHUNK];
     for (c, chunk) in logprobs.chunks(CHUNK).enumerate() {
         let least = draw.least_bits_below(maxima[c]);
@@ -142,45 +141,6 @@ impl Draw {
 }
 
 /// Sets `flags[j]` to 1 where token `first + j`'s uniform bits reach `least`, else to 0.
-type Reaching = fn(u64, u64, u64, &mut [u8]);
-
-fn reaching_for_this_cpu() -> Reaching {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512dq") {
-            return |key, first, least, flags| {
-                // SAFETY: the CPU has AVX-512F and DQ (checked above).
-                unsafe { reaching_avx512(key, first, least, flags) }
-            };
-        }
-        if std::is_x86_feature_detected!("avx2") {
-            return |key, first, least, flags| {
-                // SAFETY: the CPU has AVX2 (checked above).
-                unsafe { reaching_avx2(key, first, least, flags) }
-            };
-        }
-    }
-    reaching_body
-}
-
-/// [`reaching_body`] compiled for AVX-512, whose 64-bit multiplies (DQ) hash eight tokens at
-/// once.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512dq,avx512vl,avx512bw")]
-unsafe fn reaching_avx512(key: u64, first: u64, least: u64, flags: &mut [u8]) {
-    reaching_body(key, first, least, flags)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn reaching_avx2(key: u64, first: u64, least: u64, flags: &mut [u8]) {
-    reaching_body(key, first, least, flags)
-}
-
-/// Written without branches, so that the compiler turns it into vector code for each CPU above.
-#[inline(always)]
-fn reaching_body(key: u64, first: u64, least: u64, flags: &mut [u8]) {
-    for (j, flag) in flags.iter_mut().enumerate() {
-        *flag = (uniform_bits(key, first + j as u64) >= least) as u8;
-    }
+fn reaching(key: u64, first: u64, least: u64, flags: &mut [u8]) {
+    flags_where(first, flags, move |token| uniform_bits(key, token) >= least);
 }

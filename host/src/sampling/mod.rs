@@ -7,14 +7,14 @@
 use std::borrow::Cow;
 
 use filters::{top_k, top_p};
+use kernels::argmax::first_max_half;
+use kernels::scan::exp_sum;
 use mlx_rs::error::Exception;
 use mlx_rs::Array;
-use plugin_api::nn::ops::first_max_half;
 
 mod filters;
 mod gumbel;
 pub mod on_device;
-mod scan;
 
 pub use gumbel::gumbel_argmax;
 
@@ -95,14 +95,14 @@ pub fn sample(logits: &Array, params: &SamplingParams, step: u64) -> Result<u32,
     if params.is_greedy() {
         // MLX's arrays live in host memory on the CPU, where a scan of the logits costs less than
         // MLX's argmax, its conversion and their round trip.
-        if plugin_api::nn::wide::on_cpu() {
-            let logits = plugin_api::nn::kernels::row_major(logits)?;
-            if let Some(bits) = plugin_api::nn::kernels::bits16(&logits) {
+        if kernels::route::on_cpu() {
+            let logits = kernels::row_major(logits)?;
+            if let Some(bits) = kernels::bits16(&logits) {
                 return first_max_half(bits, logits.dtype()).ok_or(SampleError::NonFinite);
             }
-            return plugin_api::nn::kernels::with_floats(&logits, |row| {
+            return kernels::with_floats(&logits, |row| {
                 check_finite(row)?;
-                Ok(plugin_api::nn::ops::first_max(row))
+                Ok(kernels::argmax::first_max(row))
             })?;
         }
         let row = logits.reshape(&[-1])?;
@@ -110,11 +110,11 @@ pub fn sample(logits: &Array, params: &SamplingParams, step: u64) -> Result<u32,
         check_finite_on_device(&row, &best)?;
         return Ok(best.item_exact::<u32>());
     }
-    if !plugin_api::nn::wide::on_cpu() {
+    if !kernels::route::on_cpu() {
         return on_device::draw(logits, params, step);
     }
-    let logits = plugin_api::nn::kernels::row_major(logits)?;
-    plugin_api::nn::kernels::with_floats(&logits, |row| {
+    let logits = kernels::row_major(logits)?;
+    kernels::with_floats(&logits, |row| {
         check_finite(row)?;
         Ok(draw(row, params, step))
     })?
@@ -150,24 +150,24 @@ impl WindowTokens {
         let (width, vocab) = (logits.shape()[1] as usize, logits.shape()[2] as usize);
         let span = |b: usize, per: usize| b * width * per..(b + 1) * width * per;
         let sampled = params.iter().any(|p| !p.is_greedy());
-        if plugin_api::nn::wide::on_cpu() {
+        if kernels::route::on_cpu() {
             // Widened on the host rather than by an MLX conversion, whose round trip is a large
             // share of sampling a small vocabulary.
-            let logits = plugin_api::nn::kernels::row_major(logits)?;
-            if let (false, Some(bits)) = (sampled, plugin_api::nn::kernels::bits16(&logits)) {
+            let logits = kernels::row_major(logits)?;
+            if let (false, Some(bits)) = (sampled, kernels::bits16(&logits)) {
                 let greedy = |b: usize| -> Result<WindowTokens, SampleError> {
                     let best = bits[span(b, vocab)].chunks(vocab).map(|row| first_max_half(row, logits.dtype()));
                     Ok(WindowTokens::Greedy(best.collect::<Option<_>>().ok_or(SampleError::NonFinite)?))
                 };
                 return (0..params.len()).map(greedy).collect();
             }
-            return plugin_api::nn::kernels::with_floats(&logits, |all| {
+            return kernels::with_floats(&logits, |all| {
                 check_finite(all)?;
                 let window = |b: usize| {
                     let logits = &all[span(b, vocab)];
                     match params[b].is_greedy() {
                         true => {
-                            WindowTokens::Greedy(logits.chunks(vocab).map(plugin_api::nn::ops::first_max).collect())
+                            WindowTokens::Greedy(logits.chunks(vocab).map(kernels::argmax::first_max).collect())
                         }
                         false => WindowTokens::Sampled { logits: logits.to_vec(), vocab },
                     }
@@ -264,56 +264,6 @@ fn min_p_and_top_k(scores: &mut [f32], params: &SamplingParams) {
     }
 }
 
-/// Σ exp(x − max) over `values`: each exponential MLX's float32 one, summed in double
-/// precision in eight interleaved partial sums (value i into sum i mod 8, then the eight in
-/// order), a fixed order that vectorizes. A libm exponential in double precision per token cost
-/// a third of sampling from a 262,144-token vocabulary.
-fn exp_sum(values: &[f32], max: f32) -> f64 {
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-        // SAFETY: the CPU has AVX2 and FMA (checked above).
-        return unsafe { exp_sum_avx2(values, max) };
-    }
-    exp_sum_body(values, max)
-}
-
-/// [`exp_sum`] eight values a vector: the same results.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn exp_sum_avx2(values: &[f32], max: f32) -> f64 {
-    use std::arch::x86_64::*;
-    let mut sums = [_mm256_setzero_pd(); 2];
-    let mut chunks = values.chunks_exact(8);
-    for chunk in &mut chunks {
-        let exps = plugin_api::nn::ops::mlx_exp8(_mm256_sub_ps(_mm256_loadu_ps(chunk.as_ptr()), _mm256_set1_ps(max)));
-        sums[0] = _mm256_add_pd(sums[0], _mm256_cvtps_pd(_mm256_castps256_ps128(exps)));
-        sums[1] = _mm256_add_pd(sums[1], _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(exps)));
-    }
-    let mut lanes = [0f64; 8];
-    _mm256_storeu_pd(lanes.as_mut_ptr(), sums[0]);
-    _mm256_storeu_pd(lanes.as_mut_ptr().add(4), sums[1]);
-    add_remainder(lanes, chunks.remainder(), max)
-}
-
-fn exp_sum_body(values: &[f32], max: f32) -> f64 {
-    let mut sums = [0f64; 8];
-    let mut chunks = values.chunks_exact(8);
-    for chunk in &mut chunks {
-        for (sum, &x) in sums.iter_mut().zip(chunk) {
-            *sum += plugin_api::nn::ops::mlx_exp(x - max) as f64;
-        }
-    }
-    add_remainder(sums, chunks.remainder(), max)
-}
-
-/// The partial sums with the last (fewer than eight) values added, then summed in order.
-fn add_remainder(mut sums: [f64; 8], remainder: &[f32], max: f32) -> f64 {
-    for (sum, &x) in sums.iter_mut().zip(remainder) {
-        *sum += plugin_api::nn::ops::mlx_exp(x - max) as f64;
-    }
-    sums.iter().sum()
-}
-
 /// Vocabularies from which [`on_halves`] gives a half to the products' helper thread. Below it a
 /// pass takes tens of microseconds (the demo target's 8,192 tokens) and stays on one thread.
 const HALVES_IN_PARALLEL: usize = 1 << 15;
@@ -327,7 +277,7 @@ fn on_halves<T: Send>(values: &[f32], f: impl Fn(&[f32], usize) -> T + Sync) -> 
         return (f(lower, 0), f(upper, middle));
     }
     let (mut first, mut second) = (None, None);
-    plugin_api::nn::helper::join(|| first = Some(f(lower, 0)), || second = Some(f(upper, middle)));
+    kernels::helper::join(|| first = Some(f(lower, 0)), || second = Some(f(upper, middle)));
     (first.expect("joined"), second.expect("joined"))
 }
 
@@ -459,20 +409,6 @@ mod tests {
                     gumbel_over_every_token(&nucleus, t, 5, step),
                     "{shape}, T {t}"
                 );
-            }
-        }
-    }
-
-    #[test]
-    fn the_vector_exponential_sum_is_the_scalar_one() {
-        #[cfg(target_arch = "x86_64")]
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-            for n in [0, 5, 8, 13, 1000, 4099] {
-                let values: Vec<f32> = (0..n).map(|i| ((uniform(3, i as u64) - 0.5) * 200.0) as f32).collect();
-                let max = values.iter().copied().fold(0f32, f32::max);
-                // SAFETY: the CPU has AVX2 and FMA (checked above).
-                let vector = unsafe { exp_sum_avx2(&values, max) };
-                assert_eq!(vector.to_bits(), exp_sum_body(&values, max).to_bits(), "{n} values");
             }
         }
     }

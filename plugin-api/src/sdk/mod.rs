@@ -323,8 +323,8 @@ extern "C" fn load_entry<D: Drafter>(artifact: RStr<'_>, options: RStr<'_>) -> R
 
 extern "C" fn extension_entry<D: Drafter>(id: RStr<'_>) -> ROption<Extension> {
     // Every plugin takes the host's helper thread for its products.
-    if id.as_str() == crate::nn::helper::SHARED_HELPER_ID {
-        return ROption::RSome(Extension::of(&crate::nn::helper::SHARED_HELPER_EXTENSION));
+    if id.as_str() == crate::shared_helper::SHARED_HELPER_ID {
+        return ROption::RSome(Extension::of(&crate::shared_helper::SHARED_HELPER_EXTENSION));
     }
     catch_unwind(|| D::extension(id.as_str())).ok().flatten().into()
 }

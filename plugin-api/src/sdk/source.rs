@@ -11,13 +11,7 @@ use crate::abi::{RowState, TokenRows};
 use crate::nn::{row_span, LayerContext};
 use crate::{OwnedArray, PluginError};
 
-/// One row's state, as a row state carries it across groups.
-pub struct Snapshot {
-    /// Tokens of the row the state covers.
-    pub processed: u64,
-    pub ids: Vec<u32>,
-    pub tensors: Vec<Array>,
-}
+pub use crate::nn::Snapshot;
 
 /// One row of drafter state. `Shared` is what every row of a group uses alike: weights,
 /// settings, the [`Target`](super::Target).

@@ -232,7 +232,7 @@ impl RowSink for F32Rows<'_> {
     }
 }
 
-/// bfloat16 rows [rows, n] (their bits), the sums rounded as [`super::bf16_bits`] rounds them:
+/// bfloat16 rows [rows, n] (their bits), the sums rounded as [`crate::arrays::bf16_bits`] rounds them:
 /// so a window's products are rounded by the thread that summed them, and a split product's
 /// halves need no joining. Both threads of a split write into the same rows, each its own
 /// columns, so this holds a pointer rather than a slice.
@@ -277,7 +277,7 @@ impl RowSink for Bf16Rows {
                 self.rows,
                 self.n
             );
-            let bits = _mm512_castsi256_si512(super::bf16_bits_avx512(lanes));
+            let bits = _mm512_castsi256_si512(crate::arrays::bf16_bits_avx512(lanes));
             // SAFETY: the unmasked lanes are columns of `outputs` in row `row`, inside the rows.
             _mm512_mask_storeu_epi16(self.bits.add(row * self.n + first).cast(), mask as u32, bits);
         }

@@ -19,8 +19,8 @@
 
 use std::arch::x86_64::*;
 
-use super::dot::avx2::{bf16x8, f16x8, horizontal_sum, prefetch_rows, u4x8, u8x8};
-use super::dot::Weight;
+use crate::weight::Weight;
+use crate::widen_avx2::{bf16x8, f16x8, horizontal_sum, prefetch_rows, u4x8, u8x8};
 
 /// The most rows of x these loops take; the caller keeps the buffered loops for more.
 pub const MAX_ROWS: usize = 6;

@@ -324,7 +324,7 @@ mod tests {
                         assert_eq!(done, d / 8 * 8);
                         routes.push(("avx2", out));
                     }
-                    if crate::nn::kernels::lanes::available() {
+                    if crate::lanes::available() {
                         let mut out = slow.clone();
                         // SAFETY: the CPU has AVX-512 F (checked above); the sizes match.
                         let done = unsafe { avx512::columns(&p, rows, s, &v, bf16, d, &mut out) };

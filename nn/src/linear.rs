@@ -6,78 +6,28 @@ use std::sync::Arc;
 use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype};
 
-use super::kernels::amx_bf16::{self, Tiles};
-use super::kernels::amx_quantized::{self, QuantTiles};
-use super::kernels::Tiled;
-use super::weights::{Weights, WeightsError};
-use super::{kernels, wide};
+use kernels::Packed;
+pub use kernels::Quantization;
 
-/// MLX affine quantization of one module: `bits` per weight, one scale and bias per
-/// `group_size` weights.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Quantization {
-    pub group_size: i32,
-    pub bits: i32,
-}
+use super::weights::{Weights, WeightsError};
 
 /// `y = x · Wᵀ`.
 #[derive(Clone)]
 pub struct Linear {
     weight: Stored,
-    /// A quantized weight's scales and biases as MLX arrays; `None` where the weight is held as
-    /// tiles, which hold them.
+    /// A quantized weight's scales and biases as MLX arrays; `None` where the weight is packed
+    /// for the tile unit, which holds them.
     pub scales: Option<Array>,
     pub biases: Option<Array>,
     pub quantization: Option<Quantization>,
 }
 
-/// Where a weight lives. A plain bfloat16 weight on a CPU whose tile unit this process may use
-/// ([`amx_bf16::available`]) is repacked once for the unit, and MLX's copy is dropped: the
-/// tiles then serve every product with it ([`kernels::tiled_product`]), whatever its rows'
-/// count, so that a row's result does not depend on it, and the weight takes no more memory
-/// than as loaded.
-///
-/// An MLX-quantized weight with bfloat16 scales and biases (as mlx-lm converts bfloat16
-/// checkpoints) is reordered for the unit likewise ([`amx_quantized`]), with its scales and
-/// biases, at the bytes MLX's arrays took.
+/// Where a weight lives: MLX's array, or packed for the CPU's tile unit where the kernels take
+/// it ([`Packed`]), MLX's copy then dropped.
 #[derive(Clone)]
 enum Stored {
     Mlx(Array),
-    Tiles(Arc<Tiles>),
-    QuantTiles(Arc<QuantTiles>),
-}
-
-/// `w` [n, k] repacked for the tile unit, where it is a plain bfloat16 matrix, MLX runs on the
-/// CPU and the unit is available.
-fn tiles_of(w: &Array) -> Option<Tiles> {
-    if w.dtype() != Dtype::Bfloat16 || w.ndim() != 2 || !wide::on_cpu() || !amx_bf16::available() {
-        return None;
-    }
-    let (n, k) = (w.shape()[0] as usize, w.shape()[1] as usize);
-    kernels::bits16(w).map(|bits| Tiles::pack(bits, n, k))
-}
-
-/// An MLX-quantized `w` [n, k·bits/32] reordered for the tile unit with its bfloat16 scales
-/// and biases, where MLX runs on the CPU and the unit is available.
-fn quant_tiles_of(w: &Array, scales: &Array, biases: &Array, q: Quantization) -> Option<QuantTiles> {
-    let (bits, group) = (q.bits as u32, q.group_size as usize);
-    let applies = w.ndim() == 2
-        && w.dtype() == Dtype::Uint32
-        && scales.dtype() == Dtype::Bfloat16
-        && biases.dtype() == Dtype::Bfloat16
-        && QuantTiles::takes(bits, group)
-        && wide::on_cpu()
-        && amx_quantized::available();
-    if !applies {
-        return None;
-    }
-    let (n, k) = (w.shape()[0] as usize, w.shape()[1] as usize * 32 / bits as usize);
-    let packed = kernels::row_major(w).ok()?;
-    let (scales, biases) = (kernels::row_major(scales).ok()?, kernels::row_major(biases).ok()?);
-    let packed = packed.try_as_slice::<u32>().ok()?;
-    let (scales, biases) = (kernels::bits16(&scales)?, kernels::bits16(&biases)?);
-    let fits = k.is_multiple_of(group) && scales.len() == n * (k / group) && biases.len() == scales.len();
-    fits.then(|| QuantTiles::pack(packed, scales, biases, n, k, bits, group))
+    Packed(Arc<Packed>),
 }
 
 impl Linear {
@@ -139,15 +89,15 @@ impl Linear {
 }
 
 impl Stored {
-    /// A plain weight, repacked for the tile unit where that applies.
+    /// A plain weight, packed for the tile unit where that applies.
     fn plain(weight: Array) -> Stored {
-        match tiles_of(&weight) {
-            Some(tiles) => Stored::Tiles(Arc::new(tiles)),
+        match Packed::plain(&weight) {
+            Some(packed) => Stored::Packed(Arc::new(packed)),
             None => Stored::Mlx(weight),
         }
     }
 
-    /// A quantized weight with its scales and biases: as tiles, which hold them, where that
+    /// A quantized weight with its scales and biases: packed, holding them, where that
     /// applies, else MLX's arrays.
     fn quantized(
         weight: Array,
@@ -155,8 +105,8 @@ impl Stored {
         biases: Array,
         q: Quantization,
     ) -> (Stored, Option<Array>, Option<Array>) {
-        match quant_tiles_of(&weight, &scales, &biases, q) {
-            Some(tiles) => (Stored::QuantTiles(Arc::new(tiles)), None, None),
+        match Packed::quantized(&weight, &scales, &biases, q) {
+            Some(packed) => (Stored::Packed(Arc::new(packed)), None, None),
             None => (Stored::Mlx(weight), Some(scales), Some(biases)),
         }
     }
@@ -164,30 +114,14 @@ impl Stored {
     fn array(&self) -> Array {
         match self {
             Stored::Mlx(w) => w.clone(),
-            Stored::Tiles(tiles) => {
-                kernels::from_bits16(&tiles.unpack(), &[tiles.n as i32, tiles.k as i32], Dtype::Bfloat16)
-            }
-            Stored::QuantTiles(tiles) => {
-                let words_per_row = tiles.k * tiles.bits as usize / 32;
-                Array::from_slice(&tiles.unpack().0, &[tiles.n as i32, words_per_row as i32])
-            }
-        }
-    }
-
-    /// The weight as tiles, where they hold it.
-    fn tiled(&self) -> Option<Tiled<'_>> {
-        match self {
-            Stored::Mlx(_) => None,
-            Stored::Tiles(t) => Some(Tiled::Bf16(t)),
-            Stored::QuantTiles(t) => Some(Tiled::Quantized(t)),
+            Stored::Packed(packed) => packed.array(),
         }
     }
 
     fn nbytes(&self, scales: Option<&Array>, biases: Option<&Array>) -> usize {
         match self {
             Stored::Mlx(w) => w.nbytes() + scales.map_or(0, Array::nbytes) + biases.map_or(0, Array::nbytes),
-            Stored::Tiles(tiles) => tiles.nbytes(),
-            Stored::QuantTiles(tiles) => tiles.nbytes(),
+            Stored::Packed(packed) => packed.nbytes(),
         }
     }
 }
@@ -240,8 +174,7 @@ impl Embedding {
     pub fn vocab(&self) -> i32 {
         match &self.weight {
             Stored::Mlx(w) => w.shape()[0],
-            Stored::Tiles(tiles) => tiles.n as i32,
-            Stored::QuantTiles(tiles) => tiles.n as i32,
+            Stored::Packed(packed) => packed.rows() as i32,
         }
     }
 
@@ -249,8 +182,7 @@ impl Embedding {
     pub fn embed(&self, ids: &Array) -> Result<Array, Exception> {
         let weight = match &self.weight {
             Stored::Mlx(w) => w,
-            Stored::Tiles(tiles) => return rows_from_tiles(tiles, ids),
-            Stored::QuantTiles(tiles) => return rows_from_quant_tiles(tiles, ids),
+            Stored::Packed(packed) => return packed.take_rows(ids),
         };
         if let (Some(scales), Some(biases), Some(q)) = (&self.scales, &self.biases, self.quantization) {
             if let Some(rows) = kernels::dequantized_rows(ids, weight, scales, biases, q)? {
@@ -258,7 +190,7 @@ impl Embedding {
             }
         }
         let rows = match self.scales {
-            None => super::layout::take_rows(weight, ids)?,
+            None => kernels::layout::take_rows(weight, ids)?,
             Some(_) => weight.take_axis(ids, 0)?,
         };
         match (&self.scales, self.quantization) {
@@ -285,51 +217,9 @@ impl Embedding {
         match (&self.weight, &self.scales) {
             (_, Some(scales)) => scales.dtype(),
             (Stored::Mlx(w), None) => w.dtype(),
-            (Stored::Tiles(_) | Stored::QuantTiles(_), None) => Dtype::Bfloat16,
+            (Stored::Packed(_), None) => Dtype::Bfloat16,
         }
     }
-}
-
-/// Rows `ids` (int32 or uint32, any shape) of a table held as tiles, as [ids' shape…, dims]
-/// bfloat16; an id outside the table is an error that names it.
-fn rows_from_tiles(tiles: &Tiles, ids: &Array) -> Result<Array, Exception> {
-    let ids = kernels::row_major(ids)?;
-    let Some(picked) = kernels::token_ids(&ids) else {
-        return Err(Exception::custom(format!("token ids of {:?}, not int32 or uint32", ids.dtype())));
-    };
-    let mut bits = Vec::with_capacity(picked.len() * tiles.k);
-    for &id in &picked {
-        if id < 0 || id as usize >= tiles.n {
-            return Err(Exception::custom(format!("token id {id} outside the table's {} rows", tiles.n)));
-        }
-        tiles.row(id as usize, &mut bits);
-    }
-    let mut shape = ids.shape().to_vec();
-    shape.push(tiles.k as i32);
-    Ok(kernels::from_bits16(&bits, &shape, Dtype::Bfloat16))
-}
-
-/// Rows `ids` of a quantized table held as tiles, dequantized as MLX's `dequantize` does (see
-/// [`kernels::dequantized_rows`]), as [ids' shape…, dims] bfloat16; an id outside the table is an
-/// error that names it.
-fn rows_from_quant_tiles(tiles: &QuantTiles, ids: &Array) -> Result<Array, Exception> {
-    let ids = kernels::row_major(ids)?;
-    let Some(picked) = kernels::token_ids(&ids) else {
-        return Err(Exception::custom(format!("token ids of {:?}, not int32 or uint32", ids.dtype())));
-    };
-    let mut values = Vec::with_capacity(picked.len() * tiles.k);
-    for &id in &picked {
-        if id < 0 || id as usize >= tiles.n {
-            return Err(Exception::custom(format!("token id {id} outside the table's {} rows", tiles.n)));
-        }
-        values.extend((0..tiles.k).map(|i| {
-            let (q, scale, bias) = tiles.weight_parts(id as usize, i);
-            kernels::dequantized(kernels::ToBf16, q, scale, bias)
-        }));
-    }
-    let mut shape = ids.shape().to_vec();
-    shape.push(tiles.k as i32);
-    Ok(kernels::rounded(&values, &shape, Dtype::Bfloat16))
 }
 
 /// `x · wᵀ` for a plain or quantized w [out, in].
@@ -342,34 +232,20 @@ fn times_transposed(
 ) -> Result<Array, Exception> {
     let w = match w {
         Stored::Mlx(w) => w,
-        Stored::Tiles(_) | Stored::QuantTiles(_) => {
-            return match kernels::tiled_product(x, w.tiled().expect("held as tiles"))? {
-                Some(y) => Ok(y),
-                // Rows the tiles do not take (of another width or dtype): MLX's op decides.
-                None => match (w, q) {
-                    (Stored::QuantTiles(t), Some(q)) => {
-                        let (_, s, b) = t.unpack();
-                        let params =
-                            |p: &[u16]| kernels::from_bits16(p, &[t.n as i32, (t.k / t.group) as i32], Dtype::Bfloat16);
-                        mlx_rs::ops::quantized_matmul(x, w.array(), params(&s), &params(&b), true, q.group_size, q.bits)
-                    }
-                    _ => x.matmul(w.array().t()),
-                },
-            };
-        }
+        Stored::Packed(packed) => return packed.product(x, q),
     };
     if let Some(y) = kernels::small_product(x, w, scales, biases, q)? {
         return Ok(y);
     }
-    if wide::takes_float32_route(wide::rows(x), x.dtype(), scales.is_some()) {
+    if kernels::wide::takes_float32_route(kernels::wide::rows(x), x.dtype(), scales.is_some()) {
         let w = match (scales, q) {
             (Some(scales), Some(q)) => {
-                let biases = biases.map(wide::float32).transpose()?;
-                mlx_rs::ops::dequantize(w, wide::float32(scales)?, biases.as_ref(), q.group_size, q.bits)?
+                let biases = biases.map(kernels::wide::float32).transpose()?;
+                mlx_rs::ops::dequantize(w, kernels::wide::float32(scales)?, biases.as_ref(), q.group_size, q.bits)?
             }
-            _ => wide::float32(w)?,
+            _ => kernels::wide::float32(w)?,
         };
-        return wide::float32(x)?.matmul(w.t())?.as_dtype(x.dtype());
+        return kernels::wide::float32(x)?.matmul(w.t())?.as_dtype(x.dtype());
     }
     match (scales, q) {
         (Some(scales), Some(q)) => mlx_rs::ops::quantized_matmul(x, w, scales, biases, true, q.group_size, q.bits),
@@ -406,7 +282,7 @@ mod tests {
         let key = mlx_rs::random::key(3).unwrap();
         let w = mlx_rs::random::normal::<f32>(&[40, 96], None, None, &key).unwrap().as_dtype(Dtype::Bfloat16).unwrap();
         let linear = Linear::plain(w.clone());
-        if !(wide::on_cpu() && amx_bf16::available()) {
+        if Packed::plain(&w).is_none() {
             assert!(!linear.is_tiled());
             return;
         }
@@ -435,11 +311,11 @@ mod tests {
         let plain =
             Embedding { weight: Stored::Mlx(wq.clone()), scales: Some(scales), biases: Some(biases), quantization: q };
         let head = plain.clone().tied_head();
-        if !(wide::on_cpu() && amx_quantized::available()) {
+        if Packed::quantized(&wq, plain.scales.as_ref().unwrap(), plain.biases.as_ref().unwrap(), q.unwrap()).is_none() {
             assert!(matches!(head.weight, Stored::Mlx(_)));
             return;
         }
-        assert!(matches!(head.weight, Stored::QuantTiles(_)));
+        assert!(matches!(head.weight, Stored::Packed(_)));
         assert_eq!((head.vocab(), head.dtype()), (100, Dtype::Bfloat16));
         assert_eq!(head.weight().as_slice::<u32>(), wq.as_slice::<u32>(), "the packed weight back from the tiles");
         let ids = mlx_rs::Array::from_slice(&[0i32, 99, 17, 17, 64, 3], &[2, 3]);
@@ -466,11 +342,11 @@ mod tests {
             mlx_rs::random::normal::<f32>(&[100, 64], None, None, &key).unwrap().as_dtype(Dtype::Bfloat16).unwrap();
         let plain = Embedding { weight: Stored::Mlx(table.clone()), scales: None, biases: None, quantization: None };
         let head = plain.clone().tied_head();
-        if !(wide::on_cpu() && amx_bf16::available()) {
+        if Packed::plain(&table).is_none() {
             assert!(matches!(head.weight, Stored::Mlx(_)));
             return;
         }
-        assert!(matches!(head.weight, Stored::Tiles(_)));
+        assert!(matches!(head.weight, Stored::Packed(_)));
         assert_eq!((head.vocab(), head.dtype()), (100, Dtype::Bfloat16));
         assert_eq!(kernels::bits16(&head.weight()), kernels::bits16(&table));
         let ids = mlx_rs::Array::from_slice(&[0i32, 99, 17, 17, 64, 3], &[2, 3]);
@@ -485,5 +361,39 @@ mod tests {
         let logits = head.as_linear(&x).unwrap().as_dtype(Dtype::Float32).unwrap();
         let mlx = plain.as_linear(&x).unwrap().as_dtype(Dtype::Float32).unwrap();
         assert!(logits.all_close(&mlx, 1e-2, 1e-2, None).unwrap(), "the head's logits are MLX's, up to rounding");
+    }
+}
+
+#[cfg(test)]
+mod float32_route_tests {
+    use mlx_rs::random;
+
+    use super::*;
+    use kernels::wide::{float32, WIDE_ROWS};
+
+    fn normal(shape: &[i32], seed: u64) -> Array {
+        random::normal::<f32>(shape, None, None, &random::key(seed).unwrap()).unwrap()
+    }
+
+    /// Largest |a − b| relative to the largest |b|.
+    fn relative_difference(a: &Array, b: &Array) -> f32 {
+        let (a, b) = (float32(a).unwrap(), float32(b).unwrap());
+        let diff = a.subtract(&b).unwrap().abs().unwrap().max(None).unwrap().item_exact::<f32>();
+        diff / b.abs().unwrap().max(None).unwrap().item_exact::<f32>()
+    }
+
+    #[test]
+    fn quantized_products_equal_mlxs_quantized_matmul() {
+        for (bits, group_size) in [(4, 32), (4, 64), (8, 64), (8, 128)] {
+            let w = normal(&[64, 256], 3);
+            let (wq, scales, biases) = mlx_rs::ops::quantize(&w, group_size, bits).unwrap();
+            let x = normal(&[WIDE_ROWS + 3, 256], 4);
+            let q = Quantization { group_size, bits };
+            let linear = Linear::quantized(wq.clone(), scales.clone(), biases.clone(), q);
+            let ours = linear.forward(&x).unwrap();
+            let mlx = mlx_rs::ops::quantized_matmul(&x, &wq, &scales, &biases, true, group_size, bits).unwrap();
+            let d = relative_difference(&ours, &mlx);
+            assert!(d <= 1e-5, "{bits} bits, group {group_size}: {d}");
+        }
     }
 }

@@ -4,8 +4,16 @@
 use mlx_rs::error::Exception;
 use mlx_rs::Array;
 
-use super::layout::{concat, first_slots, put_slots, slice};
-use crate::sdk::Snapshot;
+use kernels::layout::{concat, first_slots, put_slots, slice};
+
+/// One row's state as plain arrays, as a row state carries it across groups (the SDK's
+/// `Snapshot`).
+pub struct Snapshot {
+    /// Tokens of the row the state covers.
+    pub processed: u64,
+    pub ids: Vec<u32>,
+    pub tensors: Vec<Array>,
+}
 
 /// One row's context: per layer, keys and values of positions 0..N, grown only by committed
 /// positions.
@@ -162,7 +170,7 @@ mod tests {
     }
 
     fn floats(a: &Array) -> Vec<f32> {
-        crate::nn::kernels::row_major(a).unwrap().as_slice::<f32>().to_vec()
+        kernels::row_major(a).unwrap().as_slice::<f32>().to_vec()
     }
 
     #[test]

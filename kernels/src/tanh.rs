@@ -4,7 +4,7 @@
 //! nanoseconds a value: over a 262,144-token vocabulary that is milliseconds per row of logits,
 //! and a verify window has several rows. Here tanh is branch-free arithmetic that compiles to
 //! vector code: an odd polynomial near zero (Cephes' `tanhf` coefficients) and
-//! 1 − 2 / (e^{2|x|} + 1) beyond, with MLX's own exponential ([`super::ops::mlx_exp`]). It is
+//! 1 − 2 / (e^{2|x|} + 1) beyond, with MLX's own exponential ([`crate::exp::mlx_exp`]). It is
 //! within a few units in the last place of `tanhf` (tested over every 61st float), not equal to
 //! it bit for bit, so a float32 model's logits move in their last bits against mlx-lm's (the
 //! parity tests allow 5e-4); half-precision dtypes keep their tables of MLX's exact results.
@@ -38,15 +38,15 @@ pub fn tanh(x: f32) -> f32 {
     }
 }
 
-/// [`super::ops::mlx_exp`] for x in [0, 40], without its range checks (branches would keep the
+/// [`crate::exp::mlx_exp`] for x in [0, 40], without its range checks (branches would keep the
 /// loops scalar).
 #[inline(always)]
 fn exp_in_range(x: f32) -> f32 {
-    let x = x * super::ops::LOG2_E;
+    let x = x * crate::exp::LOG2_E;
     let whole = (x + 0.5).floor();
     let fraction = x - whole;
-    let mut p = super::ops::EXP_POLYNOMIAL[0];
-    for c in &super::ops::EXP_POLYNOMIAL[1..] {
+    let mut p = crate::exp::EXP_POLYNOMIAL[0];
+    for c in &crate::exp::EXP_POLYNOMIAL[1..] {
         p = p.mul_add(fraction, *c);
     }
     f32::from_bits(((whole as i32 + 127) << 23) as u32) * p

@@ -15,10 +15,10 @@
 //!   for one row; without the widening the loads are the limit. Each product of two bfloat16
 //!   values is exact in float32, so every step is a float32 multiply-add as in the other routes,
 //!   in another order.
-//! - quantized weights where the CPU has AVX-512 ([`super::quantized_avx512`]): dequantized in
+//! - quantized weights where the CPU has AVX-512 ([`crate::quantized_avx512`]): dequantized in
 //!   registers straight from their packed bytes;
 //! - AVX2 with FMA for everything else where the CPU has it; up to six rows of half-precision
-//!   or quantized weights widened in registers ([`super::narrow_avx2`]), summed as these loops
+//!   or quantized weights widened in registers ([`crate::narrow_avx2`]), summed as these loops
 //!   sum.
 //! - a portable loop elsewhere.
 //!
@@ -26,6 +26,8 @@
 //! on how many rows share the product, so a row's result is the same alone or in a window.
 
 use mlx_rs::Dtype;
+
+pub use crate::weight::{Params, Quantized, Weight};
 
 /// Where a sum's terms go depends on their index modulo this (the AVX-512 BF16 loops' 32
 /// elements per vector; the AVX2 loops' 8 divides it). Terms laid out from an index that is a
@@ -38,57 +40,6 @@ pub const SUM_PERIOD: usize = 32;
 /// `kernels`).
 pub const MAX_ROWS: usize = 16;
 
-/// Scales or biases of quantized weights, in the dtype the checkpoint stores.
-#[derive(Clone, Copy)]
-pub enum Params<'a> {
-    F32(&'a [f32]),
-    Bf16(&'a [u16]),
-    F16(&'a [u16]),
-}
-
-impl Params<'_> {
-    /// Inlined into the product loops, which read one scale and one bias per row and group:
-    /// as a call it took an eighth of a quantized decode step.
-    #[inline(always)]
-    pub fn get(&self, i: usize) -> f32 {
-        match self {
-            Params::F32(p) => p[i],
-            Params::Bf16(p) => f32::from_bits((p[i] as u32) << 16),
-            Params::F16(p) => half::f16::from_bits(p[i]).to_f32(),
-        }
-    }
-}
-
-/// A weight matrix [n, k], row-major.
-#[derive(Clone, Copy)]
-pub enum Weight<'a> {
-    F32(&'a [f32]),
-    /// bfloat16 bit patterns.
-    Bf16(&'a [u16]),
-    /// float16 bit patterns.
-    F16(&'a [u16]),
-    Quantized(Quantized<'a>),
-}
-
-/// An MLX affine-quantized matrix [n, k]: row o holds k / (32 / bits) words, low bits first;
-/// one scale and bias per `group` weights: w = scale · q + bias.
-#[derive(Clone, Copy)]
-pub struct Quantized<'a> {
-    pub packed: &'a [u32],
-    pub scales: Params<'a>,
-    pub biases: Params<'a>,
-    pub bits: u32,
-    pub group: usize,
-}
-
-impl Quantized<'_> {
-    /// The integer q of element i of row o (rows k long).
-    pub fn q(&self, o: usize, k: usize, i: usize) -> u32 {
-        let per_word = (32 / self.bits) as usize;
-        let word = self.packed[(o * k + i) / per_word];
-        (word >> (self.bits as usize * (i % per_word))) & ((1u32 << self.bits) - 1)
-    }
-}
 
 /// Computes y[m, o] for outputs `outputs` (a range of rows of W) and every row m of x [rows, k];
 /// y is [rows, n] and only its `outputs` columns are written. `x_dtype` is the dtype x's values
@@ -185,6 +136,7 @@ pub(super) mod avx2 {
     use std::arch::x86_64::*;
 
     use super::*;
+    use crate::widen_avx2::{bf16x8, f16x8, horizontal_sum, prefetch_rows, u4x8, u8x8};
 
     /// The most rows of x and of W one register tile handles: up to 4 × 2 accumulators (3 × 4
     /// for float32 rows read in place, 1 × 4 for a single row of x, where more rows of W give
@@ -210,9 +162,9 @@ pub(super) mod avx2 {
         if !supported {
             return portable::product(x, rows, k, w, outputs, n, y);
         }
-        if (1..=super::super::narrow_avx2::MAX_ROWS).contains(&rows) && super::super::narrow_avx2::takes(w, k) {
+        if (1..=crate::narrow_avx2::MAX_ROWS).contains(&rows) && crate::narrow_avx2::takes(w, k) {
             // SAFETY: this function's features are those loops', and rows and format are checked.
-            return super::super::narrow_avx2::product(x, rows, k, w, outputs, n, y);
+            return crate::narrow_avx2::product(x, rows, k, w, outputs, n, y);
         }
         // Four W rows for a single x row while their converted floats stay well inside L1, and
         // for float32 rows read in place at any row count: four rows streamed at once keep the
@@ -274,23 +226,6 @@ pub(super) mod avx2 {
         }
     }
 
-    /// Asks for W's rows `rows` (the next block) to be brought into cache while the current
-    /// block is multiplied: each weight is read once per product, so it comes from memory, and
-    /// a block of a few hundred bytes per row is done before the hardware prefetcher catches
-    /// up. In verify rounds of the demo target (4 requests, 2 drafts each), alternated with and
-    /// without, three runs each: products of 4 rows ran at 13.6–17.4 GMAC/s against 11.9–15.2,
-    /// of 12 rows at 26.1–31.6 against 21.3–25.3.
-    #[inline(always)]
-    pub(in crate::nn::kernels) unsafe fn prefetch_rows(w: Weight, k: usize, rows: std::ops::Range<usize>) {
-        let (base, row_bytes) = match w {
-            Weight::F32(w) => (w.as_ptr() as *const u8, k * 4),
-            Weight::Bf16(w) | Weight::F16(w) => (w.as_ptr() as *const u8, k * 2),
-            Weight::Quantized(w) => (w.packed.as_ptr() as *const u8, k * w.bits as usize / 8),
-        };
-        for at in (rows.start * row_bytes..rows.end * row_bytes).step_by(64) {
-            _mm_prefetch::<_MM_HINT_T0>(base.add(at) as *const i8);
-        }
-    }
 
     /// Row r of W as floats.
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -402,41 +337,10 @@ pub(super) mod avx2 {
         }
     }
 
-    /// Eight bfloat16 values as floats: each is the top half of its float32.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(in crate::nn::kernels) unsafe fn bf16x8(p: *const u16) -> __m256 {
-        let halves = _mm_loadu_si128(p as *const __m128i);
-        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16))
-    }
 
-    /// Eight float16 values as floats.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(in crate::nn::kernels) unsafe fn f16x8(p: *const u16) -> __m256 {
-        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
-    }
 
-    /// Eight 8-bit values (two words, low byte first) as floats.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(in crate::nn::kernels) unsafe fn u8x8(p: *const u32) -> __m256 {
-        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i)))
-    }
 
-    /// The eight 4-bit values of one word (low nibble first) as floats.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(in crate::nn::kernels) unsafe fn u4x8(word: u32) -> __m256 {
-        let shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-        let nibbles =
-            _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word as i32), shifts), _mm256_set1_epi32(0xF));
-        _mm256_cvtepi32_ps(nibbles)
-    }
 
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(in crate::nn::kernels) unsafe fn horizontal_sum(v: __m256) -> f32 {
-        let pair = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        let quad = _mm_add_ps(pair, _mm_movehl_ps(pair, pair));
-        let one = _mm_add_ss(quad, _mm_shuffle_ps(quad, quad, 1));
-        _mm_cvtss_f32(one)
-    }
 }
 
 /// A register tile of the AVX-512 loops, placed at x row `m0` and W row `o` when built:
@@ -528,7 +432,7 @@ mod avx512_f32 {
     const W_BLOCK: usize = 4;
 
     pub fn available() -> bool {
-        super::super::lanes::available()
+        crate::lanes::available()
     }
 
     /// [`super::product`] for float32 W, read in place; the last partial vector of every row,
@@ -560,7 +464,7 @@ mod avx512_f32 {
     impl super::RegisterTile for Tile<'_> {
         /// y[m0 + b, o + j] = Σ_i w[o + j, i] · x[m0 + b, i] for b < XB, j < WB, each output in
         /// its own accumulator. Element i goes to lane i mod 16 and the lanes are summed last
-        /// by one tree ([`super::super::lanes::store_sums`]), so a sum does not change when
+        /// by one tree ([`crate::lanes::store_sums`]), so a sum does not change when
         /// zeros are appended to both operands, nor with the tile its row shares.
         #[allow(clippy::needless_range_loop, reason = "register tiles read best by index")]
         #[target_feature(enable = "avx512f,avx512vl,avx512dq")]
@@ -571,7 +475,7 @@ mod avx512_f32 {
             let next = w.as_ptr().wrapping_add((o + WB) * k);
             let mut i = 0;
             while i < k {
-                super::super::lanes::prefetch_lines(next, k, ahead, i);
+                crate::lanes::prefetch_lines(next, k, ahead, i);
                 let rest = k - i;
                 let mask: __mmask16 = if rest >= LANES { 0xFFFF } else { (1 << rest) - 1 };
                 for j in 0..WB {
@@ -585,7 +489,7 @@ mod avx512_f32 {
                 }
                 i += LANES;
             }
-            super::super::lanes::store_sums(acc, y, m0, o, n);
+            crate::lanes::store_sums(acc, y, m0, o, n);
         }
     }
 }
@@ -602,7 +506,7 @@ mod avx512_bf16 {
     const W_BLOCK: usize = 4;
 
     pub fn available() -> bool {
-        super::super::lanes::available()
+        crate::lanes::available()
             && std::is_x86_feature_detected!("avx512bw")
             && std::is_x86_feature_detected!("avx512bf16")
     }
@@ -655,7 +559,7 @@ mod avx512_bf16 {
             let next = w.as_ptr().wrapping_add((o + WB) * k);
             let mut i = 0;
             while i < k {
-                super::super::lanes::prefetch_lines(next, k, ahead, i);
+                crate::lanes::prefetch_lines(next, k, ahead, i);
                 let rest = k - i;
                 let wv: [__m512bh; WB] = std::array::from_fn(|j| {
                     let at = w.as_ptr().add((o + j) * k + i);
@@ -675,7 +579,7 @@ mod avx512_bf16 {
                 }
                 i += LANES;
             }
-            super::super::lanes::store_sums(acc, y, m0, o, n);
+            crate::lanes::store_sums(acc, y, m0, o, n);
         }
     }
 }

@@ -20,7 +20,7 @@
 
 use std::arch::x86_64::*;
 
-use super::dot::{Quantized, Weight};
+use crate::weight::{Quantized, Weight};
 use super::lanes::store_sums;
 
 /// Register tiles of up to 4 x rows × 4 W rows: sixteen accumulators, and for each W row its
@@ -69,7 +69,7 @@ pub unsafe fn product(
     while o < outputs.end {
         let width = if wide { WIDE_W_BLOCK } else { W_BLOCK }.min(outputs.end - o);
         // As the other loops do: the next block of W rows is asked for while this one is used.
-        super::dot::avx2::prefetch_rows(Weight::Quantized(w), k, o + width..(o + 2 * width).min(outputs.end));
+        crate::widen_avx2::prefetch_rows(Weight::Quantized(w), k, o + width..(o + 2 * width).min(outputs.end));
         let mut m0 = 0;
         while m0 < rows {
             let block = if wide { rows } else { X_BLOCK.min(rows - m0) };

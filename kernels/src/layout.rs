@@ -12,7 +12,7 @@
 use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype};
 
-use super::kernels::{bf16_elementwise, bits16, from_bits16, rounded, row_major, with_floats, Bf16Op};
+use crate::arrays::{bf16_elementwise, bits16, from_bits16, rounded, row_major, with_floats, Bf16Op};
 
 /// Elements up to which copying on the host costs less than an MLX op's round trip.
 const HOST_ELEMENTS: usize = 1 << 18;
@@ -20,7 +20,7 @@ const HOST_ELEMENTS: usize = 1 << 18;
 fn on_host(x: &Array) -> bool {
     x.size() <= HOST_ELEMENTS
         && matches!(x.dtype(), Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16)
-        && super::wide::on_cpu()
+        && crate::route::on_cpu()
 }
 
 /// Calls `f` with x's row-major data as its element type, for the dtypes [`on_host`] takes.
@@ -202,7 +202,7 @@ fn sliced<T: Copy>(data: &[T], shape: &[i32], ranges: &[std::ops::Range<usize>])
 pub fn put_slots(x: Array, new: &Array, slots: &[Vec<usize>]) -> Result<Array, Exception> {
     let n = slots.first().map_or(0, Vec::len);
     let host_dtype = matches!(x.dtype(), Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16);
-    let fits = x.ndim() == 4 && new.ndim() == 4 && new.dtype() == x.dtype() && super::wide::on_cpu();
+    let fits = x.ndim() == 4 && new.ndim() == 4 && new.dtype() == x.dtype() && crate::route::on_cpu();
     if host_dtype && fits && sole_row_major_holder(&x)? {
         let new = row_major(new)?;
         if new.size() == 0 {
@@ -323,7 +323,7 @@ pub fn take_rows(table: &Array, ids: &Array) -> Result<Array, Exception> {
         && matches!(table.dtype(), Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16)
         && matches!(ids.dtype(), Dtype::Int32 | Dtype::Uint32)
         && ids.size() * table.shape()[1] as usize <= HOST_ELEMENTS
-        && super::wide::on_cpu();
+        && crate::route::on_cpu();
     if !fits {
         return table.take_axis(ids, 0);
     }

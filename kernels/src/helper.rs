@@ -4,7 +4,7 @@
 //!
 //! Written by hand because the thread pools at hand split work the wrong way for a decode step.
 //! A step makes dozens of products of a few to a few hundred microseconds each, from one thread
-//! that must stay on MLX's core (see [`super::cpus`]). Starting a thread per product costs tens
+//! that must stay on MLX's core (see [`crate::cpus`]). Starting a thread per product costs tens
 //! of microseconds on a virtual machine, more than splitting most of them saves. rayon, called
 //! from a thread outside its pool, runs both halves of a `join` on its workers and puts the
 //! caller to sleep, which costs a wake-up per product as well. Here the caller computes its part
@@ -14,13 +14,13 @@
 //! Each copy of this crate (the host's, and each plugin's) would have its own helper, and two
 //! helpers on one core take turns at it: the drafter's spins through the first milliseconds of
 //! the target's verify pass, and the target's through the drafter's. So the host hands its
-//! helper to each plugin it loads (the extension [`SHARED_HELPER_ID`]), and a plugin's products
-//! then run on the host's helper; a plugin loaded by an older host starts its own. A helper
+//! helper to each plugin it loads (an extension of the plugin contract, which calls
+//! [`use_shared`]), and a plugin's products then run on the host's helper; a plugin loaded by an
+//! older host starts its own. A helper
 //! lives as long as the process: a plugin library must never be unloaded while its helper
 //! runs, and the host never unloads one.
 
 use std::any::Any;
-use std::ffi::c_void;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, TryLockError};
@@ -58,7 +58,7 @@ fn helper() -> Option<&'static Helper> {
     static HELPER: OnceLock<Option<Helper>> = OnceLock::new();
     HELPER
         .get_or_init(|| {
-            if !super::cpus::helper_has_a_core() {
+            if !crate::cpus::helper_has_a_core() {
                 return None;
             }
             let shared = Arc::new(Shared {
@@ -70,7 +70,7 @@ fn helper() -> Option<&'static Helper> {
             let handle = std::thread::Builder::new()
                 .name("product-helper".into())
                 .spawn(move || {
-                    super::cpus::move_to_helper_cores();
+                    crate::cpus::move_to_helper_cores();
                     serve(&theirs)
                 })
                 .ok()?;
@@ -110,14 +110,14 @@ fn serve(shared: &Shared) -> ! {
 /// when both are done; both run here, one after the other, when the helper is taken by another
 /// thread or there is none: in a process with a single core, or if no thread could be started. A panic in either is resumed here once both have finished.
 pub fn join(mine: impl FnOnce() + Send, theirs: impl FnOnce() + Send) {
-    match HOSTS_HELPER.get() {
-        Some(host) => join_on(host, mine, theirs),
-        None => join_here(mine, theirs),
-    }
+    let Some(shared) = SHARED.get() else { return join_here(mine, theirs) };
+    let (mut mine, mut theirs) = (Some(mine), Some(theirs));
+    shared(&mut || mine.take().into_iter().for_each(|f| f()), &mut || theirs.take().into_iter().for_each(|f| f()));
 }
 
-/// [`join`] on this copy's own helper.
-fn join_here(mine: impl FnOnce() + Send, theirs: impl FnOnce() + Send) {
+/// [`join`] on this copy's own helper, whatever was shared: what a copy that shares its helper
+/// runs for the others.
+pub fn join_here(mine: impl FnOnce() + Send, theirs: impl FnOnce() + Send) {
     // A panic resumed below poisons the lock; the helper itself is still sound.
     let turn = |h: &'static Helper| match h.busy.try_lock() {
         Ok(turn) => Some((h, turn)),
@@ -164,93 +164,17 @@ fn join_here(mine: impl FnOnce() + Send, theirs: impl FnOnce() + Send) {
     }
 }
 
-/// The id of the extension by which the host shares its helper with a plugin.
-pub const SHARED_HELPER_ID: &str = "shared-helper/1";
+/// How another copy of this crate runs both parts of a [`join`] on its helper: the process
+/// that loaded this copy (the host) hands it over, through the plugin contract, so that one
+/// helper serves the whole process.
+pub type SharedJoin = fn(mine: &mut (dyn FnMut() + Send), theirs: &mut (dyn FnMut() + Send));
 
-/// One part of a [`join`] handed across the plugin boundary: `run(data)` runs it and never
-/// unwinds. **ABI-frozen.**
-#[repr(C)]
-#[derive(abi_stable::StableAbi)]
-pub struct Part {
-    pub data: *mut c_void,
-    pub run: unsafe extern "C" fn(data: *mut c_void),
-}
+/// The join of the copy that loaded this one, once it shared it.
+static SHARED: OnceLock<SharedJoin> = OnceLock::new();
 
-/// A helper shared across the boundary: `join(mine, theirs)` runs `mine` on the calling thread
-/// and `theirs` on the sharer's helper thread, and returns when both are done. **ABI-frozen.**
-#[repr(C)]
-#[derive(abi_stable::StableAbi, Clone, Copy)]
-pub struct SharedHelper {
-    pub join: unsafe extern "C" fn(mine: Part, theirs: Part),
-}
-
-/// The extension [`SHARED_HELPER_ID`]: `share` makes the plugin's products run on the host's
-/// helper from then on (a second call changes nothing). **ABI-frozen.**
-#[repr(C)]
-#[derive(abi_stable::StableAbi)]
-pub struct SharedHelperExtension {
-    pub share: extern "C" fn(helper: SharedHelper),
-}
-
-/// The table every plugin built with this crate exports under [`SHARED_HELPER_ID`].
-pub static SHARED_HELPER_EXTENSION: SharedHelperExtension = SharedHelperExtension { share: accept_shared };
-
-/// The helper of the process that loaded this copy of the crate, once it shared it.
-static HOSTS_HELPER: OnceLock<SharedHelper> = OnceLock::new();
-
-extern "C" fn accept_shared(helper: SharedHelper) {
-    let _ = HOSTS_HELPER.set(helper);
-}
-
-/// This copy's helper, for the plugins this process loads.
-pub fn shared() -> SharedHelper {
-    SharedHelper { join: join_parts }
-}
-
-unsafe extern "C" fn join_parts(mine: Part, theirs: Part) {
-    struct Sendable(Part);
-    // SAFETY: a Part is built by `join_on` from closures that are Send.
-    unsafe impl Send for Sendable {}
-    impl Sendable {
-        fn run(self) {
-            // SAFETY: the part's `run` is given the data it was built with, once.
-            unsafe { (self.0.run)(self.0.data) }
-        }
-    }
-    let (mine, theirs) = (Sendable(mine), Sendable(theirs));
-    join_here(move || mine.run(), move || theirs.run());
-}
-
-/// A closure and what it panicked with, behind a [`Part`].
-struct Closure<F> {
-    f: Option<F>,
-    panic: Option<Box<dyn Any + Send>>,
-}
-
-impl<F: FnOnce()> Closure<F> {
-    fn part(&mut self) -> Part {
-        Part { data: (self as *mut Self).cast(), run: Self::run }
-    }
-
-    /// Runs the closure, keeping its panic: an unwind must not cross the other copy's frames.
-    unsafe extern "C" fn run(data: *mut c_void) {
-        // SAFETY: `data` is the Closure that `part` was called on, alive until `join_on` returns.
-        let closure = unsafe { &mut *data.cast::<Self>() };
-        if let Some(f) = closure.f.take() {
-            closure.panic = catch_unwind(AssertUnwindSafe(f)).err();
-        }
-    }
-}
-
-/// [`join`] on a helper shared by the host.
-fn join_on(host: &SharedHelper, mine: impl FnOnce() + Send, theirs: impl FnOnce() + Send) {
-    let mut mine = Closure { f: Some(mine), panic: None };
-    let mut theirs = Closure { f: Some(theirs), panic: None };
-    // SAFETY: both parts point at closures on this stack, which outlive the call.
-    unsafe { (host.join)(mine.part(), theirs.part()) };
-    if let Some(panic) = theirs.panic.or(mine.panic) {
-        resume_unwind(panic);
-    }
+/// Runs every later [`join`] of this copy through `join` (a second call changes nothing).
+pub fn use_shared(join: SharedJoin) {
+    let _ = SHARED.set(join);
 }
 
 #[cfg(test)]
@@ -285,7 +209,7 @@ mod tests {
     fn a_panic_in_either_part_reaches_the_caller_and_the_helper_goes_on() {
         assert!(catch_unwind(|| join(|| {}, || panic!("the helper's part"))).is_err());
         assert!(catch_unwind(|| join(|| panic!("the caller's part"), || {})).is_err());
-        assert_eq!(the_helper_takes_a_part(), super::super::cpus::helper_has_a_core());
+        assert_eq!(the_helper_takes_a_part(), crate::cpus::helper_has_a_core());
     }
 
     #[test]
@@ -306,20 +230,6 @@ mod tests {
     #[test]
     fn the_helper_wakes_after_sleeping() {
         std::thread::sleep(SPIN * 3);
-        assert_eq!(the_helper_takes_a_part(), super::super::cpus::helper_has_a_core());
-    }
-
-    #[test]
-    fn parts_handed_across_the_boundary_run_and_their_panics_come_back() {
-        let helper = shared();
-        for round in 0..200u32 {
-            let (mut a, mut b) = (0u32, 0u32);
-            join_on(&helper, || a = round, || b = round + 1);
-            assert_eq!((a, b), (round, round + 1));
-        }
-        let theirs = catch_unwind(|| join_on(&helper, || {}, || panic!("the helper's part")));
-        assert_eq!(theirs.unwrap_err().downcast_ref::<&str>(), Some(&"the helper's part"));
-        let mine = catch_unwind(|| join_on(&helper, || panic!("the caller's part"), || {}));
-        assert_eq!(mine.unwrap_err().downcast_ref::<&str>(), Some(&"the caller's part"));
+        assert_eq!(the_helper_takes_a_part(), crate::cpus::helper_has_a_core());
     }
 }

@@ -1,0 +1,62 @@
+//! # The CPU kernels
+//!
+//! Everything in the drafter host that depends on the machine it runs on lives here, and only
+//! here: the SIMD and tile-unit (AMX) loops, the detection of the CPU features that pick them,
+//! core affinity, and the few operating-system calls the host makes (signals, the loaded
+//! libraries, the object format of a plugin). Each such place is gated by `cfg` or by a feature
+//! check at run time, with a portable path beside it, so the crate builds and runs on any
+//! target Rust and MLX support.
+//!
+//! The model toolkit above it (`nn`) is device-agnostic: each op asks this crate first and
+//! takes MLX's own op when the answer is `None`. An answer is `None` where the loops do not
+//! cover the case, and always off the CPU route ([`route`]): on a GPU, or with
+//! `HOST_KERNELS=mlx`, every op is MLX's.
+//!
+//! Why by hand: on the CPU, MLX dispatches each op to a worker thread (microseconds each, and a
+//! small model's decode step meets hundreds), its bfloat16 and quantized products are generic
+//! or scalar code, and OpenBLAS packs a whole weight even for a one-row product. Decoding reads
+//! every weight once per step, so these loops stream each weight once in its stored format and
+//! fuse the elementwise steps between products, rounding each result as MLX rounds it.
+
+// Routing and the host arrays the loops read.
+pub mod arrays;
+pub mod route;
+pub mod wide;
+
+// Products and their weight formats.
+pub mod amx_bf16;
+pub mod amx_quantized;
+pub mod dot;
+#[cfg(target_arch = "x86_64")]
+mod lanes;
+#[cfg(target_arch = "x86_64")]
+pub mod narrow_avx2;
+pub mod packed;
+pub mod product;
+#[cfg(target_arch = "x86_64")]
+pub mod quantized_avx512;
+pub mod weight;
+pub mod weighted_sum;
+#[cfg(target_arch = "x86_64")]
+mod widen_avx2;
+
+// The ops between products.
+pub mod activation;
+pub mod argmax;
+pub mod attention;
+pub mod candidates;
+pub mod exp;
+pub mod layout;
+pub mod norm;
+pub mod rope;
+pub mod scan;
+pub mod softmax;
+pub mod tanh;
+
+// Threads, cores and the operating system.
+pub mod cpus;
+pub mod helper;
+
+pub use arrays::{bits16, from_bits16, rounded, row_major, with_floats};
+pub use packed::Packed;
+pub use product::{dequantized_rows, small_product, tiled_product, Quantization, Tiled};

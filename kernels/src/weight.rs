@@ -1,0 +1,53 @@
+//! A weight as the product loops read it: its format and its data, borrowed from MLX's arrays.
+
+/// Scales or biases of quantized weights, in the dtype the checkpoint stores.
+#[derive(Clone, Copy)]
+pub enum Params<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u16]),
+    F16(&'a [u16]),
+}
+
+impl Params<'_> {
+    /// Inlined into the product loops, which read one scale and one bias per row and group:
+    /// as a call it took an eighth of a quantized decode step.
+    #[inline(always)]
+    pub fn get(&self, i: usize) -> f32 {
+        match self {
+            Params::F32(p) => p[i],
+            Params::Bf16(p) => f32::from_bits((p[i] as u32) << 16),
+            Params::F16(p) => half::f16::from_bits(p[i]).to_f32(),
+        }
+    }
+}
+
+/// A weight matrix [n, k], row-major.
+#[derive(Clone, Copy)]
+pub enum Weight<'a> {
+    F32(&'a [f32]),
+    /// bfloat16 bit patterns.
+    Bf16(&'a [u16]),
+    /// float16 bit patterns.
+    F16(&'a [u16]),
+    Quantized(Quantized<'a>),
+}
+
+/// An MLX affine-quantized matrix [n, k]: row o holds k / (32 / bits) words, low bits first;
+/// one scale and bias per `group` weights: w = scale · q + bias.
+#[derive(Clone, Copy)]
+pub struct Quantized<'a> {
+    pub packed: &'a [u32],
+    pub scales: Params<'a>,
+    pub biases: Params<'a>,
+    pub bits: u32,
+    pub group: usize,
+}
+
+impl Quantized<'_> {
+    /// The integer q of element i of row o (rows k long).
+    pub fn q(&self, o: usize, k: usize, i: usize) -> u32 {
+        let per_word = (32 / self.bits) as usize;
+        let word = self.packed[(o * k + i) / per_word];
+        (word >> (self.bits as usize * (i % per_word))) & ((1u32 << self.bits) - 1)
+    }
+}

@@ -1,0 +1,404 @@
+//! Small functional pieces, each as mlx-lm computes it: this crate's kernels where the CPU route
+//! covers them ([`kernels`]), MLX's ops otherwise.
+
+use mlx_rs::error::Exception;
+use mlx_rs::fast::ScaledDotProductAttentionMask;
+use mlx_rs::{Array, Dtype};
+
+use kernels::layout::first_slots;
+
+pub use kernels::argmax::{first_max, first_max_half};
+pub use kernels::arrays::scalar;
+pub use kernels::attention::{KeyPiece, Mask, RowKeys};
+pub use kernels::exp::mlx_exp;
+pub use kernels::softmax::tempered_softmax_rows;
+
+/// RMSNorm with a weight (multiplied as is, not 1 + w) or without one.
+pub fn rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Array, Exception> {
+    if let Some(y) = kernels::norm::rms_norm(x, weight, eps)? {
+        return Ok(y);
+    }
+    mlx_rs::fast::rms_norm(x, weight, eps)
+}
+
+/// `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`, mlx's `gelu_approx`.
+pub fn gelu_approx(x: &Array) -> Result<Array, Exception> {
+    let dtype = x.dtype();
+    let c = scalar(0.044715, dtype)?;
+    let k = scalar((2.0 / std::f32::consts::PI).sqrt(), dtype)?;
+    // x³ as one power (rounded once), like mlx's `x ** 3`, not two products.
+    let cube = x.power(scalar(3.0, dtype)?)?;
+    let inner = x.add(cube.multiply(&c)?)?.multiply(&k)?;
+    let gate = mlx_rs::ops::tanh(&inner)?.add(scalar(1.0, dtype)?)?;
+    x.multiply(scalar(0.5, dtype)?)?.multiply(&gate)
+}
+
+/// GeGLU: `gelu_approx(gate) ⊙ up`.
+pub fn geglu(gate: &Array, up: &Array) -> Result<Array, Exception> {
+    if let Some(y) = kernels::activation::geglu(gate, up)? {
+        return Ok(y);
+    }
+    gelu_approx(gate)?.multiply(up)
+}
+
+/// SwiGLU: `silu(gate) ⊙ up`, silu being `gate · sigmoid(gate)` (Qwen's MLP, as mlx-lm writes
+/// it).
+pub fn swiglu(gate: &Array, up: &Array) -> Result<Array, Exception> {
+    if let Some(y) = kernels::activation::swiglu(gate, up)? {
+        return Ok(y);
+    }
+    gate.multiply(mlx_rs::ops::sigmoid(gate)?)?.multiply(up)
+}
+
+/// `tanh(x / cap) · cap`.
+pub fn softcap(x: &Array, cap: f32) -> Result<Array, Exception> {
+    if let Some(y) = kernels::activation::softcap(x, cap)? {
+        return Ok(y);
+    }
+    let c = scalar(cap, x.dtype())?;
+    mlx_rs::ops::tanh(x.divide(&c)?)?.multiply(&c)
+}
+
+
+/// Attention of queries [B, Hq, L, D] over keys/values [B, Hkv, S, D].
+pub fn attention(q: &Array, k: &Array, v: &Array, scale: f32, mask: &Mask) -> Result<Array, Exception> {
+    attention_over_slots(q, k, v, k.shape().get(2).map_or(0, |&s| s as usize), scale, mask)
+}
+
+/// [`attention`] over the first `slots` slots of keys/values [B, Hkv, S, D]: a KV cache's
+/// storage, of which only those are written. The host's loops read them where they lie; the
+/// slice MLX would need to cut them is an op, and each op waits on MLX's thread (four per
+/// decode step of the demo target, about a tenth of it).
+pub fn attention_over_slots(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    slots: usize,
+    scale: f32,
+    mask: &Mask,
+) -> Result<Array, Exception> {
+    if let Some(out) = kernels::attention::attention_over_slots(q, k, v, slots, scale, mask)? {
+        return Ok(out);
+    }
+    let (k, v) = (first_slots(k, slots)?, first_slots(v, slots)?);
+    let (k, v) = (&k, &v);
+    let mask = match mask {
+        Mask::All => None,
+        Mask::Causal => Some(ScaledDotProductAttentionMask::Causal),
+        Mask::Array(m) => Some(ScaledDotProductAttentionMask::Array(m)),
+    };
+    mlx_rs::fast::scaled_dot_product_attention(q, k, v, scale, mask, None)
+}
+
+/// Attention of row b of queries q [B, Hq, L, D] over row b's own keys and values, for rows
+/// whose key counts differ (a drafter's per-row contexts): each row gets, bit for bit, what
+/// [`attention`] gives it alone, in one call rather than one per row.
+pub fn attention_rows(q: &Array, rows: &[RowKeys], scale: f32) -> Result<Array, Exception> {
+    if let Some(out) = kernels::attention::attention_rows(q, rows, scale)? {
+        return Ok(out);
+    }
+    let take = |a: &Array, r: usize| a.take_axis(Array::from_slice(&[r as i32], &[1]), 0);
+    let outs = rows
+        .iter()
+        .enumerate()
+        .map(|(b, row)| {
+            let keys = row.pieces.iter().map(|p| take(p.keys, p.row)).collect::<Result<Vec<_>, _>>()?;
+            let values = row.pieces.iter().map(|p| take(p.values, p.row)).collect::<Result<Vec<_>, _>>()?;
+            let (keys, values) = (mlx_rs::ops::concatenate(&keys, 2)?, mlx_rs::ops::concatenate(&values, 2)?);
+            attention(&take(q, b)?, &keys, &values, scale, &row.mask)
+        })
+        .collect::<Result<Vec<_>, Exception>>()?;
+    mlx_rs::ops::concatenate(&outs, 0)
+}
+
+/// The first largest value's index in each row of `x` [.., V], as MLX's argmax over the last
+/// axis gives it. Read on the host when MLX runs on the CPU, where its arrays live in host
+/// memory: the op, its conversion and their round trip to MLX's stream thread cost several
+/// times the scan over a small vocabulary. MLX's op elsewhere.
+pub fn argmax_rows(x: &Array) -> Result<Vec<u32>, Exception> {
+    if let Some(best) = kernels::argmax::argmax_rows(x)? {
+        return Ok(best);
+    }
+    let best = mlx_rs::ops::indexing::argmax_axis(x, -1, None)?.as_dtype(Dtype::Uint32)?;
+    Ok(best.as_slice::<u32>().to_vec())
+}
+
+#[cfg(test)]
+mod elementwise_tests {
+    use mlx_rs::random;
+
+    use super::*;
+
+    #[test]
+    fn the_first_max_of_half_bit_patterns_is_that_of_their_values() {
+        for dtype in [Dtype::Bfloat16, Dtype::Float16] {
+            let exponent = if dtype == Dtype::Bfloat16 { 0x7F80 } else { 0x7C00 };
+            let widen = |b: u16| match dtype {
+                Dtype::Bfloat16 => f32::from_bits((b as u32) << 16),
+                _ => half::f16::from_bits(b).to_f32(),
+            };
+            let mut state = 12345u32;
+            let mut next = || {
+                state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                (state >> 16) as u16
+            };
+            for case in 0..400 {
+                // Few distinct values, so that ties (and −0 against +0) are common.
+                let pool: Vec<u16> = (0..1 + case % 7).map(|_| next()).chain([0x8000, 0x0000]).collect();
+                let finite: Vec<u16> = pool.into_iter().filter(|b| b & exponent != exponent).collect();
+                let row: Vec<u16> = (0..1 + case % 50).map(|_| finite[next() as usize % finite.len()]).collect();
+                let values: Vec<f32> = row.iter().map(|&b| widen(b)).collect();
+                assert_eq!(first_max_half(&row, dtype), Some(first_max(&values)), "{dtype:?} {row:04x?}");
+                let mut spoiled = row.clone();
+                spoiled[case % row.len()] = exponent | (case as u16 & 1);
+                assert_eq!(first_max_half(&spoiled, dtype), None, "{dtype:?} {spoiled:04x?}");
+            }
+        }
+    }
+
+    /// Largest |a − b| relative to the largest |b|.
+    fn relative_difference(a: &Array, b: &Array) -> f32 {
+        let diff = a.subtract(b).unwrap().abs().unwrap().max(None).unwrap().item_exact::<f32>();
+        diff / b.abs().unwrap().max(None).unwrap().item_exact::<f32>()
+    }
+
+    /// Float32 takes vector code for MLX's `powf` and `tanhf` (see `nn::tanh`): MLX's result
+    /// within a few units in the last place.
+    #[test]
+    fn float32_is_mlxs_within_rounding() {
+        for (seed, spread) in [0.3f32, 2.0, 9.0].into_iter().enumerate() {
+            let key = |k: u64| random::key(seed as u64 * 10 + k).unwrap();
+            let normal = |k| random::normal::<f32>(&[7, 300], None, None, &key(k)).unwrap();
+            let gate = normal(1).multiply(Array::from_f32(spread)).unwrap();
+            let up = normal(2);
+            let ours = geglu(&gate, &up).unwrap();
+            let d = relative_difference(&ours, &gelu_approx(&gate).unwrap().multiply(&up).unwrap());
+            assert!(d <= 1e-6, "geglu, spread {spread}: {d}");
+            let logits = gate.multiply(Array::from_f32(10.0)).unwrap();
+            let c = Array::from_f32(30.0);
+            let mlx = mlx_rs::ops::tanh(logits.divide(&c).unwrap()).unwrap().multiply(&c).unwrap();
+            let d = relative_difference(&softcap(&logits, 30.0).unwrap(), &mlx);
+            assert!(d <= 1e-6, "softcap, spread {spread}: {d}");
+        }
+    }
+
+    #[test]
+    fn half_precision_equals_mlxs_bit_for_bit() {
+        for dtype in [Dtype::Bfloat16, Dtype::Float16] {
+            for (seed, spread) in [0.3f32, 2.0, 9.0].into_iter().enumerate() {
+                let key = |k: u64| random::key(seed as u64 * 10 + k).unwrap();
+                let normal = |k| random::normal::<f32>(&[7, 300], None, None, &key(k)).unwrap();
+                let gate = normal(1).multiply(Array::from_f32(spread)).unwrap().as_dtype(dtype).unwrap();
+                let up = normal(2).as_dtype(dtype).unwrap();
+                let ours = geglu(&gate, &up).unwrap();
+                let mlx = gelu_approx(&gate).unwrap().multiply(&up).unwrap();
+                assert_eq!(ours.dtype(), mlx.dtype());
+                let differing = ours.ne(&mlx).unwrap().sum(None).unwrap().item_cast::<u32>();
+                assert_eq!(differing, 0, "{dtype:?}, spread {spread}");
+            }
+        }
+    }
+
+    /// Every finite value of a half-precision `dtype`, as an array of that dtype.
+    fn every_finite(dtype: Dtype) -> Array {
+        let values: Vec<f32> = (0..=u16::MAX)
+            .map(|b| match dtype {
+                Dtype::Bfloat16 => f32::from_bits((b as u32) << 16),
+                _ => half::f16::from_bits(b).to_f32(),
+            })
+            .filter(|v| v.is_finite())
+            .collect();
+        Array::from_slice(&values, &[values.len() as i32]).as_dtype(dtype).unwrap()
+    }
+
+    /// The softcap tables, checked at every finite value a logit can take.
+    #[test]
+    fn every_finite_half_precision_logit_softcaps_as_mlx_does() {
+        for dtype in [Dtype::Bfloat16, Dtype::Float16] {
+            let x = every_finite(dtype);
+            for cap in [30.0f32, 15.0] {
+                let ours = softcap(&x, cap).unwrap();
+                let c = scalar(cap, dtype).unwrap();
+                let mlx = mlx_rs::ops::tanh(x.divide(&c).unwrap()).unwrap().multiply(&c).unwrap();
+                assert_eq!(ours.dtype(), dtype);
+                let differing = ours.ne(&mlx).unwrap().sum(None).unwrap().item_cast::<u32>();
+                assert_eq!(differing, 0, "{dtype:?}, cap {cap}");
+            }
+        }
+    }
+
+    /// `ours` equals `mlx` at every finite value a half-precision gate can take, times random
+    /// ups (drawn with `seed`).
+    fn equal_at_every_finite_gate(
+        ours: impl Fn(&Array, &Array) -> Option<Array>,
+        mlx: impl Fn(&Array, &Array) -> Array,
+        seed: u64,
+    ) {
+        for gate in [every_finite(Dtype::Bfloat16), every_finite(Dtype::Float16)] {
+            let n = gate.shape()[0];
+            let up = random::normal::<f32>(&[n], None, None, &random::key(seed).unwrap())
+                .unwrap()
+                .as_dtype(gate.dtype())
+                .unwrap();
+            let ours = ours(&gate, &up).expect("covered");
+            let differing = ours.ne(mlx(&gate, &up)).unwrap().sum(None).unwrap().item_cast::<u32>();
+            assert_eq!(differing, 0, "{:?}", gate.dtype());
+        }
+    }
+
+    /// The half-precision tables, checked at every finite value a gate can take.
+    #[test]
+    fn every_finite_half_precision_gate_equals_mlxs() {
+        equal_at_every_finite_gate(
+            |gate, up| Some(geglu(gate, up).unwrap()),
+            |gate, up| gelu_approx(gate).unwrap().multiply(up).unwrap(),
+            5,
+        );
+    }
+
+    #[test]
+    fn swiglu_equals_mlxs_at_every_finite_half_precision_gate() {
+        equal_at_every_finite_gate(
+            |gate, up| Some(swiglu(gate, up).unwrap()),
+            |gate, up| gate.multiply(mlx_rs::ops::sigmoid(gate).unwrap()).unwrap().multiply(up).unwrap(),
+            6,
+        );
+    }
+}
+
+#[cfg(test)]
+mod half_attention_tests {
+    use mlx_rs::ops::indexing::TryIndexOp;
+    use mlx_rs::random;
+
+    use super::*;
+    use kernels::row_major;
+
+    fn normal(shape: &[i32], seed: u64, dtype: Dtype) -> Array {
+        random::normal::<f32>(shape, None, None, &random::key(seed).unwrap()).unwrap().as_dtype(dtype).unwrap()
+    }
+
+    fn largest_difference(a: &Array, b: &Array) -> f32 {
+        let (a, b) = (a.as_dtype(Dtype::Float32).unwrap(), b.as_dtype(Dtype::Float32).unwrap());
+        a.subtract(&b).unwrap().abs().unwrap().max(None).unwrap().item_exact::<f32>()
+    }
+
+    /// Keys and values given as the first slots of a larger cache (a view, read in place) give
+    /// what their row-major copies give, bit for bit.
+    #[test]
+    fn reads_a_caches_first_slots_in_place() {
+        let dtype = Dtype::Bfloat16;
+        let q = normal(&[2, 4, 1, 64], 1, dtype);
+        let (k, v) = (normal(&[2, 2, 48, 64], 2, dtype), normal(&[2, 2, 48, 64], 3, dtype));
+        let (k, v) = (first_slots(&k, 37).unwrap(), first_slots(&v, 37).unwrap());
+        let in_place = attention(&q, &k, &v, 0.125, &Mask::All).unwrap();
+        let copied = attention(&q, &row_major(&k).unwrap(), &row_major(&v).unwrap(), 0.125, &Mask::All).unwrap();
+        assert_eq!(largest_difference(&in_place, &copied), 0.0);
+        let reference = mlx_rs::fast::scaled_dot_product_attention(&q, &k, &v, 0.125, None, None).unwrap();
+        assert!(largest_difference(&in_place, &reference) < 0.05);
+    }
+
+    #[test]
+    fn attends_over_a_storages_first_slots_as_over_their_copy() {
+        for dtype in [Dtype::Bfloat16, Dtype::Float32] {
+            let q = normal(&[2, 4, 3, 64], 1, dtype);
+            let (k, v) = (normal(&[2, 2, 48, 64], 2, dtype), normal(&[2, 2, 48, 64], 3, dtype));
+            let copy = |a: &Array| row_major(&a.try_index((.., .., ..37)).unwrap()).unwrap();
+            for mask in [Mask::All, Mask::Causal] {
+                let over_slots = attention_over_slots(&q, &k, &v, 37, 0.125, &mask).unwrap();
+                let over_copy = attention(&q, &copy(&k), &copy(&v), 0.125, &mask).unwrap();
+                assert_eq!(over_slots.shape(), &[2, 4, 3, 64]);
+                assert_eq!(largest_difference(&over_slots, &over_copy), 0.0, "{dtype:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn equals_mlxs_attention_within_a_rounding_step_and_ignores_how_many_queries_share_it() {
+        for dtype in [Dtype::Bfloat16, Dtype::Float16] {
+            let (q, k, v) = (
+                normal(&[1, 4, 6, 32], 1, dtype),
+                normal(&[1, 2, 40, 32], 2, dtype),
+                normal(&[1, 2, 40, 32], 3, dtype),
+            );
+            let visible = Array::from_iter((0..6 * 40).map(|i| (i * 7) % 5 != 0), &[1, 1, 6, 40]);
+            for (name, mask) in [("all", Mask::All), ("causal", Mask::Causal), ("array", Mask::Array(visible))] {
+                let ours = attention(&q, &k, &v, 0.17, &mask).unwrap();
+                let sdpa_mask = match &mask {
+                    Mask::All => None,
+                    Mask::Causal => Some(ScaledDotProductAttentionMask::Causal),
+                    Mask::Array(m) => Some(ScaledDotProductAttentionMask::Array(m)),
+                };
+                let mlx = mlx_rs::fast::scaled_dot_product_attention(&q, &k, &v, 0.17, sdpa_mask, None).unwrap();
+                // Outputs are near 1 in size: a rounding step is 2⁻⁸ (bfloat16) or 2⁻¹¹.
+                assert!(largest_difference(&ours, &mlx) <= 2f32.powi(-7), "{dtype:?} {name}");
+            }
+            // The last query alone (a decode step) gives what it gives among six (a window).
+            let window = attention(&q, &k, &v, 0.17, &Mask::Causal).unwrap();
+            let last = q.try_index((.., .., 5..6)).unwrap();
+            let alone = attention(&last, &k, &v, 0.17, &Mask::Causal).unwrap();
+            assert_eq!(largest_difference(&alone, &window.try_index((.., .., 5..6)).unwrap()), 0.0, "{dtype:?}");
+        }
+    }
+
+    /// Each query of a verify window gives what it gives alone over the keys it sees, whether
+    /// either call splits its queries between two threads or not.
+    #[test]
+    fn a_windows_queries_equal_each_query_alone_across_the_threads_split() {
+        let dtype = Dtype::Bfloat16;
+        for (s, d) in [(20, 64), (300, 64), (300, 128)] {
+            let q = normal(&[1, 8, 5, d], 7, dtype);
+            let (k, v) = (normal(&[1, 2, s, d], 8, dtype), normal(&[1, 2, s, d], 9, dtype));
+            let window = attention(&q, &k, &v, 0.125, &Mask::Causal).unwrap();
+            for i in 0..5 {
+                let seen = s - 4 + i;
+                let keys = |a: &Array| a.try_index((.., .., ..seen)).unwrap();
+                let query = q.try_index((.., .., i..i + 1)).unwrap();
+                let alone = attention(&query, &keys(&k), &keys(&v), 0.125, &Mask::All).unwrap();
+                let row = window.try_index((.., .., i..i + 1)).unwrap();
+                assert_eq!(largest_difference(&alone, &row), 0.0, "{s} keys of {d}, query {i}");
+            }
+        }
+    }
+
+    /// Rows of different key counts in one call, each key set in two pieces, give what each row
+    /// gives alone over its keys in one piece.
+    #[test]
+    fn rows_of_different_lengths_equal_each_row_alone_bit_for_bit() {
+        for dtype in [Dtype::Bfloat16, Dtype::Float16, Dtype::Float32] {
+            let q = normal(&[3, 4, 5, 32], 4, dtype);
+            let (block_k, block_v) = (normal(&[3, 2, 5, 32], 5, dtype), normal(&[3, 2, 5, 32], 6, dtype));
+            let contexts: Vec<(Array, Array)> = [7, 19, 12]
+                .iter()
+                .enumerate()
+                .map(|(r, &n)| {
+                    (normal(&[1, 2, n, 32], 10 + r as u64, dtype), normal(&[1, 2, n, 32], 20 + r as u64, dtype))
+                })
+                .collect();
+            let mask = |r: usize, n: i32| match r {
+                0 => Mask::All,
+                1 => Mask::Causal,
+                _ => Mask::Array(Array::from_iter((0..5 * (n + 5)).map(|i| (i * 7) % 5 != 0), &[1, 1, 5, n + 5])),
+            };
+            let rows: Vec<RowKeys> = contexts
+                .iter()
+                .enumerate()
+                .map(|(r, (k, v))| RowKeys {
+                    pieces: vec![
+                        KeyPiece { keys: k, values: v, row: 0 },
+                        KeyPiece { keys: &block_k, values: &block_v, row: r },
+                    ],
+                    mask: mask(r, k.shape()[2]),
+                })
+                .collect();
+            let together = attention_rows(&q, &rows, 0.17).unwrap();
+            for (r, (k, v)) in contexts.iter().enumerate() {
+                let take = |a: &Array| a.try_index(r as i32..r as i32 + 1).unwrap();
+                let keys = mlx_rs::ops::concatenate(&[k, &take(&block_k)], 2).unwrap();
+                let values = mlx_rs::ops::concatenate(&[v, &take(&block_v)], 2).unwrap();
+                let alone = attention(&take(&q), &keys, &values, 0.17, &mask(r, k.shape()[2])).unwrap();
+                assert_eq!(largest_difference(&take(&together), &alone), 0.0, "{dtype:?}, row {r}");
+            }
+        }
+    }
+}
