@@ -8,11 +8,11 @@
 
 use std::ffi::OsString;
 use std::net::{IpAddr, TcpListener};
-use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
+
+use kernels::os::signals;
 
 use crate::distributed::{read_hostfile, DistributedError, HOSTFILE_ENV, RANK_ENV};
 
@@ -123,24 +123,13 @@ fn start_and_watch(hostfile: &Path, addresses: &[Vec<String>], args: &[OsString]
 /// unless rank 0 stopped early (its output closed, an interrupt) and left them in a collective.
 const AFTER_RANK_0: Duration = Duration::from_secs(10);
 
-/// A SIGINT or SIGTERM the launcher received, to pass on to rank 0.
-static SIGNALLED: AtomicBool = AtomicBool::new(false);
-
-extern "C" fn on_signal(_: libc::c_int) {
-    SIGNALLED.store(true, Ordering::Relaxed);
-}
-
 /// Waits for every rank; when one fails, stops the rest and says which one and how. Of ranks
 /// found failed together, one killed by a signal is named first: the others are likely to have
 /// failed because it went away.
 fn watch(mut children: Vec<Child>) -> Result<(), LaunchError> {
     // Stopping is rank 0's to decide (a server finishes what it holds and tells the other ranks
     // to end): the launcher passes a SIGINT or SIGTERM on to it and keeps watching.
-    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
-    unsafe {
-        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
-        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
-    }
+    signals::watch_stop_requests();
     let mut done = vec![false; children.len()];
     let mut rank_0_done: Option<Instant> = None;
     while done.iter().any(|d| !d) {
@@ -151,9 +140,8 @@ fn watch(mut children: Vec<Child>) -> Result<(), LaunchError> {
             let how = format!("still running {} s after rank 0 finished", AFTER_RANK_0.as_secs());
             return Err(LaunchError::RankFailed { rank, how });
         }
-        if SIGNALLED.swap(false, Ordering::Relaxed) && !done[0] {
-            // SAFETY: kill only sends a signal to a process this launcher started.
-            unsafe { libc::kill(children[0].id() as libc::pid_t, libc::SIGTERM) };
+        if signals::take_stop_request() && !done[0] {
+            signals::ask_to_stop(&children[0]);
         }
         let mut failed: Vec<(usize, ExitStatus)> = Vec::new();
         for (rank, child) in children.iter_mut().enumerate() {
@@ -173,7 +161,7 @@ fn watch(mut children: Vec<Child>) -> Result<(), LaunchError> {
                 }
             }
         }
-        if let Some(&(rank, status)) = failed.iter().find(|(_, s)| s.signal().is_some()).or(failed.first()) {
+        if let Some(&(rank, status)) = failed.iter().find(|(_, s)| signals::ending_signal(s).is_some()).or(failed.first()) {
             stop(&mut children);
             return Err(LaunchError::RankFailed { rank, how: describe(status) });
         }
@@ -185,8 +173,7 @@ fn watch(mut children: Vec<Child>) -> Result<(), LaunchError> {
 /// Asks every rank still running to stop (SIGTERM), then kills what is left after a grace period.
 fn stop(children: &mut [Child]) {
     for child in children.iter() {
-        // SAFETY: kill only sends a signal to a process this launcher started.
-        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+        signals::ask_to_stop(child);
     }
     let deadline = Instant::now() + Duration::from_secs(3);
     for child in children.iter_mut() {
@@ -199,7 +186,7 @@ fn stop(children: &mut [Child]) {
 }
 
 fn describe(status: ExitStatus) -> String {
-    match (status.code(), status.signal()) {
+    match (status.code(), signals::ending_signal(&status)) {
         (Some(code), _) => format!("exited with status {code}"),
         (None, Some(signal)) => format!("killed by signal {signal}"),
         _ => status.to_string(),

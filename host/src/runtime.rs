@@ -1,10 +1,10 @@
 //! The process's MLX runtime: the rules every artifact follows, and what is actually loaded.
 
-use std::collections::BTreeSet;
-use std::ffi::{CStr, CString};
-use std::os::unix::ffi::OsStrExt;
-use std::path::{Path, PathBuf};
+use std::ffi::CStr;
+use std::path::PathBuf;
 use std::sync::Once;
+
+use kernels::os::libraries;
 
 /// Applies the process-wide MLX rules; call it before any MLX work (idempotent).
 ///
@@ -18,12 +18,12 @@ pub fn init() {
 
 /// [`init`] for the `host` process, called first thing in `main` while it is the only thread:
 /// the main thread and MLX's CPU worker share one core, and the kernels' helper threads get
-/// the others (see `plugin_api::nn::cpus` for why and what it measured).
+/// the others (see `kernels::cpus` for why).
 pub fn init_process() {
-    let _ = PROCESS_CPUS.set(plugin_api::nn::cpus::allowed());
-    if let Some(helpers) = plugin_api::nn::cpus::share_one_core_with_mlx() {
+    let _ = PROCESS_CPUS.set(kernels::cpus::allowed());
+    if let Some(helpers) = kernels::cpus::share_one_core_with_mlx() {
         // SAFETY: no other thread exists yet to read the environment concurrently.
-        unsafe { std::env::set_var(plugin_api::nn::cpus::HELPER_CPUS_ENV, helpers) };
+        unsafe { std::env::set_var(kernels::cpus::HELPER_CPUS_ENV, helpers) };
     }
     if std::env::var_os(CUDNN_ATTENTION_ENV).is_none() {
         // SAFETY: as above; MLX reads it at its first attention on a GPU.
@@ -46,7 +46,7 @@ static PROCESS_CPUS: std::sync::OnceLock<Vec<usize>> = std::sync::OnceLock::new(
 
 /// The cores this process was given (all of them, not only the one its driving thread keeps).
 pub fn process_cpus() -> Vec<usize> {
-    PROCESS_CPUS.get().cloned().unwrap_or_else(plugin_api::nn::cpus::allowed)
+    PROCESS_CPUS.get().cloned().unwrap_or_else(kernels::cpus::allowed)
 }
 
 /// Runs `start` (which starts child processes) with the calling thread on `cpus`, then puts it
@@ -55,13 +55,13 @@ pub fn process_cpus() -> Vec<usize> {
 /// instead, between fork and exec, makes the standard library fork the whole process rather
 /// than spawn, which measurably slowed the parent's decoding afterwards.)
 pub fn starting_children_on<T>(cpus: &[usize], start: impl FnOnce() -> T) -> T {
-    let own = plugin_api::nn::cpus::allowed();
+    let own = kernels::cpus::allowed();
     if cpus.is_empty() || cpus == own.as_slice() {
         return start();
     }
-    plugin_api::nn::cpus::pin(cpus);
+    kernels::cpus::pin(cpus);
     let started = start();
-    plugin_api::nn::cpus::pin(&own);
+    kernels::cpus::pin(&own);
     started
 }
 
@@ -91,23 +91,9 @@ pub fn active_memory() -> usize {
     bytes
 }
 
-/// Every file mapped into this process, from /proc/self/maps.
-pub fn mapped_files() -> std::io::Result<BTreeSet<PathBuf>> {
-    let maps = std::fs::read_to_string("/proc/self/maps")?;
-    Ok(maps
-        .lines()
-        .filter_map(|line| line.split_whitespace().nth(5))
-        .filter(|path| path.starts_with('/'))
-        .map(PathBuf::from)
-        .collect())
-}
-
-/// The distinct libmlx.so files mapped into this process (one, when all is well).
+/// The distinct MLX libraries loaded into this process (one, when all is well).
 pub fn libmlx_paths() -> std::io::Result<Vec<PathBuf>> {
-    Ok(mapped_files()?
-        .into_iter()
-        .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("libmlx.so")))
-        .collect())
+    Ok(libraries::loaded()?.into_iter().filter(|p| libraries::is_libmlx(p)).collect())
 }
 
 /// The BLAS that MLX's matrix products actually call.
@@ -120,52 +106,15 @@ pub struct Blas {
 }
 
 /// Finds the object that provides `cblas_sgemm` to the process, the symbol MLX's CPU matmul
-/// calls, and names it. Reads the process rather than assuming what setup installed.
+/// calls, and names it: OpenBLAS by its build description where the library (or, for a thin
+/// BLAS such as Debian's libblas.so.3, one it depends on) has `openblas_get_config`. Reads the
+/// process rather than assuming what setup installed.
 pub fn blas_in_use() -> Option<Blas> {
-    let file = defining_file(lookup("cblas_sgemm")?)?;
-    let name = openblas_config(&file)
+    let file = libraries::providing("cblas_sgemm")?;
+    let name = libraries::text_of(&file, "openblas_get_config")
         .map(|config| format!("OpenBLAS {}", config.trim().trim_start_matches("OpenBLAS").trim()))
         .or_else(|| Some(file.file_name()?.to_string_lossy().into_owned()))
         .unwrap_or_default();
     let path = std::fs::canonicalize(&file).unwrap_or(file);
     Some(Blas { name, path })
-}
-
-/// OpenBLAS's build description, when `library` is OpenBLAS or a thin BLAS over it (Debian's
-/// libblas.so.3 is one): `openblas_get_config` is searched in the library and its dependencies.
-fn openblas_config(library: &Path) -> Option<String> {
-    let path = CString::new(library.as_os_str().as_bytes()).ok()?;
-    let symbol = CString::new("openblas_get_config").ok()?;
-    // SAFETY: RTLD_NOLOAD only returns a handle to a library already loaded; the symbol has the
-    // signature `char *openblas_get_config(void)` and returns a static string.
-    unsafe {
-        let handle = libc::dlopen(path.as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD);
-        if handle.is_null() {
-            return None;
-        }
-        let get_config = libc::dlsym(handle, symbol.as_ptr());
-        let config = (!get_config.is_null()).then(|| {
-            let get_config: extern "C" fn() -> *const libc::c_char = std::mem::transmute(get_config);
-            CStr::from_ptr(get_config()).to_string_lossy().into_owned()
-        });
-        libc::dlclose(handle);
-        config
-    }
-}
-
-fn lookup(symbol: &str) -> Option<*mut libc::c_void> {
-    let name = CString::new(symbol).ok()?;
-    // SAFETY: dlsym with RTLD_DEFAULT searches the global scope; a null result means absent.
-    let address = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
-    (!address.is_null()).then_some(address)
-}
-
-fn defining_file(address: *mut libc::c_void) -> Option<PathBuf> {
-    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
-    // SAFETY: dladdr only reads the address and fills `info` with static strings.
-    if unsafe { libc::dladdr(address, &mut info) } == 0 || info.dli_fname.is_null() {
-        return None;
-    }
-    let name = unsafe { CStr::from_ptr(info.dli_fname) };
-    Some(PathBuf::from(name.to_string_lossy().into_owned()))
 }

@@ -11,6 +11,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{fixture, plugins_dir_with, workspace_plugin};
+use kernels::os::processes::{self, Signal};
 
 fn host(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_host")).args(args).env("RUST_BACKTRACE", "1").output().unwrap()
@@ -42,8 +43,7 @@ fn manifest(dir: &Path, extra: &str, max_tokens: usize) -> PathBuf {
 const ENDLESS: usize = 100_000;
 
 fn sigint(child: &Child) {
-    // SAFETY: kill(2) on our own child's pid.
-    assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) }, 0);
+    assert!(processes::send(child.id(), Signal::Interrupt));
 }
 
 fn wait_for_output(child: Child, limit: Duration) -> Output {
@@ -52,8 +52,7 @@ fn wait_for_output(child: Child, limit: Duration) -> Output {
     let waiter = std::thread::spawn(move || child.wait_with_output().unwrap());
     while !waiter.is_finished() {
         if started.elapsed() > limit {
-            // SAFETY: kill(2) on our own child's pid.
-            unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+            processes::send(pid, Signal::Kill);
             panic!("the host did not stop within {limit:?}");
         }
         std::thread::sleep(Duration::from_millis(50));
@@ -125,9 +124,9 @@ fn a_truncated_plugin_is_refused_in_one_line_and_the_others_still_load() {
 fn broken_symlinks_are_reported_not_skipped() {
     let dir = plugins_dir_with(&[&workspace_plugin("ngram")]);
     let d = dir.path();
-    std::os::unix::fs::symlink(d.join("libnothing.so"), d.join("libdangling.so")).unwrap();
-    std::os::unix::fs::symlink(d.join("libloop-b.so"), d.join("libloop-a.so")).unwrap();
-    std::os::unix::fs::symlink(d.join("libloop-a.so"), d.join("libloop-b.so")).unwrap();
+    kernels::os::files::symlink(d.join("libnothing.so"), d.join("libdangling.so")).unwrap();
+    kernels::os::files::symlink(d.join("libloop-b.so"), d.join("libloop-a.so")).unwrap();
+    kernels::os::files::symlink(d.join("libloop-a.so"), d.join("libloop-b.so")).unwrap();
     let out = host(&["plugins", "list", "--plugins-dir", d.to_str().unwrap()]);
     let listing = text(&out.stdout);
     assert!(listing.lines().any(|l| l.contains("libdangling.so") && l.contains("a symlink to nothing")), "{listing}");

@@ -46,7 +46,7 @@ fn hub_cache(root: &Path) {
         let path = entry.unwrap().path();
         let blob = format!("blob{i:04}");
         fs::copy(&path, repo.join("blobs").join(&blob)).unwrap();
-        std::os::unix::fs::symlink(format!("../../blobs/{blob}"), snapshot.join(path.file_name().unwrap())).unwrap();
+        kernels::os::files::symlink(format!("../../blobs/{blob}"), snapshot.join(path.file_name().unwrap())).unwrap();
     }
 }
 

@@ -4,12 +4,12 @@
 mod common;
 
 use std::fs;
-use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 
 use common::{fixture, plugins_dir_with, workspace_plugin};
 use host::plugin::load::{load, sha256_file, LoadError};
 use host::plugin::{select, Registry, SelectError};
+use kernels::os::files::set_mode;
 
 fn refusal(path: &Path, pin: Option<&str>) -> String {
     let error = load(path, pin).expect_err("the library must be refused");
@@ -69,18 +69,18 @@ fn a_sha256_mismatch_is_found_before_the_library_is_opened() {
 fn a_library_or_directory_writable_by_others() {
     let dir = plugins_dir_with(&[&workspace_plugin("ngram")]);
     let lib = dir.path().join("libngram.so");
-    fs::set_permissions(&lib, fs::Permissions::from_mode(0o666)).unwrap();
+    set_mode(&lib, 0o666).unwrap();
     let message = refusal(&lib, None);
     assert!(
         message.starts_with("the library ") && message.contains("is writable by group or others (mode 666)"),
         "{message}"
     );
 
-    fs::set_permissions(&lib, fs::Permissions::from_mode(0o755)).unwrap();
-    fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o777)).unwrap();
+    set_mode(&lib, 0o755).unwrap();
+    set_mode(dir.path(), 0o777).unwrap();
     let message = refusal(&lib, None);
     assert!(message.starts_with("its directory ") && message.contains("(mode 777)"), "{message}");
-    fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o700)).unwrap();
+    set_mode(dir.path(), 0o700).unwrap();
 }
 
 #[test]

@@ -7,6 +7,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use kernels::os::processes::{self, Signal};
 use serde_json::{json, Value};
 
 struct Server {
@@ -368,8 +369,7 @@ fn sigterm_finishes_the_requests_in_flight() {
         ureq::post(&url).send_json(completion(PROMPTS[4], 120, json!({}))).unwrap().into_json::<Value>().unwrap()
     });
     std::thread::sleep(Duration::from_millis(300));
-    // SAFETY: signalling a child process this test started.
-    unsafe { libc::kill(server.child.id() as i32, libc::SIGTERM) };
+    assert!(processes::send(server.child.id(), Signal::Terminate));
     let reply = request.join().unwrap();
     assert_eq!(reply["usage"]["completion_tokens"], 120);
     let status = server.child.wait().unwrap();

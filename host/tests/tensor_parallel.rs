@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use host::distributed::{HOSTFILE_ENV, RANK_ENV};
 use host::model::Gemma4;
+use kernels::os::processes::{self, Signal};
 use mlx_rs::{Array, Dtype};
 
 const MODEL_ENV: &str = "TENSOR_PARALLEL_TEST_MODEL";
@@ -244,21 +245,16 @@ fn a_rank_that_dies_ends_the_others_with_a_message() {
         let _ = std::io::copy(&mut stdout, &mut std::io::sink());
     });
     decoding.recv_timeout(Duration::from_secs(30)).expect("no token within 30 s");
-    let children = |pid: u32| -> Vec<u32> {
-        let text = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
-        text.split_whitespace().map(|p| p.parse().unwrap()).collect()
-    };
     let start = Instant::now();
     let ranks = loop {
-        let ranks = children(launcher.id());
+        let ranks = processes::children(launcher.id());
         if ranks.len() == 2 {
             break ranks;
         }
         assert!(start.elapsed() < Duration::from_secs(30), "the ranks did not start");
         std::thread::sleep(Duration::from_millis(20));
     };
-    // SAFETY: kill sends SIGKILL to rank 1, a child of the launcher this test started.
-    unsafe { libc::kill(ranks[1] as libc::pid_t, libc::SIGKILL) };
+    assert!(processes::send(ranks[1], Signal::Kill));
     let deadline = Instant::now() + Duration::from_secs(30);
     let status = loop {
         if let Some(status) = launcher.try_wait().unwrap() {
@@ -274,7 +270,7 @@ fn a_rank_that_dies_ends_the_others_with_a_message() {
     let mut err = String::new();
     std::io::Read::read_to_string(&mut launcher.stderr.take().unwrap(), &mut err).unwrap();
     assert!(err.contains("rank 1 (killed by signal 9); the other ranks were stopped"), "{err}");
-    assert!(!Path::new(&format!("/proc/{}", ranks[0])).exists(), "rank 0 outlived the launcher");
+    assert!(!processes::is_running(ranks[0]), "rank 0 outlived the launcher");
 }
 
 #[test]
@@ -357,8 +353,7 @@ fn a_sharded_server_batches_requests_as_one_process_decodes_them() {
     let (served, drafted): (Vec<String>, Vec<u64>) = threads.into_iter().map(|t| t.join().unwrap()).unzip();
     assert!(drafted.iter().sum::<u64>() > 0, "nothing was drafted");
     // SIGTERM reaches rank 0 through the launcher; rank 0 finishes and ends the other rank.
-    // SAFETY: kill sends SIGTERM to the launcher this test started.
-    unsafe { libc::kill(launcher.id() as libc::pid_t, libc::SIGTERM) };
+    assert!(processes::send(launcher.id(), Signal::Terminate));
     let deadline = Instant::now() + Duration::from_secs(30);
     let status = loop {
         if let Some(status) = launcher.try_wait().unwrap() {

@@ -184,7 +184,7 @@ pub(crate) unsafe fn bf16_bits_avx512(v: std::arch::x86_64::__m512) -> std::arch
 
 /// The bfloat16 bit patterns of `values`, each rounded by [`bf16_bits`] (every product's
 /// outputs and most elementwise ops' results pass through here).
-fn bf16_all(values: &[f32]) -> Vec<u16> {
+pub(crate) fn bf16_all(values: &[f32]) -> Vec<u16> {
     let mut bits = vec![0u16; values.len()];
     bf16_into(values, &mut bits);
     bits
@@ -242,7 +242,7 @@ unsafe fn bf16_into_avx512(values: &[f32], bits: &mut [u16]) {
 
 avx2_where_available! {
     /// Bfloat16 bit patterns widened to float32.
-    fn widened_bf16(bits: &[u16]) -> Vec<f32> {
+    pub(crate) fn widened_bf16(bits: &[u16]) -> Vec<f32> {
         let mut values = vec![0f32; bits.len()];
         for (v, &b) in values.iter_mut().zip(bits) {
             *v = f32::from_bits((b as u32) << 16);

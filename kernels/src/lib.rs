@@ -56,6 +56,7 @@ pub mod tanh;
 // Threads, cores and the operating system.
 pub mod cpus;
 pub mod helper;
+pub mod os;
 
 pub use arrays::{bits16, from_bits16, rounded, row_major, with_floats};
 pub use packed::Packed;

@@ -349,6 +349,9 @@ mod tests {
     use mlx_rs::random;
 
     use super::*;
+    #[cfg(target_arch = "x86_64")]
+    use crate::arrays::bf16_bits_avx512;
+    use crate::arrays::{bf16_all, round_to, widened_bf16};
 
     #[test]
     fn bfloat16_rounding_is_the_half_crates() {

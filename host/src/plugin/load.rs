@@ -4,12 +4,13 @@
 
 use std::fs;
 use std::io::Read;
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 use abi_stable::abi_stability::abi_checking::check_layout_compatibility;
 use abi_stable::library::{lib_header_from_path, LibHeader, LibraryError, RootModuleError};
 use abi_stable::StableAbi;
+use kernels::os::files::{is_symlink_loop, writable_by_others};
+use kernels::os::object_format::{self, Refusal};
 use plugin_api::abi::DrafterRootRef;
 use plugin_api::{Descriptor, PluginError, API_MAJOR, API_VERSION};
 use sha2::{Digest, Sha256};
@@ -24,10 +25,10 @@ pub enum LoadError {
     UnsafePermissions { what: String, mode: u32 },
     #[error("sha256 mismatch: the manifest pins {expected}, the file has {actual}")]
     HashMismatch { expected: String, actual: String },
-    #[error("not a shared library (no ELF header)")]
-    NotSharedLibrary,
+    #[error("not a shared library (no {0} header)")]
+    NotSharedLibrary(&'static str),
     #[error("not loadable: {0}")]
-    DamagedElf(String),
+    Damaged(String),
     #[error("cannot open the library: {0}")]
     Open(String),
     #[error("not a drafter plugin (no plugin root symbol; was it built with plugin_api::export_drafter!?)")]
@@ -89,7 +90,7 @@ impl Plugin {
 /// Loads the library at `path` after checking it; `pin` is a manifest's sha256 for it.
 pub fn load(path: &Path, pin: Option<&str>) -> Result<Plugin, LoadError> {
     let path = fs::canonicalize(path).map_err(|e| match fs::symlink_metadata(path) {
-        Ok(link) if link.is_symlink() && e.raw_os_error() == Some(libc::ELOOP) => {
+        Ok(link) if link.is_symlink() && is_symlink_loop(&e) => {
             LoadError::Unreadable { path: path.to_owned(), reason: "a symlink loop".into() }
         }
         Ok(link) if link.is_symlink() => {
@@ -105,10 +106,10 @@ pub fn load(path: &Path, pin: Option<&str>) -> Result<Plugin, LoadError> {
             return Err(LoadError::HashMismatch { expected: expected.trim().to_lowercase(), actual });
         }
     }
-    if !bytes.starts_with(b"\x7fELF") {
-        return Err(LoadError::NotSharedLibrary);
-    }
-    super::elf::check(&bytes).map_err(LoadError::DamagedElf)?;
+    object_format::check_native(&bytes).map_err(|refusal| match refusal {
+        Refusal::NoHeader(format) => LoadError::NotSharedLibrary(format.name()),
+        Refusal::Damaged(why) => LoadError::Damaged(why),
+    })?;
     drop(bytes);
 
     let header = lib_header_from_path(&path).map_err(open_error)?;
@@ -122,7 +123,7 @@ pub fn load(path: &Path, pin: Option<&str>) -> Result<Plugin, LoadError> {
 }
 
 /// Hands the host's helper thread to the plugin, so that one helper serves the process
-/// (`plugin_api::nn::helper`). A plugin without the extension, or with another layout of it,
+/// (`kernels::helper`). A plugin without the extension, or with another layout of it,
 /// keeps its own.
 fn share_helper(plugin: &Plugin) {
     use plugin_api::shared_helper::{shared, SharedHelperExtension, SHARED_HELPER_ID};
@@ -154,12 +155,9 @@ fn unreadable(path: &Path, e: std::io::Error) -> LoadError {
 fn check_permissions(path: &Path) -> Result<(), LoadError> {
     let dir = path.parent().unwrap_or(Path::new("/"));
     for (what, target) in [("the library", path), ("its directory", dir)] {
-        let mode = fs::metadata(target).map_err(|e| unreadable(target, e))?.permissions().mode();
-        if mode & 0o022 != 0 {
-            return Err(LoadError::UnsafePermissions {
-                what: format!("{what} {}", target.display()),
-                mode: mode & 0o7777,
-            });
+        let meta = fs::metadata(target).map_err(|e| unreadable(target, e))?;
+        if let Some(mode) = writable_by_others(&meta) {
+            return Err(LoadError::UnsafePermissions { what: format!("{what} {}", target.display()), mode });
         }
     }
     Ok(())

@@ -1,7 +1,6 @@
 //! Drafter plugins: finding and loading libraries, and driving the drafters they provide.
 
 pub mod drafter;
-mod elf;
 pub mod load;
 pub mod registry;
 pub mod report;

@@ -75,11 +75,7 @@ struct App {
 /// A rank other than 0 of a sharded target under `host launch`: no HTTP, only the engine,
 /// following rank 0's batch until rank 0 stops serving. Interrupts are rank 0's to handle.
 pub fn follow(options: ServeOptions) -> Result<(), ServeError> {
-    // SAFETY: setting a signal's disposition to "ignore" has no handler to run.
-    unsafe {
-        libc::signal(libc::SIGINT, libc::SIG_IGN);
-        libc::signal(libc::SIGTERM, libc::SIG_IGN);
-    }
+    kernels::os::signals::ignore_stop_requests();
     engine::follow(options.run, options.prefix_cache_mb << 20)
 }
 
@@ -139,18 +135,12 @@ fn router(app: Arc<App>) -> Router {
     Router::new().route("/health", get(|| async { Json(json!({"status": "ok"})) })).merge(authorized).with_state(app)
 }
 
+/// Resolves at the first Ctrl-C or SIGTERM (`kernels::os::signals`, polled: a shutdown need
+/// not start within the millisecond).
 async fn shutdown_signal() {
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term => {}
+    kernels::os::signals::watch_stop_requests();
+    while !kernels::os::signals::take_stop_request() {
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
 }
 

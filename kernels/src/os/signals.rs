@@ -1,0 +1,111 @@
+//! Requests to stop the process (Ctrl-C, SIGTERM) as flags that the host polls, and stopping
+//! the processes it started.
+//!
+//! On Unix the handlers only store to an atomic (and, for [`stop_at_first_interrupt`], reset
+//! the disposition), both async-signal-safe, and need no thread. Elsewhere nothing is
+//! installed: Ctrl-C ends the process as the system does by default, and the flags stay unset.
+
+use std::process::{Child, ExitStatus};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// Set by a SIGINT after [`stop_at_first_interrupt`].
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+/// Set by a SIGINT or SIGTERM after [`watch_stop_requests`].
+static STOP_REQUESTED: AtomicBool = AtomicBool::new(false);
+
+/// Makes the first Ctrl-C a request to stop ([`interrupted`] then says so) and the second one
+/// end the process as usual.
+pub fn stop_at_first_interrupt() {
+    #[cfg(unix)]
+    {
+        extern "C" fn on_sigint(_: libc::c_int) {
+            INTERRUPTED.store(true, Ordering::SeqCst);
+            // SAFETY: signal() is async-signal-safe; the default disposition ends the process
+            // on the next Ctrl-C.
+            unsafe { libc::signal(libc::SIGINT, libc::SIG_DFL) };
+        }
+        let handler = on_sigint as extern "C" fn(libc::c_int) as libc::sighandler_t;
+        // SAFETY: the handler is async-signal-safe (see above).
+        unsafe { libc::signal(libc::SIGINT, handler) };
+    }
+}
+
+/// Whether Ctrl-C was pressed since [`stop_at_first_interrupt`].
+pub fn interrupted() -> bool {
+    INTERRUPTED.load(Ordering::SeqCst)
+}
+
+/// Makes every SIGINT and SIGTERM a request to stop, taken with [`take_stop_request`].
+pub fn watch_stop_requests() {
+    #[cfg(unix)]
+    {
+        extern "C" fn on_signal(_: libc::c_int) {
+            STOP_REQUESTED.store(true, Ordering::SeqCst);
+        }
+        let handler = on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
+        // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+        unsafe {
+            libc::signal(libc::SIGINT, handler);
+            libc::signal(libc::SIGTERM, handler);
+        }
+    }
+}
+
+/// Whether a stop was requested since the last call (after [`watch_stop_requests`]).
+pub fn take_stop_request() -> bool {
+    STOP_REQUESTED.swap(false, Ordering::SeqCst)
+}
+
+/// Ignores SIGINT and SIGTERM: for a process whose stopping another one decides.
+pub fn ignore_stop_requests() {
+    #[cfg(unix)]
+    // SAFETY: setting a signal's disposition to "ignore" has no handler to run.
+    unsafe {
+        libc::signal(libc::SIGINT, libc::SIG_IGN);
+        libc::signal(libc::SIGTERM, libc::SIG_IGN);
+    }
+}
+
+/// Asks `child` to stop (SIGTERM), so that it can finish what it holds; false where the system
+/// has no such request (the caller then kills it).
+pub fn ask_to_stop(child: &Child) -> bool {
+    super::processes::send(child.id(), super::processes::Signal::Terminate)
+}
+
+/// The signal that ended a process, where it was one.
+pub fn ending_signal(status: &ExitStatus) -> Option<i32> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::ExitStatusExt;
+        status.signal()
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = status;
+        None
+    }
+}
+
+#[cfg(all(test, unix))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stop_request_is_taken_once() {
+        watch_stop_requests();
+        // SAFETY: raise sends the signal to this process, whose handler only sets the flag.
+        assert_eq!(unsafe { libc::raise(libc::SIGTERM) }, 0);
+        assert!(take_stop_request());
+        assert!(!take_stop_request());
+    }
+
+    #[test]
+    fn a_terminated_child_names_its_signal() {
+        let mut child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+        assert!(ask_to_stop(&child));
+        let status = child.wait().unwrap();
+        assert_eq!(ending_signal(&status), Some(libc::SIGTERM));
+        let status = std::process::Command::new("true").status().unwrap();
+        assert_eq!(ending_signal(&status), None);
+    }
+}
