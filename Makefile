@@ -37,10 +37,18 @@ serve: build
 replicas: build
 	bash scripts/replicas.sh
 
+# Then once more on the route Metal and CUDA take, MLX's own ops for everything
+# (HOST_KERNELS=mlx), on this machine's CPU: the target's and the drafters' parity with their
+# references, and speculative output equal to plain. The 4-bit fixture sits that run out: its
+# oracle sums quantized products in float32 as Metal, CUDA and the host's kernels do, where
+# MLX's CPU kernel rounds to bfloat16 at every step (tests/oracle/README.md).
+MLX_ROUTE_TESTS := --test gemma4_parity --test speculative --test assistant --test dflash --test dspark \
+	--test deepspec --test trained_drafters
 test: setup fixtures training-smoke
 	bash tests/clients/setup.sh
 	cargo build --workspace
 	cargo test --workspace
+	HOST_KERNELS=mlx cargo test -p host $(MLX_ROUTE_TESTS) -- --skip quantized_4_bit
 
 # The training scripts on a tiny configuration: the loss falls and an interrupted run resumes.
 training-smoke:

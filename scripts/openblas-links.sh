@@ -6,7 +6,7 @@
 #
 #   openblas-links.sh DIR...   (each DIR an unpacked wheel's or a venv's site-packages)
 set -euo pipefail
-OPENBLAS_DIR=/usr/lib/x86_64-linux-gnu/openblas-pthread
+OPENBLAS_DIR=/usr/lib/$(uname -m)-linux-gnu/openblas-pthread
 [ -e "$OPENBLAS_DIR/libblas.so.3" ] || { echo "openblas-links: OpenBLAS not found in $OPENBLAS_DIR" >&2; exit 1; }
 for dir in "$@"; do
   for lib in "$dir"/*.libs/libblas-*.so* "$dir"/*.libs/liblapack-*.so*; do

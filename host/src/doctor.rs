@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
+use kernels::route::Route;
 use mlx_rs::{random, Array, Device};
 use serde::Serialize;
 
@@ -11,7 +12,7 @@ use crate::runtime;
 #[derive(Debug, Serialize)]
 pub struct Report {
     pub mlx_version: String,
-    /// Every libmlx.so mapped into the process; exactly one when host and plugins share it.
+    /// Every MLX library loaded into the process; exactly one when host and plugins share it.
     pub libmlx_path: Vec<PathBuf>,
     pub blas: Option<String>,
     pub blas_path: Option<PathBuf>,
@@ -22,6 +23,10 @@ pub struct Report {
     /// Whether bfloat16 and quantized products take AMX's tile unit, could (`HOST_AMX=off`), or
     /// cannot here.
     pub amx_tiles: String,
+    /// The route every op takes: `cpu` (the host's kernels where they apply) or `mlx` (MLX's
+    /// own ops, as on Metal and CUDA), and why (`HOST_KERNELS`, the device).
+    pub route: String,
+    pub route_why: String,
 }
 
 impl Report {
@@ -38,30 +43,42 @@ impl Report {
             plugins_dir,
             matmul_gflops,
             amx_tiles: amx_tiles().into(),
+            route: match kernels::route::choice().route {
+                Route::Cpu => "cpu".into(),
+                Route::Mlx => "mlx".into(),
+            },
+            route_why: kernels::route::choice().why.clone(),
         })
     }
 
     pub fn human(&self) -> String {
         let or_unknown = |v: Option<String>| v.unwrap_or_else(|| "not found".into());
         let paths: Vec<String> = self.libmlx_path.iter().map(|p| p.display().to_string()).collect();
-        format!(
-            "MLX          {}\nlibmlx.so    {}\nBLAS         {}\n             {}\ndevice       {}\nplugins dir  {}\nmatmul f32   {:.1} GFLOP/s (512×512×512)\nAMX tiles    {}\n",
-            self.mlx_version,
-            if paths.is_empty() { "not mapped".into() } else { paths.join(", ") },
-            or_unknown(self.blas.clone()),
-            or_unknown(self.blas_path.as_ref().map(|p| p.display().to_string())),
-            self.device,
-            self.plugins_dir.display(),
-            self.matmul_gflops,
-            self.amx_tiles,
-        )
+        let lines = [
+            ("MLX", self.mlx_version.clone()),
+            ("libmlx", if paths.is_empty() { "not loaded".into() } else { paths.join(", ") }),
+            ("BLAS", or_unknown(self.blas.clone())),
+            ("", or_unknown(self.blas_path.as_ref().map(|p| p.display().to_string()))),
+            ("device", self.device.clone()),
+            ("route", format!("{} ({})", self.route, self.route_why)),
+            ("plugins dir", self.plugins_dir.display().to_string()),
+            ("matmul f32", format!("{:.1} GFLOP/s (512×512×512)", self.matmul_gflops)),
+            ("AMX tiles", self.amx_tiles.clone()),
+        ];
+        lines
+            .iter()
+            .map(|(label, value)| match label.is_empty() {
+                true => format!("{:13}{value}\n", ""),
+                false => format!("{:13}{value}\n", format!("{label}:")),
+            })
+            .collect()
     }
 }
 
 fn amx_tiles() -> &'static str {
-    use plugin_api::nn::kernels::amx_bf16;
-    if !plugin_api::nn::wide::on_cpu() {
-        return "not used: MLX runs on another device";
+    use kernels::amx_bf16;
+    if !kernels::route::on_cpu() {
+        return "not used: the route is MLX's ops";
     }
     match (amx_bf16::available(), amx_bf16::supported()) {
         (true, _) => "in use for bfloat16 and quantized products (HOST_AMX=off keeps MLX's layout)",

@@ -333,6 +333,7 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli, silent_rank: bool) -> Result<()> {
+    kernels::route::check_env().map_err(anyhow::Error::msg)?;
     let (verbose, quiet) = (cli.verbose, cli.quiet || silent_rank);
     let ranked = std::env::var_os(host::distributed::HOSTFILE_ENV).is_some();
     let sharded = matches!(

@@ -9,7 +9,16 @@
 //!
 //! [dependencies]
 //! plugin-api = { path = "…/plugin-api" }
+//!
+//! [dev-dependencies]
+//! plugin-api = { path = "…/plugin-api", features = ["conformance"] }
 //! ```
+//!
+//! Host and plugins link one shared MLX library, prepared by the host checkout's
+//! `scripts/setup.sh`. A crate outside the checkout learns where it is with one command, run
+//! once: `…/scripts/setup.sh --drafter-crate .` writes the crate's `.cargo/config.toml`; then
+//! `cargo build` and `cargo test` work there as in the checkout. Without it, mlx-sys's own
+//! build script runs and tries to build a separate MLX from the network.
 //!
 //! 1. [`Drafter`](crate::sdk::Drafter), the kind: the [`Descriptor`](crate::Descriptor) (its
 //!    `kind` is what manifests name; declare every `[drafter.options]` key with its default,
@@ -56,8 +65,8 @@
 //! from the `steps` the host passes (never from mlx-rs's global key), and MLX's `compile`
 //! must not be used (see the crate docs).
 //!
-//! Build the crate, copy `lib<name>.so` into the plugins directory, and `host plugins list`
-//! shows it. Run the conformance kit (`plugin-api` feature `conformance`) in its tests:
+//! Build the crate, copy its library (`lib<name>.so` on Linux, `lib<name>.dylib` on macOS) into
+//! the plugins directory, and `host plugins list` shows it. Run the conformance kit (`plugin-api` feature `conformance`) in its tests:
 //! `plugin_api::conformance::check::<MyDrafter>(&Config::default()).assert_passed()`.
 //!
 //! ## Hello drafter

@@ -3,11 +3,19 @@
 //! A drafter is a shared library that the host loads at run time to propose tokens, which the
 //! host's target model then verifies. Host and plugins are built apart, possibly by different
 //! people, so what crosses between them is ABI-stable (`abi_stable`) and described here once.
-//! Authors write plain Rust against [`sdk`]; the [`abi`] and [`target`] modules are the wire.
-//! [`nn`] holds the MLX building blocks host and drafters share (a prefix view over weights,
-//! linear layers, norms, RoPE, attention, the gated MLP), so that a drafter computes exactly as
-//! the target does; [`config`] reads artifact configs and [`random`] is the one source of
+//! Authors write plain Rust against [`sdk`]; the [`abi`], [`target`] and [`extension`] modules
+//! are the wire. [`config`] reads artifact configs and [`random`] is the one source of
 //! randomness.
+//!
+//! This crate is the contract alone: no SIMD and no platform code, so it changes only when the
+//! contract does. Two crates sit beneath it, each depending only on the one below:
+//! - [`nn`], the model toolkit: the MLX building blocks host and drafters share (a prefix view
+//!   over weights, linear layers, norms, RoPE, attention, the gated MLP), so that a drafter
+//!   computes exactly as the target does. Re-exported here as `plugin_api::nn`, the path
+//!   drafters have always used.
+//! - `kernels` (`plugin_api::nn::kernels`): the CPU loops the toolkit dispatches to, feature
+//!   detection, core affinity and every other platform-specific call. With `HOST_KERNELS=mlx`,
+//!   or off the CPU, every op is MLX's own.
 //!
 //! ## Ownership
 //! Host and plugins link the same `libmlx.so` and each keep their own static copy of mlx-c and
@@ -27,8 +35,8 @@
 //! mlx-rs's global key. MLX's function compilation stays off in every artifact of the
 //! process: mlx-rs numbers compiled functions per copy while the compile cache is shared, so
 //! a plugin's compiled function could return the host's. The host turns it off at start-up.
-//! The SDK's `nn` products share their work with a helper thread (`nn::helper`): the host's,
-//! which it hands to each plugin it loads through the extension `shared-helper/1`, so that
+//! The toolkit's products share their work with a helper thread (`nn::helper`): the host's,
+//! which it hands to each plugin it loads through the extension [`shared_helper`], so that
 //! drafter and target never take turns at one core with two spinning helpers; a plugin loaded
 //! without it starts its own on first use. A helper lives as long as the process, so the host
 //! never unloads a plugin library.
@@ -51,7 +59,10 @@
 //! arrive as extensions, looked up by a versioned id (`"name/1"`) through
 //! [`abi::DrafterRoot::extension`] (the plugin's) or `TargetViewAbi::extension` (the host's)
 //! and layout-checked on their own, so a newer host still loads older plugins (which answer
-//! that they have none) and an older host ignores what it does not know.
+//! that they have none) and an older host ignores what it does not know. Source compatibility
+//! follows the same major: every public path of this crate, `plugin_api::nn::…` included,
+//! stays for its life (re-exported where an item moved), so a drafter that built against
+//! 1.x builds against any later 1.y.
 //!
 //! ## Writing a drafter
 //! Three roles, in [`sdk`]: a [`DraftProvider`](sdk::DraftProvider) is a loaded artifact

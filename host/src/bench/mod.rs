@@ -132,7 +132,7 @@ pub fn plain(
     let sampling = sampling_cost(&logits, 20).map_err(|e| GenerateError::Internal(e.to_string()))?;
     let ratios = |f: fn(&Throughput) -> f64| host.iter().zip(&mlx_lm).map(|(h, m)| f(h) / f(m)).collect::<Vec<_>>();
     let weight_bytes_per_token = model.weight_bytes_per_token();
-    let memory_gb_per_s = plugin_api::nn::wide::on_cpu().then(memory_bandwidth_gb_per_s);
+    let memory_gb_per_s = ::kernels::route::on_cpu().then(memory_bandwidth_gb_per_s);
     Ok(PlainBench {
         decode_ratios: ratios(|t| t.decode_tokens_per_s),
         prefill_ratios: ratios(|t| t.prefill_tokens_per_s),
