@@ -72,6 +72,13 @@ fn drafter(t: &Trained, model: &Rc<Gemma4>) -> LoadedDrafter {
     drafter
 }
 
+/// A top-1 minus top-2 margin of the reference's logits below which the argmax is a near-tie:
+/// one bfloat16 rounding step at logits of 16 to 32. The host's CPU products sum in another
+/// order than MLX's, one per CPU route (AVX-512, AVX2, the tile unit), and a bfloat16 rounding
+/// of that size may flip such a token (DeepSpec's state 0 has one of 0.057 at position 5, which
+/// the AVX2 route decides the other way); the drafts are compared up to the first.
+const NEAR_TIE: f32 = 0.125;
+
 #[test]
 fn drafts_equal_the_reference_implementations_on_three_target_states() {
     let (model, _) = target();
@@ -86,8 +93,13 @@ fn drafts_equal_the_reference_implementations_on_three_target_states() {
         for state in 0..3 {
             let input = ids(&format!("state{state}.input_ids"));
             let expected = ids(&format!("state{state}.draft_tokens"));
+            let margins = oracle.get(&format!("state{state}.draft_margins")).unwrap();
+            let margins = margins.as_dtype(Dtype::Float32).unwrap().as_slice::<f32>().to_vec();
+            // Up to the first near-tie: a drafter's later tokens may follow from it.
+            let decided = margins.iter().position(|&m| m < NEAR_TIE).unwrap_or(expected.len());
+            assert!(decided >= 3, "{} state {state}: a near-tie at draft position {decided}", t.name);
             let got = common::drafts_after_taps(&model, &drafter, &input, expected.len());
-            assert_eq!(got, expected, "{} state {state}", t.name);
+            assert_eq!(got.get(..decided), Some(&expected[..decided]), "{} state {state}: {got:?}", t.name);
         }
     }
 }

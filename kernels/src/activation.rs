@@ -81,7 +81,7 @@ fn cpu_geglu(gate: &Array, up: &Array) -> Result<Option<Array>, Exception> {
     if let Some(table) = half_gelu_table(dtype) {
         return times_looked_up(table, gate, up).map(Some);
     }
-    // Float32: MLX's steps in vector code (`x · x · x` for its `powf`, and `nn::tanh`), within
+    // Float32: MLX's steps in vector code (`x · x · x` for its `powf`, and `tanh`), within
     // a few units in the last place of MLX's result.
     let (gate, up) = (row_major(gate)?, row_major(up)?);
     let ups = with_floats(&up, <[f32]>::to_vec)?;

@@ -28,6 +28,7 @@ pub(super) const DEPTH: usize = 32;
 /// Outputs per B tile.
 pub(super) const BLOCK: usize = 16;
 /// Rows of x per pass: a C tile has 16 rows.
+#[cfg(target_arch = "x86_64")]
 pub(super) const X_ROWS: usize = 16;
 /// C tiles in flight.
 pub(super) const BLOCKS_AT_ONCE: usize = 4;
@@ -37,6 +38,7 @@ pub const GROUP: usize = BLOCK * BLOCKS_AT_ONCE;
 /// How far ahead of its loads [`fma_block`] asks for the weight's lines: two input blocks of a
 /// group. On the demo target's head (8192 × 256, one row) 47–48 µs against 53–58 without,
 /// and 32 KB ahead 61–65 µs.
+#[cfg(target_arch = "x86_64")]
 const PREFETCH_BYTES: usize = 2 * BLOCKS_AT_ONCE * BLOCK * DEPTH * 2;
 
 /// A bfloat16 weight [n, k] laid out for the tile unit: per block of 16 outputs and 32 inputs,
@@ -139,6 +141,7 @@ fn request_tiles() -> bool {
 
 /// Rows of bfloat16 bits [rows, k] as [`rows_on_unit`] reads them: in place where k is whole
 /// input blocks, else copied with each row zero-padded to them; and the rows' stride.
+#[cfg(target_arch = "x86_64")]
 pub(super) fn padded(xb: &[u16], k: usize) -> (std::borrow::Cow<'_, [u16]>, usize) {
     let stride = k.next_multiple_of(DEPTH);
     if stride == k {
@@ -286,6 +289,7 @@ impl RowSink for Bf16Rows {
 
 /// Which of the 16 lanes of the block from `first` are columns of `outputs`; `None` if none.
 #[inline(always)]
+#[cfg(target_arch = "x86_64")]
 fn columns_mask(first: usize, outputs: &std::ops::Range<usize>) -> Option<u16> {
     let (start, end) = (first.max(outputs.start), (first + BLOCK).min(outputs.end));
     let below = |i: usize| ((1u32 << (i - first)) - 1) as u16;

@@ -27,7 +27,9 @@
 //! bit. Rows of float32 values take the FMAs too, one at a time: their products are not exact,
 //! but no row's result depends on another's.
 
-use super::amx_bf16::{put_block, RowSink, BLOCK, BLOCKS_AT_ONCE, DEPTH, GROUP, X_ROWS};
+use super::amx_bf16::{BLOCK, BLOCKS_AT_ONCE, DEPTH, GROUP};
+#[cfg(target_arch = "x86_64")]
+use super::amx_bf16::{put_block, RowSink, X_ROWS};
 
 /// An MLX-quantized weight [n, k] reordered for the tile unit, with its scales and biases.
 pub struct QuantTiles {
@@ -390,12 +392,14 @@ unsafe fn fma_row<const BITS: usize>(
 
 /// How many input blocks (a group of outputs' four tiles) ahead of its reads a row on the FMAs
 /// asks for the tiles' lines, into L1.
+#[cfg(target_arch = "x86_64")]
 const PREFETCH_BLOCKS: usize = 2;
 
 /// How many input blocks after the next one the unit's route asks for, into L2. Against two
 /// blocks into L1, on the 1.3B bench models (`host bench --manifest --no-mlx-lm`, 1 pair,
 /// alternated): 8-bit windows 92.7–97.3 → 85.5–91.0 ms, 4-bit 49.0–49.4 → 45.6–45.7 ms; on the
 /// 40M ones, which sit in L3, 4-bit 1.53–1.60 → 1.58–1.64 ms and 8-bit 2.11–2.23 → 2.16–2.20.
+#[cfg(target_arch = "x86_64")]
 const TILED_PREFETCH_BLOCKS: usize = 6;
 
 /// Asks for every line of the input block `blocks` after the one at `tiles`, with `HINT`.
@@ -551,8 +555,10 @@ unsafe fn widen_tile<const BITS: usize>(from: *const u8, to: *mut u16) {
 }
 
 /// The bfloat16 bits of 0 to 15, twice (a 32-word table for `vpermw`).
+#[cfg(target_arch = "x86_64")]
 #[repr(C, align(64))]
 struct Nibbles([u16; 32]);
+#[cfg(target_arch = "x86_64")]
 static NIBBLES: Nibbles = Nibbles([
     0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150,
     0x4160, 0x4170, 0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120, 0x4130,

@@ -84,6 +84,7 @@ pub fn best_token<T: Row>(table: &[T], x: &[f32], candidates: &[i32], to_bf16: b
 
 /// Candidates summed side by side: one candidate's lanes form a chain of dependent adds, whose
 /// latency a lone candidate waits on; four chains keep the adders busy.
+#[cfg(target_arch = "x86_64")]
 const SIDE_BY_SIDE: usize = 4;
 
 /// The eight lane sums of each candidate of `group` (a run of `candidates` of at most

@@ -40,11 +40,11 @@ pub const SUM_PERIOD: usize = 32;
 /// `kernels`).
 pub const MAX_ROWS: usize = 16;
 
-
 /// Computes y[m, o] for outputs `outputs` (a range of rows of W) and every row m of x [rows, k];
 /// y is [rows, n] and only its `outputs` columns are written. `x_dtype` is the dtype x's values
 /// were widened from (bfloat16 values take the AVX-512 BF16 loops where the CPU has them).
 #[allow(clippy::too_many_arguments)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 pub fn product(
     x: &[f32],
     x_dtype: Dtype,

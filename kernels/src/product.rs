@@ -125,6 +125,7 @@ impl Tiled<'_> {
 /// of another width or not floating-point, MLX on another device, a CPU without the unit). Two
 /// bfloat16 rows or more are multiplied on the unit, a single one through AVX-512 FMAs that sum
 /// as the unit does; rows of another dtype through the FMAs.
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 pub fn tiled_product(x: &Array, tiles: Tiled) -> Result<Option<Array>, Exception> {
     let rows = wide::rows(x) as usize;
     let (n, k) = tiles.shape();
@@ -345,6 +346,7 @@ fn params(a: &Array) -> Option<Params<'_>> {
 
 #[cfg(test)]
 mod tests {
+    #[cfg(target_arch = "x86_64")]
     use mlx_rs::ops::indexing::IndexOp;
     use mlx_rs::random;
 
@@ -557,6 +559,7 @@ mod tests {
             // SAFETY: called only where the CPU has AVX2, FMA and F16C (checked below).
             let avx2 = |x: &[f32], rows, y: &mut [f32]| unsafe { dot::avx2::product(x, rows, k, w, 0..n, n, y) };
             type Product<'a> = &'a dyn Fn(&[f32], usize, &mut [f32]);
+            #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
             let mut routes: Vec<(&str, Product)> = vec![("dispatched", &dispatched)];
             #[cfg(target_arch = "x86_64")]
             if std::is_x86_feature_detected!("avx2")

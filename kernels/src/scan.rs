@@ -140,6 +140,7 @@ fn flags_where_body<F: Fn(u64) -> bool + Copy>(first: u64, flags: &mut [u8], rea
 /// `out[i] = exp(values[i])` by MLX's float32 exponential, eight at a time where the CPU has
 /// AVX2: a sampler's masses otherwise cost a C library call per token.
 pub fn exponentials(values: &[f32], out: &mut [f32]) {
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {

@@ -21,6 +21,7 @@ pub fn weighted_sum(p: &[f32], rows: usize, s: usize, v: &[u16], dtype: Dtype, d
         Dtype::Float16 => false,
         other => panic!("weighted_sum: values of {other:?}"),
     };
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
     {

@@ -162,7 +162,7 @@ mod elementwise_tests {
         diff / b.abs().unwrap().max(None).unwrap().item_exact::<f32>()
     }
 
-    /// Float32 takes vector code for MLX's `powf` and `tanhf` (see `nn::tanh`): MLX's result
+    /// Float32 takes vector code for MLX's `powf` and `tanhf` (see `kernels::tanh`): MLX's result
     /// within a few units in the last place.
     #[test]
     fn float32_is_mlxs_within_rounding() {

@@ -1,5 +1,5 @@
 //! `host bench --kernels`: products of a few rows with one 4096×4096 weight per format, the
-//! host's loops (`nn::kernels`) against MLX's own op, as weight bytes read per second, next to
+//! host's loops (`kernels`) against MLX's own op, as weight bytes read per second, next to
 //! this machine's read bandwidth measured in the same run.
 
 use std::time::Instant;

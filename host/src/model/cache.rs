@@ -6,7 +6,7 @@
 use mlx_rs::error::Exception;
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::Array;
-use plugin_api::nn::kernels::dot::SUM_PERIOD;
+use kernels::dot::SUM_PERIOD;
 use plugin_api::nn::layout::{put_slots, take_slots};
 use plugin_api::nn::ops::Mask;
 
@@ -315,7 +315,7 @@ impl LayerCache {
     }
 }
 
-/// The period of the products' sums (`plugin_api::nn::kernels::dot::SUM_PERIOD`).
+/// The period of the products' sums (`kernels::dot::SUM_PERIOD`).
 const PERIOD: i32 = SUM_PERIOD as i32;
 
 /// Keys and values [B, H, S, D] whose slot s of row r holds position `positions[r][s]` (-1:
@@ -323,7 +323,7 @@ const PERIOD: i32 = SUM_PERIOD as i32;
 /// of [`PERIOD`] (empty positions are zeros), with the positions each slot now holds.
 ///
 /// Attention sums over the slots, where each term goes depending on its slot modulo
-/// [`PERIOD`] (see `plugin_api::nn::kernels::dot`). In this order a key's lane and its place among the keys
+/// [`PERIOD`] (see `kernels::dot`). In this order a key's lane and its place among the keys
 /// it is summed with depend on positions alone, not on where a ring of some capacity happened
 /// to store it, nor on how many masked slots surround it. So a query gets the same result
 /// bit for bit in a decode step, in a verify window of any length, and in a prefill: the

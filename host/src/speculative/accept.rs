@@ -2,7 +2,7 @@
 //! drafts while they agree (match), or by rejection sampling when the drafter gave its
 //! probabilities.
 
-use plugin_api::nn::kernels::{row_major, with_floats};
+use kernels::{row_major, with_floats};
 
 use super::{Row, Verify};
 use crate::generate::{Flow, GenerateError, Request, StopReason};

@@ -19,9 +19,14 @@ pub fn loaded() -> std::io::Result<BTreeSet<PathBuf>> {
     }
     #[cfg(target_os = "macos")]
     {
+        // dyld's own C interface (<mach-o/dyld.h>), stable since macOS 10.0.
+        extern "C" {
+            fn _dyld_image_count() -> u32;
+            fn _dyld_get_image_name(index: u32) -> *const libc::c_char;
+        }
         // SAFETY: dyld's image names are static strings, valid for an index below the count.
-        let names = (0..unsafe { libc::_dyld_image_count() }).filter_map(|i| unsafe {
-            let name = libc::_dyld_get_image_name(i);
+        let names = (0..unsafe { _dyld_image_count() }).filter_map(|i| unsafe {
+            let name = _dyld_get_image_name(i);
             (!name.is_null()).then(|| PathBuf::from(std::ffi::CStr::from_ptr(name).to_string_lossy().into_owned()))
         });
         Ok(names.collect())
