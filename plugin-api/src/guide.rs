@@ -12,6 +12,10 @@
 //!
 //! [dev-dependencies]
 //! plugin-api = { path = "…/plugin-api", features = ["conformance"] }
+//!
+//! # The CPU kernels run 20-50x slower unoptimized, in the crate's own tests too.
+//! [profile.dev.package.kernels]
+//! opt-level = 3
 //! ```
 //!
 //! Host and plugins link one shared MLX library, prepared by the host checkout's
