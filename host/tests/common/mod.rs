@@ -1,18 +1,19 @@
 //! Paths of the libraries the tests load.
 #![allow(dead_code)]
 
+use std::env::consts::{DLL_PREFIX, DLL_SUFFIX};
 use std::path::{Path, PathBuf};
 
 /// A fixture library built by `make fixtures` into target/fixtures.
 pub fn fixture(name: &str) -> PathBuf {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../target/fixtures/debug/lib{name}.so"));
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../target/fixtures/debug/{DLL_PREFIX}{name}{DLL_SUFFIX}"));
     assert!(path.exists(), "{} is missing: build the fixtures first (make fixtures)", path.display());
     path.canonicalize().unwrap()
 }
 
 /// A plugin of this workspace, built next to the host binary.
 pub fn workspace_plugin(name: &str) -> PathBuf {
-    let path = Path::new(env!("CARGO_BIN_EXE_host")).with_file_name(format!("lib{name}.so"));
+    let path = Path::new(env!("CARGO_BIN_EXE_host")).with_file_name(format!("{DLL_PREFIX}{name}{DLL_SUFFIX}"));
     assert!(path.exists(), "{} is missing: build the workspace first (cargo build --workspace)", path.display());
     path
 }
