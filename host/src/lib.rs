@@ -13,6 +13,7 @@ pub mod interrupt;
 pub mod launch;
 pub mod manifest;
 pub mod model;
+pub mod new_drafter;
 pub mod plugin;
 pub mod plugins_dir;
 pub mod run;

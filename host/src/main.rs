@@ -244,6 +244,16 @@ enum Command {
     },
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
     Completions { shell: clap_complete::Shell },
+    /// Write a new drafter crate (a working text-only drafter with one option, its conformance
+    /// test, a manifest for the demo target, a README of the commands that build, check, run
+    /// and bench it) that builds outside this checkout as it is.
+    NewDrafter {
+        /// The drafter's kind, which is also the crate's name: lowercase letters, digits, `_`.
+        name: String,
+        /// Where to write it (default: ./NAME); must not exist, or be empty.
+        #[arg(long, value_name = "DIR")]
+        dir: Option<PathBuf>,
+    },
     /// Run a command (`run …`) as N tensor-parallel ranks over MLX's ring backend: N local
     /// ranks on loopback, or one rank per entry of a ring hostfile. Only rank 0 writes output.
     Launch {
@@ -366,6 +376,14 @@ fn run(cli: Cli, silent_rank: bool) -> Result<()> {
             let mut script = Vec::new();
             clap_complete::generate(shell, &mut Cli::command(), "host", &mut script);
             std::io::stdout().write_all(&script)?;
+        }
+        Command::NewDrafter { name, dir } => {
+            let dir = dir.unwrap_or_else(|| PathBuf::from(&name));
+            let host = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("host"));
+            host::new_drafter::write(&name, &dir, &host)?;
+            if !quiet {
+                eprintln!("wrote the drafter `{name}` in {}: its README.md has the commands to build, check, run and bench it", dir.display());
+            }
         }
         Command::CheckModel { dir, json } => {
             let report = host::check_model::check(&dir)?;

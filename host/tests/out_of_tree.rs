@@ -1,7 +1,6 @@
-//! A drafter crate outside the checkout (tests/out-of-tree, copied elsewhere) builds with
-//! `cargo build` once `scripts/setup.sh --drafter-crate` wrote its cargo settings, passes the
-//! conformance kit in its own tests, and drafts on the demo target with output identical to
-//! plain decoding.
+//! A drafter crate outside the checkout, as `host new-drafter` writes it: `cargo build` and
+//! `cargo test` pass in it untouched, the host loads the library, and it drafts on the demo
+//! target with output identical to plain decoding.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -10,21 +9,8 @@ fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..").canonicalize().unwrap()
 }
 
-/// Copies the template to `to`, its placeholders filled in.
-fn write_crate(to: &Path) {
-    let template = repo().join("tests/out-of-tree");
-    let fill = |text: String| {
-        text.replace("@PLUGIN_API@", repo().join("plugin-api").to_str().unwrap())
-            .replace("@MODEL@", repo().join("models/kjv-gemma4").to_str().unwrap())
-    };
-    std::fs::create_dir_all(to.join("src")).unwrap();
-    for (from, into) in [("Cargo.toml.in", "Cargo.toml"), ("demo.toml.in", "demo.toml"), ("src/lib.rs", "src/lib.rs")] {
-        std::fs::write(to.join(into), fill(std::fs::read_to_string(template.join(from)).unwrap())).unwrap();
-    }
-}
-
 /// Runs `command` in `dir`, without the variables cargo set for this test (the crate must build
-/// as it would from a shell), and returns its stdout; panics with its output if it failed.
+/// as it would from a shell), and returns its output; panics with it if the command failed.
 fn run(dir: &Path, command: &mut Command) -> String {
     for (key, _) in std::env::vars_os() {
         let set_by_cargo = |k: &str| k.starts_with("CARGO_") && k != "CARGO_HOME";
@@ -41,23 +27,31 @@ fn run(dir: &Path, command: &mut Command) -> String {
 }
 
 #[test]
-fn a_drafter_outside_the_checkout_builds_passes_conformance_and_drafts_losslessly() {
+fn a_new_drafter_builds_outside_the_checkout_passes_its_tests_and_drafts_losslessly() {
     let home = tempfile::tempdir().unwrap();
     let krate = home.path().join("bigram");
-    write_crate(&krate);
-    let setup = repo().join("scripts/setup.sh");
-    run(&krate, Command::new("bash").arg(&setup).args(["--drafter-crate", "."]));
-    assert!(krate.join(".cargo/config.toml").exists());
+    let host = env!("CARGO_BIN_EXE_host");
+    run(home.path(), Command::new(host).args(["new-drafter", "bigram"]));
+    let readme = std::fs::read_to_string(krate.join("README.md")).unwrap();
+    assert!(readme.contains("cargo build --release") && readme.contains("--compare-plain"), "{readme}");
+
+    // The MLX link settings are what setup.sh writes for a drafter crate.
+    let config = krate.join(".cargo/config.toml");
+    let written = std::fs::read_to_string(&config).unwrap();
+    std::fs::remove_file(&config).unwrap();
+    run(&krate, Command::new("bash").arg(repo().join("scripts/setup.sh")).args(["--drafter-crate", "."]));
+    assert_eq!(std::fs::read_to_string(&config).unwrap(), written);
+
     let cargo = env!("CARGO");
     run(&krate, Command::new(cargo).args(["build", "--release", "--quiet"]));
     let tests = run(&krate, Command::new(cargo).args(["test", "--release", "--quiet"]));
-    assert!(tests.contains("1 passed"), "{tests}");
+    assert!(tests.contains("2 passed"), "{tests}");
 
+    // The README's commands, with the build directory this test uses.
     let library = format!("{}bigram{}", std::env::consts::DLL_PREFIX, std::env::consts::DLL_SUFFIX);
     let plugins = home.path().join("plugins");
     std::fs::create_dir(&plugins).unwrap();
     std::fs::copy(repo().join("target/out-of-tree/release").join(&library), plugins.join(&library)).unwrap();
-    let host = env!("CARGO_BIN_EXE_host");
     let listed = run(&krate, Command::new(host).args(["plugins", "list", "--plugins-dir"]).arg(&plugins));
     assert!(listed.contains("bigram") && listed.contains("loaded"), "{listed}");
     let report = run(
@@ -66,4 +60,18 @@ fn a_drafter_outside_the_checkout_builds_passes_conformance_and_drafts_losslessl
     );
     assert!(report.contains("output identical"), "{report}");
     assert!(!report.contains(" 0 drafted"), "{report}");
+}
+
+#[test]
+fn new_drafter_refuses_a_bad_name_and_a_directory_in_use() {
+    let home = tempfile::tempdir().unwrap();
+    let host = env!("CARGO_BIN_EXE_host");
+    let out = Command::new(host).args(["new-drafter", "My-Drafter"]).current_dir(home.path()).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("`My-Drafter` is not a drafter name"), "{err}");
+    std::fs::write(home.path().join("notes.txt"), "mine").unwrap();
+    let out = Command::new(host).args(["new-drafter", "bigram", "--dir", "."]).current_dir(home.path()).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("exists and is not empty"), "{err}");
+    assert_eq!(std::fs::read_dir(home.path()).unwrap().count(), 1, "nothing was written");
 }

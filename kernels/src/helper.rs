@@ -108,11 +108,15 @@ fn serve(shared: &Shared) -> ! {
 
 /// Runs `mine` on the calling thread and `theirs` on the helper at the same time, and returns
 /// when both are done; both run here, one after the other, when the helper is taken by another
-/// thread or there is none: in a process with a single core, or if no thread could be started. A panic in either is resumed here once both have finished.
+/// thread or there is none: in a process with a single core, or if no thread could be started.
+/// A panic in either is resumed here once both have finished. The helper is the one the
+/// process shared with this copy ([`use_shared`]), else this copy's own.
 pub fn join(mine: impl FnOnce() + Send, theirs: impl FnOnce() + Send) {
     let Some(shared) = SHARED.get() else { return join_here(mine, theirs) };
     let (mut mine, mut theirs) = (Some(mine), Some(theirs));
-    shared(&mut || mine.take().into_iter().for_each(|f| f()), &mut || theirs.take().into_iter().for_each(|f| f()));
+    let mut mine = || mine.take().into_iter().for_each(|f| f());
+    let mut theirs = || theirs.take().into_iter().for_each(|f| f());
+    shared(&mut mine, &mut theirs);
 }
 
 /// [`join`] on this copy's own helper, whatever was shared: what a copy that shares its helper

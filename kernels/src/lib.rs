@@ -2,15 +2,16 @@
 //!
 //! Everything in the drafter host that depends on the machine it runs on lives here, and only
 //! here: the SIMD and tile-unit (AMX) loops, the detection of the CPU features that pick them,
-//! core affinity, and the few operating-system calls the host makes (signals, the loaded
-//! libraries, the object format of a plugin). Each such place is gated by `cfg` or by a feature
-//! check at run time, with a portable path beside it, so the crate builds and runs on any
-//! target Rust and MLX support.
+//! core affinity, and the operating-system calls the host makes ([`os`]: signals, file modes,
+//! processes, the loaded libraries, a plugin's object format). Each such place is gated by
+//! `cfg` or by a feature check at run time, with a portable path beside it, so the crate builds
+//! on any target Rust and MLX support (`make check-platforms` type-checks macOS and Windows).
 //!
 //! The model toolkit above it (`nn`) is device-agnostic: each op asks this crate first and
-//! takes MLX's own op when the answer is `None`. An answer is `None` where the loops do not
-//! cover the case, and always off the CPU route ([`route`]): on a GPU, or with
-//! `HOST_KERNELS=mlx`, every op is MLX's.
+//! takes MLX's own op when the answer is `None` (the layout moves in [`layout`] and the packed
+//! weights in [`packed`] fall back to MLX's ops themselves). The loops answer where they cover
+//! the case, and only on the CPU route ([`route`]): on a GPU, or with `HOST_KERNELS=mlx`,
+//! every op is MLX's.
 //!
 //! Why by hand: on the CPU, MLX dispatches each op to a worker thread (microseconds each, and a
 //! small model's decode step meets hundreds), its bfloat16 and quantized products are generic
@@ -44,14 +45,16 @@ mod widen_avx2;
 pub mod activation;
 pub mod argmax;
 pub mod attention;
-pub mod candidates;
 pub mod exp;
 pub mod layout;
 pub mod norm;
 pub mod rope;
-pub mod scan;
 pub mod softmax;
 pub mod tanh;
+
+// Passes over a vocabulary: the host's sampling, a drafter's head over candidate tokens.
+pub mod candidates;
+pub mod scan;
 
 // Threads, cores and the operating system.
 pub mod cpus;

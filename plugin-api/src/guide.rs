@@ -18,11 +18,14 @@
 //! opt-level = 3
 //! ```
 //!
+//! `host new-drafter NAME` writes such a crate, with a working drafter to start from.
+//!
 //! Host and plugins link one shared MLX library, prepared by the host checkout's
 //! `scripts/setup.sh`. A crate outside the checkout learns where it is with one command, run
-//! once: `…/scripts/setup.sh --drafter-crate .` writes the crate's `.cargo/config.toml`; then
-//! `cargo build` and `cargo test` work there as in the checkout. Without it, mlx-sys's own
-//! build script runs and tries to build a separate MLX from the network.
+//! once: `…/scripts/setup.sh --drafter-crate .` writes the crate's `.cargo/config.toml`
+//! (`new-drafter` writes it too); then `cargo build` and `cargo test` work there as in the
+//! checkout. Without it, mlx-sys's own build script runs and tries to build a separate MLX from
+//! the network.
 //!
 //! 1. [`Drafter`](crate::sdk::Drafter), the kind: the [`Descriptor`](crate::Descriptor) (its
 //!    `kind` is what manifests name; declare every `[drafter.options]` key with its default,

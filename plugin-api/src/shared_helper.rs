@@ -42,16 +42,20 @@ pub static SHARED_HELPER_EXTENSION: SharedHelperExtension = SharedHelperExtensio
 /// The helper of the process that loaded this copy of the crate, once it shared it.
 static HOSTS_HELPER: OnceLock<SharedHelper> = OnceLock::new();
 
-extern "C" fn accept_shared(helper: SharedHelper) {
-    if HOSTS_HELPER.set(helper).is_ok() {
+extern "C" fn accept_shared(hosts: SharedHelper) {
+    if HOSTS_HELPER.set(hosts).is_ok() {
         helper::use_shared(join_on_hosts);
     }
 }
 
 /// The kernels' joins, once the host shared its helper.
 fn join_on_hosts(mine: &mut (dyn FnMut() + Send), theirs: &mut (dyn FnMut() + Send)) {
-    if let Some(host) = HOSTS_HELPER.get() {
-        join_on(host, mine, theirs);
+    match HOSTS_HELPER.get() {
+        Some(host) => join_on(host, mine, theirs),
+        None => {
+            mine();
+            theirs();
+        }
     }
 }
 
@@ -95,7 +99,7 @@ impl<F: FnOnce()> Closure<F> {
     }
 }
 
-/// [`join`] on a helper shared by the host.
+/// [`helper::join`] on a helper shared by the host.
 fn join_on(host: &SharedHelper, mine: impl FnOnce() + Send, theirs: impl FnOnce() + Send) {
     let mut mine = Closure { f: Some(mine), panic: None };
     let mut theirs = Closure { f: Some(theirs), panic: None };
