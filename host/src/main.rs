@@ -364,7 +364,7 @@ fn run(cli: Cli, silent_rank: bool) -> Result<()> {
         Command::Bench(args) => bench(args, quiet)?,
         Command::Serve(args) => serve(args, quiet, silent_rank)?,
         Command::Doctor { json, dir } => {
-            let report = doctor::Report::collect(plugins_dir::resolve(dir.plugins_dir))?;
+            let report = doctor::Report::collect(plugins_dir::resolve(dir.plugins_dir).path)?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             } else {
@@ -463,7 +463,7 @@ fn run(cli: Cli, silent_rank: bool) -> Result<()> {
 }
 
 fn scan(dir: PluginsDir) -> Result<(PathBuf, Registry)> {
-    let dir = plugins_dir::resolve(dir.plugins_dir);
+    let dir = plugins_dir::resolve(dir.plugins_dir).path;
     let registry = Registry::scan(&dir).with_context(|| format!("reading plugins directory {}", dir.display()))?;
     Ok((dir, registry))
 }
@@ -618,8 +618,9 @@ fn bench(args: BenchArgs, quiet: bool) -> Result<()> {
         return print_report(args.json, &report, || report.text());
     }
     if let (Some(ranks), Some(manifest)) = (args.ranks, &args.manifest) {
-        let plugins = plugins_dir::resolve(args.dir.plugins_dir);
-        let report = host::bench::ranks::ranks(manifest, &plugins, ranks, args.pairs, args.max_tokens);
+        // Each rank resolves the directory as this process would, the manifest's included.
+        let plugins = args.dir.plugins_dir;
+        let report = host::bench::ranks::ranks(manifest, plugins.as_deref(), ranks, args.pairs, args.max_tokens);
         bar.inspect(ProgressBar::finish_and_clear);
         let report = report?;
         return print_report(args.json, &report, || report.text());

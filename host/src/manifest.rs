@@ -8,6 +8,7 @@
 //!
 //! [drafter]                           # absent: plain decoding
 //! kind = "ngram"                      # a plugin kind found in the plugins directory
+//! plugins_dir = "../plugins"          # optional: where to look for it (--plugins-dir wins)
 //! artifact = "../models/some-drafter" # the drafter's checkpoint, for kinds that need one
 //! sha256 = "…"                        # optional pin of the plugin library
 //! draft_tokens = 4                   # or "auto": fewer as more requests share a round
@@ -77,6 +78,8 @@ struct TargetSection {
 #[serde(deny_unknown_fields)]
 struct DrafterSection {
     kind: String,
+    /// Where its plugin is looked for, relative to the manifest (see `plugins_dir`).
+    plugins_dir: Option<Spanned<PathBuf>>,
     artifact: Option<Spanned<PathBuf>>,
     sha256: Option<Spanned<String>>,
     /// A count or "auto", checked in [`Manifest::parse`] so that a wrong value names its line.
@@ -157,6 +160,8 @@ pub struct Manifest {
 #[derive(Debug, Clone)]
 pub struct DrafterSpec {
     pub kind: String,
+    /// The directory the manifest names for its plugin, resolved against the manifest's own.
+    pub plugins_dir: Option<PathBuf>,
     pub artifact: Option<PathBuf>,
     pub sha256: Option<String>,
     pub draft_tokens: DraftTokens,
@@ -206,6 +211,7 @@ impl Source {
         if let Some(kind) = &self.drafter {
             manifest.drafter = Some(DrafterSpec {
                 kind: kind.clone(),
+                plugins_dir: None,
                 artifact: None,
                 sha256: None,
                 draft_tokens: DraftTokens::Fixed(DEFAULT_DRAFT_TOKENS),
@@ -268,6 +274,7 @@ impl Manifest {
             None => None,
             Some(d) => {
                 let artifact = d.artifact.as_ref().map(|a| existing("drafter.artifact", a, true)).transpose()?;
+                let plugins_dir = d.plugins_dir.as_ref().map(|p| existing("drafter.plugins_dir", p, true)).transpose()?;
                 let sha256 = d
                     .sha256
                     .map(|pin| {
@@ -310,6 +317,7 @@ impl Manifest {
                 };
                 Some(DrafterSpec {
                     kind: d.kind,
+                    plugins_dir,
                     artifact,
                     sha256,
                     draft_tokens,

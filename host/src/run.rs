@@ -1,7 +1,7 @@
 //! `host run`: resolving one request from the command line, the manifest and the checkpoint's
 //! own defaults (in that order of precedence), then generating it.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::rc::Rc;
 
 use serde::Serialize;
@@ -10,7 +10,8 @@ use crate::chat::{ChatTemplate, Message};
 use crate::generate::{generate, Event, Flow, GenerateError, Request, Stats, StopReason};
 use crate::manifest::{DraftTokens, Manifest, ManifestError};
 use crate::model::{Gemma4, ModelError};
-use crate::plugin::{DrafterError, LoadedDrafter};
+use crate::plugin::{DrafterError, LoadedDrafter, SelectError};
+use crate::plugins_dir::PluginsDir;
 use crate::sampling::SamplingParams;
 use crate::speculative::{generate_speculative, probe_open, SpecConfig, Verify, AUTO_MOST};
 use crate::tokenizer::{StreamDecoder, Tokenizer, TokenizerError};
@@ -20,7 +21,7 @@ use crate::tokenizer::{StreamDecoder, Tokenizer, TokenizerError};
 pub struct RunOptions {
     pub source: crate::manifest::Source,
     pub overrides: Overrides,
-    pub plugins_dir: PathBuf,
+    pub plugins_dir: PluginsDir,
     /// After a speculative run, decode the same request plainly and report both.
     pub compare_plain: bool,
 }
@@ -304,10 +305,17 @@ pub fn depth_warnings(info: &plugin_api::ProviderInfo, draft_tokens: usize) -> V
 /// checked against its descriptor, its artifact loaded with the manifest's options.
 pub fn load_drafter(
     manifest: &Manifest,
-    plugins_dir: &Path,
+    plugins_dir: &PluginsDir,
 ) -> Result<Option<(LoadedDrafter, SpecConfig)>, DrafterSetupError> {
     let Some(spec) = &manifest.drafter else { return Ok(None) };
-    let plugin = crate::plugin::select(plugins_dir, &spec.kind, spec.sha256.as_deref())?;
+    let dir = plugins_dir.for_manifest(spec.plugins_dir.as_deref());
+    let plugin = crate::plugin::select(&dir.path, &spec.kind, spec.sha256.as_deref()).map_err(|e| match e {
+        SelectError::NoSuchKind { kind, dir: path, loaded, refused, .. } => {
+            let named_by = format!(" (named by {})", dir.named_by());
+            SelectError::NoSuchKind { kind, dir: path, named_by, loaded, refused }
+        }
+        other => other,
+    })?;
     manifest.check_drafter(&plugin.descriptor)?;
     let drafter = LoadedDrafter::load(&plugin, spec.artifact.as_deref(), &spec.options_toml())?;
     // Weights the drafter repacked for AMX's tiles leave their arrays in MLX's buffer cache, as

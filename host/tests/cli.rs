@@ -113,7 +113,48 @@ fn manifest_check_loads_and_configures_the_drafter() {
     );
 
     let missing_kind = check("[target]\nmodel = \"model\"\n[drafter]\nkind = \"dflash\"\n");
-    assert!(stderr(&missing_kind).contains("no plugin of kind `dflash`"), "{}", stderr(&missing_kind));
+    let err = stderr(&missing_kind);
+    assert!(err.contains("no plugin of kind `dflash`") && err.contains("(named by --plugins-dir)"), "{err}");
+    assert!(err.contains("`plugins_dir` under the manifest's [drafter]"), "{err}");
+}
+
+/// A manifest names its plugins directory, relative to itself: it wins over $HOST_PLUGINS_DIR
+/// and the executable's directory, `--plugins-dir` wins over it, and a missing one is refused
+/// naming the key and line.
+#[test]
+fn a_manifest_names_its_plugins_directory() {
+    let plugins = plugins_dir_with(&[&workspace_plugin("ngram")]);
+    let empty = tempfile::tempdir().unwrap();
+    let work = tempfile::tempdir().unwrap();
+    fs::create_dir(work.path().join("model")).unwrap();
+    let manifest = work.path().join("m.toml");
+    let relative = pathdiff(plugins.path(), work.path());
+    let check = |plugins_dir: &str, flag: Option<&std::path::Path>| {
+        let text = format!("[target]\nmodel = \"model\"\n[drafter]\nkind = \"ngram\"\nplugins_dir = \"{plugins_dir}\"\n");
+        fs::write(&manifest, text).unwrap();
+        let mut command = Command::new(env!("CARGO_BIN_EXE_host"));
+        command.args(["manifest", "check", manifest.to_str().unwrap()]).env("HOST_PLUGINS_DIR", empty.path());
+        if let Some(flag) = flag {
+            command.arg("--plugins-dir").arg(flag);
+        }
+        command.output().unwrap()
+    };
+    let found = check(&relative, None);
+    assert!(found.status.success(), "{}", stderr(&found));
+    let overridden = check(&relative, Some(empty.path()));
+    assert!(stderr(&overridden).contains("no plugin of kind `ngram`"), "{}", stderr(&overridden));
+    let missing = check("nowhere", None);
+    let err = stderr(&missing);
+    assert!(err.contains("m.toml:5: drafter.plugins_dir:") && err.contains("does not exist"), "{err}");
+}
+
+/// `to` relative to `from` (both absolute): up to their common ancestor, then down.
+fn pathdiff(to: &std::path::Path, from: &std::path::Path) -> String {
+    let (to, from): (Vec<_>, Vec<_>) = (to.components().collect(), from.components().collect());
+    let common = to.iter().zip(&from).take_while(|(a, b)| a == b).count();
+    let up = std::iter::repeat_n("..".to_owned(), from.len() - common);
+    let down = to[common..].iter().map(|c| c.as_os_str().to_string_lossy().into_owned());
+    up.chain(down).collect::<Vec<_>>().join("/")
 }
 
 fn dense_manifest(dir: &std::path::Path, drafter: &str) -> std::path::PathBuf {

@@ -32,7 +32,7 @@ pub enum RanksError {
 
 pub fn ranks(
     manifest: &Path,
-    plugins_dir: &Path,
+    plugins_dir: Option<&Path>,
     ranks: usize,
     pairs: usize,
     max_tokens: u32,
@@ -41,7 +41,10 @@ pub fn ranks(
         return Err(RanksError::Counts);
     }
     let mut run: Vec<OsString> = vec!["run".into(), "--manifest".into(), manifest.into()];
-    run.extend(["--plugins-dir".into(), plugins_dir.into(), "--max-tokens".into(), max_tokens.to_string().into()]);
+    if let Some(dir) = plugins_dir {
+        run.extend(["--plugins-dir".into(), dir.into()]);
+    }
+    run.extend(["--max-tokens".into(), max_tokens.to_string().into()]);
     run.extend(["--temperature".into(), "0".into(), "--json".into()]);
     let mut launched: Vec<OsString> = vec!["launch".into(), "-n".into(), ranks.to_string().into(), "--".into()];
     launched.extend(run.iter().cloned());

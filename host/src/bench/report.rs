@@ -10,6 +10,7 @@ use crate::generate::Request;
 use crate::manifest::Manifest;
 use crate::model::Gemma4;
 use crate::plugin::LoadedDrafter;
+use crate::plugins_dir::PluginsDir;
 use crate::run::{load_drafter, resolve_request, CheckpointDefaults, Overrides, RunError};
 use crate::speculative::{probe_open, SpecConfig};
 use crate::tokenizer::Tokenizer;
@@ -25,7 +26,7 @@ pub struct BenchOptions {
     pub mlx_lm_python: Option<PathBuf>,
     /// Time the host alone (`--no-mlx-lm`).
     pub no_mlx_lm: bool,
-    pub plugins_dir: PathBuf,
+    pub plugins_dir: PluginsDir,
     /// Measure the serving engine at these concurrencies instead (`--serving`).
     pub serving: Option<Vec<usize>>,
     /// Requests per serving run.

@@ -17,6 +17,7 @@ use crate::generate::{generate, GenerateError, Generation, Request};
 use crate::manifest::Manifest;
 use crate::model::Gemma4;
 use crate::plugin::LoadedDrafter;
+use crate::plugins_dir::PluginsDir;
 use crate::run::{load_drafter, resolve_request, CheckpointDefaults, Overrides, RunError};
 use crate::speculative::{generate_speculative, probe_open, SpecConfig, Verify};
 use crate::tokenizer::Tokenizer;
@@ -34,7 +35,7 @@ pub struct SweepOptions {
     /// Adds sampled runs at this temperature (with `top_p`) to the greedy ones.
     pub temperature: Option<f32>,
     pub top_p: f32,
-    pub plugins_dir: PathBuf,
+    pub plugins_dir: PluginsDir,
 }
 
 #[derive(Debug, thiserror::Error)]

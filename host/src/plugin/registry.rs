@@ -79,8 +79,12 @@ fn refuse_duplicate_kinds(entries: &mut [RegistryEntry]) {
 pub enum SelectError {
     #[error("cannot read the plugins directory {dir}: {reason}")]
     Directory { dir: PathBuf, reason: String },
-    #[error("no plugin of kind `{kind}` in {dir} (loaded kinds: {loaded}){refused}")]
-    NoSuchKind { kind: String, dir: PathBuf, loaded: String, refused: String },
+    #[error(
+        "no plugin of kind `{kind}` in {dir}{named_by} (loaded kinds: {loaded}){refused}; put its \
+         library there, or name the directory that holds it with --plugins-dir, $HOST_PLUGINS_DIR \
+         or `plugins_dir` under the manifest's [drafter]"
+    )]
+    NoSuchKind { kind: String, dir: PathBuf, named_by: String, loaded: String, refused: String },
     #[error("no library in {dir} has the pinned sha256 {pin}")]
     NoPinnedLibrary { dir: PathBuf, pin: String },
     #[error("{path}: {error}")]
@@ -131,6 +135,7 @@ pub fn select(dir: &Path, kind: &str, pin: Option<&str>) -> Result<Plugin, Selec
     Err(SelectError::NoSuchKind {
         kind: kind.to_owned(),
         dir: dir.to_owned(),
+        named_by: String::new(),
         loaded: if loaded.is_empty() { "none".into() } else { loaded.join(", ") },
         refused: if refused.is_empty() { String::new() } else { format!("; refused: {}", refused.join("; ")) },
     })
