@@ -454,6 +454,8 @@ fn run(cli: Cli, silent_rank: bool) -> Result<()> {
                         println!("warning   {warning}");
                     }
                     println!("artifact  {} ({} bytes of weights)", drafter.info.id, drafter.info.weights_bytes);
+                    let max = drafter.info.capabilities.max_draft_tokens;
+                    println!("max draft {}", if max == 0 { "no limit".to_owned() } else { format!("{max} tokens") });
                 }
             }
             println!("ok: {}", file.display());

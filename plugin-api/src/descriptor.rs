@@ -91,7 +91,8 @@ impl Default for Capabilities {
 #[derive(StableAbi, Clone, Debug, PartialEq)]
 pub struct OptionDoc {
     pub key: RString,
-    /// The default, written as TOML.
+    /// The default as a manifest writes the value: `3`, `0.5`, `true`, `"none"`; text that is
+    /// no TOML value (`none`) is that string.
     pub default: RString,
     pub doc: RString,
 }
@@ -100,7 +101,8 @@ pub struct OptionDoc {
 #[repr(C)]
 #[derive(StableAbi, Clone, Debug, PartialEq)]
 pub struct Descriptor {
-    /// The manifest's `[drafter] kind`, equal to the plugin's crate directory name.
+    /// The manifest's `[drafter] kind`, by which the host finds the plugin (by convention the
+    /// crate's name; `host new-drafter` makes them one).
     pub kind: RString,
     pub name: RString,
     /// The plugin's own semver version.
@@ -139,7 +141,8 @@ impl Descriptor {
         self.capabilities = capabilities;
         self
     }
-    /// Declares a `[drafter]` option, its default (as TOML) and what it does.
+    /// Declares a `[drafter]` option, its default as a manifest writes the value (`"3"`,
+    /// `"true"`; a word such as `"none"` is taken as the string itself) and what it does.
     pub fn option(mut self, key: &str, default: &str, doc: &str) -> Self {
         self.options.push(OptionDoc { key: key.into(), default: default.into(), doc: doc.into() });
         self

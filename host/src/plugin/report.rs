@@ -82,7 +82,11 @@ pub fn plugin_text(plugin: &Plugin) -> String {
         if c.ports.names().is_empty() { "none".into() } else { c.ports.names().join(", ") },
         if c.tap_layers.is_empty() { "none (or set by the artifact)".into() } else { format!("{:?}", c.tap_layers.as_slice()) },
         c.prefill_mode.name(),
-        if c.max_draft_tokens == 0 { "no limit".into() } else { c.max_draft_tokens.to_string() },
+        if c.max_draft_tokens == 0 {
+            "none declared; a provider may set one when it loads (`host manifest check` shows it)".into()
+        } else {
+            c.max_draft_tokens.to_string()
+        },
         if c.draft_probabilities { "yes" } else { "no" },
     );
     if !d.options.is_empty() {

@@ -120,23 +120,19 @@ impl Options {
         }
     }
 
-    /// Fills every option the manifest left out with the descriptor's default (a TOML value;
-    /// an empty default means none).
+    /// Fills every option the manifest left out with the descriptor's default (as a manifest
+    /// writes the value, a plain word being a string; an empty default means none).
     fn fill_defaults(&mut self, descriptor: &Descriptor) -> Result<(), PluginError> {
         for option in descriptor.options.iter().filter(|o| !o.default.is_empty()) {
             if self.table.contains_key(option.key.as_str()) {
                 continue;
             }
+            // A default that is no TOML value is a string written plainly (`none`).
             let parsed = format!("value = {}", option.default)
                 .parse::<toml::Table>()
                 .ok()
                 .and_then(|mut t| t.remove("value"))
-                .ok_or_else(|| {
-                    PluginError::invalid_options(format!(
-                        "the descriptor's default for `{}` is not a TOML value: {}",
-                        option.key, option.default
-                    ))
-                })?;
+                .unwrap_or_else(|| toml::Value::String(option.default.to_string()));
             self.table.insert(option.key.to_string(), parsed);
         }
         Ok(())
@@ -355,4 +351,25 @@ macro_rules! export_drafter {
             }
         };
     };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_written_as_a_manifest_writes_values_and_a_plain_word_is_a_string() {
+        let descriptor = Descriptor::new("k", "k", "0")
+            .option("depth", "3", "")
+            .option("mode", "none", "")
+            .option("quoted", "\"none\"", "")
+            .option("greedy", "true", "");
+        let mut options = Options::parse("depth = 5").unwrap();
+        options.check_known(&descriptor).unwrap();
+        options.fill_defaults(&descriptor).unwrap();
+        assert_eq!(options.value::<u32>("depth").unwrap(), 5, "the manifest's value stays");
+        assert_eq!(options.value::<String>("mode").unwrap(), "none");
+        assert_eq!(options.value::<String>("quoted").unwrap(), "none");
+        assert!(options.value::<bool>("greedy").unwrap());
+    }
 }
