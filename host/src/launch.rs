@@ -161,7 +161,9 @@ fn watch(mut children: Vec<Child>) -> Result<(), LaunchError> {
                 }
             }
         }
-        if let Some(&(rank, status)) = failed.iter().find(|(_, s)| signals::ending_signal(s).is_some()).or(failed.first()) {
+        if let Some(&(rank, status)) =
+            failed.iter().find(|(_, s)| signals::ending_signal(s).is_some()).or(failed.first())
+        {
             stop(&mut children);
             return Err(LaunchError::RankFailed { rank, how: describe(status) });
         }

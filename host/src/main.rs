@@ -1,4 +1,4 @@
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
@@ -294,6 +294,29 @@ enum PluginsCommand {
         #[command(flatten)]
         dir: PluginsDir,
     },
+    /// Load a built drafter library as `run` does and check it against a real target:
+    /// speculative output equal to plain decoding (greedy at several draft lengths, seeded
+    /// sampling, rows joining and leaving a batch), then what it buys. Exit 0 only when every
+    /// check holds.
+    Check {
+        /// The library (`lib<kind>.so`, `.dylib`, `.dll`).
+        library: PathBuf,
+        /// The target (default: this checkout's demo target, models/kjv-gemma4).
+        #[arg(long, value_name = "DIR")]
+        model: Option<PathBuf>,
+        /// The drafter's artifact directory, for kinds that need one.
+        #[arg(long, value_name = "DIR")]
+        artifact: Option<PathBuf>,
+        /// Its `[drafter.options]`, as TOML (`--options 'max_ngram = 4'`).
+        #[arg(long, value_name = "TOML", default_value = "")]
+        options: String,
+        /// Prompts, one JSON object per line with a `prompt` (default: the first three of the
+        /// target's bench-prompts.jsonl).
+        #[arg(long, value_name = "FILE")]
+        prompts: Option<PathBuf>,
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Subcommand)]
@@ -414,6 +437,17 @@ fn run(cli: Cli, silent_rank: bool) -> Result<()> {
                 }
             }
         }
+        Command::Plugins { command: PluginsCommand::Check { library, model, artifact, options, prompts, json } } => {
+            let report = check_plugin(&library, model, artifact.as_deref(), &options, prompts)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{}", report.text());
+            }
+            if !report.passed() {
+                bail!("{} did not pass every check", library.display());
+            }
+        }
         Command::Plugins { command: PluginsCommand::Inspect { plugin, json, dir } } => {
             let path = PathBuf::from(&plugin);
             let outcome = if path.is_file() {
@@ -462,6 +496,39 @@ fn run(cli: Cli, silent_rank: bool) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `host plugins check`: the target and prompts set up, then every check of `plugin::check`.
+fn check_plugin(
+    library: &Path,
+    model: Option<PathBuf>,
+    artifact: Option<&Path>,
+    options: &str,
+    prompts: Option<PathBuf>,
+) -> Result<host::plugin::check::Report> {
+    let model_dir = model.unwrap_or_else(host::new_drafter::demo_target);
+    let target = std::rc::Rc::new(host::model::load(&model_dir)?);
+    let tokenizer = host::tokenizer::Tokenizer::load(&model_dir)?;
+    let prompts_file = prompts.unwrap_or_else(|| model_dir.join("bench-prompts.jsonl"));
+    let text = std::fs::read_to_string(&prompts_file)
+        .with_context(|| format!("reading prompts from {} (give --prompts FILE)", prompts_file.display()))?;
+    let mut prompts = Vec::new();
+    for (n, line) in text.lines().filter(|l| !l.trim().is_empty()).take(3).enumerate() {
+        let value: serde_json::Value = serde_json::from_str(line)
+            .with_context(|| format!("{}:{}: not a JSON object", prompts_file.display(), n + 1))?;
+        let prompt = value["prompt"]
+            .as_str()
+            .with_context(|| format!("{}:{}: no string `prompt`", prompts_file.display(), n + 1))?;
+        prompts.push(tokenizer.encode(prompt)?);
+    }
+    if prompts.is_empty() {
+        bail!("{} holds no prompt", prompts_file.display());
+    }
+    // Past the sliding window, where the target's cache wraps.
+    let max_tokens = target.config.sliding_window + 32;
+    let setup =
+        host::plugin::check::Setup { library, model: &target, artifact, options, prompts: &prompts, max_tokens };
+    Ok(host::plugin::check::check(&setup))
 }
 
 fn scan(dir: PluginsDir) -> Result<(PathBuf, Registry)> {

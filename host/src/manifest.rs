@@ -274,7 +274,8 @@ impl Manifest {
             None => None,
             Some(d) => {
                 let artifact = d.artifact.as_ref().map(|a| existing("drafter.artifact", a, true)).transpose()?;
-                let plugins_dir = d.plugins_dir.as_ref().map(|p| existing("drafter.plugins_dir", p, true)).transpose()?;
+                let plugins_dir =
+                    d.plugins_dir.as_ref().map(|p| existing("drafter.plugins_dir", p, true)).transpose()?;
                 let sha256 = d
                     .sha256
                     .map(|pin| {

@@ -10,6 +10,12 @@ fn checkout() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
+/// The checkout's demo target, the embedded default's.
+pub fn demo_target() -> PathBuf {
+    let checkout = checkout();
+    checkout.canonicalize().unwrap_or(checkout).join("models/kjv-gemma4")
+}
+
 const CARGO_TOML: &str = include_str!("../templates/drafter/Cargo.toml.in");
 const LIB_RS: &str = include_str!("../templates/drafter/lib.rs.in");
 const DEMO_TOML: &str = include_str!("../templates/drafter/demo.toml.in");
@@ -52,7 +58,8 @@ pub fn write(name: &str, dir: &Path, host: &Path) -> Result<Vec<PathBuf>, NewDra
     }
     let checkout = checkout().canonicalize().unwrap_or_else(|_| checkout());
     let cargo_config = checkout.join(".native/cargo-config.toml");
-    let cargo_config = std::fs::read_to_string(&cargo_config).map_err(|_| NewDrafterError::NoNativeSetup(cargo_config))?;
+    let cargo_config =
+        std::fs::read_to_string(&cargo_config).map_err(|_| NewDrafterError::NoNativeSetup(cargo_config))?;
     let library = format!("{}{name}{}", std::env::consts::DLL_PREFIX, std::env::consts::DLL_SUFFIX);
     let fill = |template: &str| {
         template

@@ -51,7 +51,9 @@ impl PluginsDir {
             Origin::Flag => "--plugins-dir",
             Origin::Manifest => "the manifest's plugins_dir",
             Origin::Environment => "$HOST_PLUGINS_DIR",
-            Origin::Executable => "the host executable's directory, as neither --plugins-dir nor $HOST_PLUGINS_DIR names one",
+            Origin::Executable => {
+                "the host executable's directory, as neither --plugins-dir nor $HOST_PLUGINS_DIR names one"
+            }
         }
     }
 }

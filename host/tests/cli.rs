@@ -130,7 +130,8 @@ fn a_manifest_names_its_plugins_directory() {
     let manifest = work.path().join("m.toml");
     let relative = pathdiff(plugins.path(), work.path());
     let check = |plugins_dir: &str, flag: Option<&std::path::Path>| {
-        let text = format!("[target]\nmodel = \"model\"\n[drafter]\nkind = \"ngram\"\nplugins_dir = \"{plugins_dir}\"\n");
+        let text =
+            format!("[target]\nmodel = \"model\"\n[drafter]\nkind = \"ngram\"\nplugins_dir = \"{plugins_dir}\"\n");
         fs::write(&manifest, text).unwrap();
         let mut command = Command::new(env!("CARGO_BIN_EXE_host"));
         command.args(["manifest", "check", manifest.to_str().unwrap()]).env("HOST_PLUGINS_DIR", empty.path());

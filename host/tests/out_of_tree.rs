@@ -51,8 +51,9 @@ fn a_new_drafter_builds_outside_the_checkout_passes_its_tests_and_drafts_lossles
     assert!(tests.contains("2 passed"), "{tests}");
 
     // The README's commands: the manifest names target/release as its plugins directory.
-    let listed = run(&krate, Command::new(host).args(["plugins", "list", "--plugins-dir", "target/release"]));
-    assert!(listed.contains("bigram") && listed.contains("loaded"), "{listed}");
+    let library = format!("target/release/{}bigram{}", std::env::consts::DLL_PREFIX, std::env::consts::DLL_SUFFIX);
+    let checked = run(&krate, Command::new(host).args(["plugins", "check", &library]));
+    assert!(checked.contains("passed:"), "{checked}");
     let report = run(&krate, Command::new(host).args(["run", "--manifest", "demo.toml", "--compare-plain"]));
     assert!(report.contains("output identical"), "{report}");
     assert!(!report.contains(" 0 drafted"), "{report}");
@@ -66,7 +67,8 @@ fn new_drafter_refuses_a_bad_name_and_a_directory_in_use() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("`My-Drafter` is not a drafter name"), "{err}");
     std::fs::write(home.path().join("notes.txt"), "mine").unwrap();
-    let out = Command::new(host).args(["new-drafter", "bigram", "--dir", "."]).current_dir(home.path()).output().unwrap();
+    let out =
+        Command::new(host).args(["new-drafter", "bigram", "--dir", "."]).current_dir(home.path()).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("exists and is not empty"), "{err}");
     assert_eq!(std::fs::read_dir(home.path()).unwrap().count(), 1, "nothing was written");

@@ -27,9 +27,9 @@
 //! bit. Rows of float32 values take the FMAs too, one at a time: their products are not exact,
 //! but no row's result depends on another's.
 
-use super::amx_bf16::{BLOCK, BLOCKS_AT_ONCE, DEPTH, GROUP};
 #[cfg(target_arch = "x86_64")]
 use super::amx_bf16::{put_block, RowSink, X_ROWS};
+use super::amx_bf16::{BLOCK, BLOCKS_AT_ONCE, DEPTH, GROUP};
 
 /// An MLX-quantized weight [n, k] reordered for the tile unit, with its scales and biases.
 pub struct QuantTiles {

@@ -312,7 +312,6 @@ pub(crate) fn slice<T: mlx_rs::ArrayElement>(a: &Array) -> Option<&[T]> {
     a.try_as_slice::<T>().ok()
 }
 
-
 /// The 16-bit patterns of a bfloat16 or float16 array.
 pub fn bits16(a: &Array) -> Option<&[u16]> {
     let (ptr, len) = match a.dtype() {

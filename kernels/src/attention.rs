@@ -444,10 +444,7 @@ impl Queries<'_> {
             half += 1;
         }
         let (first, second) = out.split_at_mut(half * self.d);
-        helper::join(
-            || self.attend(0..half, visibility, first),
-            || self.attend(half..self.len(), visibility, second),
-        );
+        helper::join(|| self.attend(0..half, visibility, first), || self.attend(half..self.len(), visibility, second));
     }
 
     /// Every query under additive masks: the host's scores, MLX's masking and softmax (one op

@@ -226,7 +226,6 @@ pub(super) mod avx2 {
         }
     }
 
-
     /// Row r of W as floats.
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn convert_row(w: Weight, r: usize, k: usize, out: &mut [f32]) {
@@ -336,11 +335,6 @@ pub(super) mod avx2 {
             }
         }
     }
-
-
-
-
-
 }
 
 /// A register tile of the AVX-512 loops, placed at x row `m0` and W row `o` when built:

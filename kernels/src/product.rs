@@ -15,9 +15,7 @@
 use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype};
 
-use crate::arrays::{
-    bf16_into, bits16, from_bits16, rounded, row_major, slice, with_floats, with_round, Round,
-};
+use crate::arrays::{bf16_into, bits16, from_bits16, rounded, row_major, slice, with_floats, with_round, Round};
 use crate::dot::{self, Params, Weight, MAX_ROWS};
 use crate::{amx_bf16, amx_quantized, helper, wide};
 

@@ -20,8 +20,8 @@
 
 use std::arch::x86_64::*;
 
-use crate::weight::{Quantized, Weight};
 use super::lanes::store_sums;
+use crate::weight::{Quantized, Weight};
 
 /// Register tiles of up to 4 x rows × 4 W rows: sixteen accumulators, and for each W row its
 /// scale, bias and weight vector.

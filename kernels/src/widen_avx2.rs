@@ -46,8 +46,7 @@ pub unsafe fn u8x8(p: *const u32) -> __m256 {
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn u4x8(word: u32) -> __m256 {
     let shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-    let nibbles =
-        _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word as i32), shifts), _mm256_set1_epi32(0xF));
+    let nibbles = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word as i32), shifts), _mm256_set1_epi32(0xF));
     _mm256_cvtepi32_ps(nibbles)
 }
 

@@ -311,7 +311,8 @@ mod tests {
         let plain =
             Embedding { weight: Stored::Mlx(wq.clone()), scales: Some(scales), biases: Some(biases), quantization: q };
         let head = plain.clone().tied_head();
-        if Packed::quantized(&wq, plain.scales.as_ref().unwrap(), plain.biases.as_ref().unwrap(), q.unwrap()).is_none() {
+        if Packed::quantized(&wq, plain.scales.as_ref().unwrap(), plain.biases.as_ref().unwrap(), q.unwrap()).is_none()
+        {
             assert!(matches!(head.weight, Stored::Mlx(_)));
             return;
         }

@@ -59,7 +59,6 @@ pub fn softcap(x: &Array, cap: f32) -> Result<Array, Exception> {
     mlx_rs::ops::tanh(x.divide(&c)?)?.multiply(&c)
 }
 
-
 /// Attention of queries [B, Hq, L, D] over keys/values [B, Hkv, S, D].
 pub fn attention(q: &Array, k: &Array, v: &Array, scale: f32, mask: &Mask) -> Result<Array, Exception> {
     attention_over_slots(q, k, v, k.shape().get(2).map_or(0, |&s| s as usize), scale, mask)

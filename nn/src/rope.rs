@@ -71,8 +71,6 @@ impl Rope {
             Rope::Proportional { dims, freqs } => mlx_rs::fast::rope(x, *dims, false, None, 1.0, offset, freqs),
         }
     }
-
-
 }
 
 #[cfg(test)]

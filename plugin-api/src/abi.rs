@@ -3,7 +3,6 @@
 //! Plugin authors do not implement these directly: the SDK ([`crate::sdk`]) adapts plain Rust
 //! traits to them and guards every entry against panics.
 
-
 use abi_stable::library::RootModule;
 use abi_stable::sabi_trait;
 use abi_stable::sabi_types::VersionStrings;

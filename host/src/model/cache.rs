@@ -3,10 +3,10 @@
 //! ring holds `window + slack` slots, so rows rolled back never overwrote a row that is still
 //! inside the window afterwards, and every slot records which position it holds.
 
+use kernels::dot::SUM_PERIOD;
 use mlx_rs::error::Exception;
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::Array;
-use kernels::dot::SUM_PERIOD;
 use plugin_api::nn::layout::{put_slots, take_slots};
 use plugin_api::nn::ops::Mask;
 

@@ -1,5 +1,6 @@
 //! Drafter plugins: finding and loading libraries, and driving the drafters they provide.
 
+pub mod check;
 pub mod drafter;
 pub mod load;
 pub mod registry;

@@ -166,9 +166,7 @@ impl WindowTokens {
                 let window = |b: usize| {
                     let logits = &all[span(b, vocab)];
                     match params[b].is_greedy() {
-                        true => {
-                            WindowTokens::Greedy(logits.chunks(vocab).map(kernels::argmax::first_max).collect())
-                        }
+                        true => WindowTokens::Greedy(logits.chunks(vocab).map(kernels::argmax::first_max).collect()),
                         false => WindowTokens::Sampled { logits: logits.to_vec(), vocab },
                     }
                 };

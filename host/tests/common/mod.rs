@@ -6,7 +6,8 @@ use std::path::{Path, PathBuf};
 
 /// A fixture library built by `make fixtures` into target/fixtures.
 pub fn fixture(name: &str) -> PathBuf {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../target/fixtures/debug/{DLL_PREFIX}{name}{DLL_SUFFIX}"));
+    let path =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../target/fixtures/debug/{DLL_PREFIX}{name}{DLL_SUFFIX}"));
     assert!(path.exists(), "{} is missing: build the fixtures first (make fixtures)", path.display());
     path.canonicalize().unwrap()
 }

@@ -45,10 +45,12 @@ impl Format {
         match self {
             Format::Elf => bytes.starts_with(b"\x7fELF"),
             // 32- and 64-bit, either byte order, and universal ("fat") files.
-            Format::MachO => bytes.len() >= 4 && {
-                let magic = u32::from_le_bytes(bytes[..4].try_into().expect("4 bytes"));
-                matches!(magic, 0xfeed_face | 0xfeed_facf | 0xcefa_edfe | 0xcffa_edfe | 0xbeba_feca | 0xcafe_babe)
-            },
+            Format::MachO => {
+                bytes.len() >= 4 && {
+                    let magic = u32::from_le_bytes(bytes[..4].try_into().expect("4 bytes"));
+                    matches!(magic, 0xfeed_face | 0xfeed_facf | 0xcefa_edfe | 0xcffa_edfe | 0xbeba_feca | 0xcafe_babe)
+                }
+            }
             Format::Pe => bytes.starts_with(b"MZ"),
         }
     }
@@ -85,7 +87,11 @@ pub fn check(bytes: &[u8], format: Format) -> Result<(), Refusal> {
 fn inside(len: u64, offset: u64, size: u64, what: impl FnOnce() -> String) -> Result<(), String> {
     match offset.checked_add(size) {
         Some(end) if end <= len => Ok(()),
-        _ => Err(format!("truncated: {} needs bytes {offset}..{} but the file has {len}", what(), offset.saturating_add(size))),
+        _ => Err(format!(
+            "truncated: {} needs bytes {offset}..{} but the file has {len}",
+            what(),
+            offset.saturating_add(size)
+        )),
     }
 }
 
@@ -129,15 +135,18 @@ fn check_mach(bytes: &[u8]) -> Result<(), String> {
 fn check_macho(macho: &MachO, image: &[u8], at: u64) -> Result<(), String> {
     use goblin::mach::header::{filetype_to_str, MH_BUNDLE, MH_DYLIB};
     if !matches!(macho.header.filetype, MH_DYLIB | MH_BUNDLE) {
-        return Err(format!(
-            "a Mach-O file of type {}, not a dynamic library",
-            filetype_to_str(macho.header.filetype)
-        ));
+        return Err(format!("a Mach-O file of type {}, not a dynamic library", filetype_to_str(macho.header.filetype)));
     }
     let len = image.len() as u64;
     for segment in macho.segments.iter() {
         let name = || format!("segment {}", segment.name().unwrap_or("?"));
-        inside(len, segment.fileoff, segment.filesize, name).map_err(|e| if at > 0 { format!("{e} (at {at})") } else { e })?;
+        inside(len, segment.fileoff, segment.filesize, name).map_err(|e| {
+            if at > 0 {
+                format!("{e} (at {at})")
+            } else {
+                e
+            }
+        })?;
     }
     Ok(())
 }

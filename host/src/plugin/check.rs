@@ -1,0 +1,288 @@
+//! `host plugins check LIBRARY`: a built drafter library, loaded as `run` loads it, put through
+//! its paces on a real target before anyone trusts it. Every check says what it ran and, where it
+//! failed, which request, row and call; the library passes only when every check holds.
+//!
+//! The checks: the library loads and opens on the target; greedy speculative output equals plain
+//! decoding on every prompt at several draft lengths, past the target's sliding window; seeded
+//! sampled output equals plain sampling; rows sharing rounds, joining and leaving mid-flight,
+//! each equal their plain runs. A drafter dropped mid-request (a panic, ids outside the
+//! vocabulary, too many tokens) fails the check it was dropped in, with the host's reason.
+//! Then a short measurement: tokens per target forward, acceptance by position, time per round.
+
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+
+use serde::Serialize;
+
+use super::load::load;
+use super::LoadedDrafter;
+use crate::generate::{generate, Event, Flow, Generation, Request, StopReason};
+use crate::model::Gemma4;
+use crate::sampling::SamplingParams;
+use crate::speculative::{generate_speculative, probe_open, LiveBatch, SpecConfig, Verify};
+
+/// Draft lengths every greedy prompt is checked at.
+pub const DRAFT_LENGTHS: [usize; 3] = [1, 3, 6];
+
+/// One check and how it went.
+#[derive(Debug, Clone, Serialize)]
+pub struct Outcome {
+    pub check: String,
+    pub passed: bool,
+    /// Why it failed, or what it covered.
+    pub detail: String,
+}
+
+/// What the drafter bought on the check's greedy runs at 3 draft tokens.
+#[derive(Debug, Clone, Serialize)]
+pub struct Measurement {
+    /// Generated tokens per target forward (τ).
+    pub tokens_per_forward: f64,
+    pub accepted_by_position: Vec<f64>,
+    pub draft_ms_per_round: f64,
+    pub verify_ms_per_round: f64,
+    /// Plain decoding's time over speculative decoding's.
+    pub speedup: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub library: PathBuf,
+    pub kind: Option<String>,
+    pub checks: Vec<Outcome>,
+    pub measurement: Option<Measurement>,
+}
+
+impl Report {
+    pub fn passed(&self) -> bool {
+        !self.checks.is_empty() && self.checks.iter().all(|c| c.passed)
+    }
+
+    pub fn text(&self) -> String {
+        let mut out = format!("checking {}\n", self.library.display());
+        for c in &self.checks {
+            out.push_str(&format!("  {} {}: {}\n", if c.passed { "ok  " } else { "FAIL" }, c.check, c.detail));
+        }
+        if let Some(m) = &self.measurement {
+            let positions: Vec<String> = m.accepted_by_position.iter().map(|a| format!("{a:.2}")).collect();
+            out.push_str(&format!(
+                "  {:.2} tokens per target forward, accepted by position [{}], a round {:.2} ms drafting and \
+                 {:.2} ms verifying, {:.2}x plain speed\n",
+                m.tokens_per_forward,
+                positions.join(", "),
+                m.draft_ms_per_round,
+                m.verify_ms_per_round,
+                m.speedup
+            ));
+        }
+        let failed = self.checks.iter().filter(|c| !c.passed).count();
+        out.push_str(&match failed {
+            0 => format!("passed: {} checks\n", self.checks.len()),
+            n => format!("FAILED: {n} of {} checks\n", self.checks.len()),
+        });
+        out
+    }
+}
+
+/// What to check the library against.
+pub struct Setup<'a> {
+    pub library: &'a Path,
+    pub model: &'a Rc<Gemma4>,
+    pub artifact: Option<&'a Path>,
+    /// The `[drafter.options]` to load it with, as TOML.
+    pub options: &'a str,
+    pub prompts: &'a [Vec<u32>],
+    /// Tokens each request generates.
+    pub max_tokens: usize,
+}
+
+/// Runs every check, stopping after the first two (load, open) if either fails.
+pub fn check(setup: &Setup) -> Report {
+    let mut report = Report { library: setup.library.to_owned(), kind: None, checks: Vec::new(), measurement: None };
+    let mut note = |check: &str, result: Result<String, String>| {
+        let passed = result.is_ok();
+        let detail = result.unwrap_or_else(|e| e);
+        report.checks.push(Outcome { check: check.to_owned(), passed, detail });
+        passed
+    };
+    let plugin = match load(setup.library, None) {
+        Ok(plugin) => plugin,
+        Err(e) => {
+            note("load", Err(e.to_string()));
+            return report;
+        }
+    };
+    let kind = plugin.descriptor.kind.to_string();
+    note("load", Ok(format!("kind `{kind}`, plugin API {}", plugin.api_version)));
+    let drafter = LoadedDrafter::load(&plugin, setup.artifact, setup.options)
+        .map_err(|e| e.to_string())
+        .and_then(|d| probe_open(setup.model, &d).map(|()| d).map_err(|e| e.to_string()));
+    let opened = match &drafter {
+        Ok(d) => Ok(format!("artifact {}, opened on the target", d.info.id)),
+        Err(e) => Err(e.clone()),
+    };
+    let opened_ok = note("open", opened);
+    let (Ok(drafter), true) = (drafter, opened_ok) else {
+        report.kind = Some(kind);
+        return report;
+    };
+
+    let request = |prompt: &Vec<u32>, sampling: SamplingParams| Request {
+        prompt: prompt.clone(),
+        max_tokens: setup.max_tokens,
+        sampling,
+        eos: Vec::new(),
+    };
+    let greedy = SamplingParams::default();
+    let sampled = |seed| SamplingParams { temperature: 0.8, top_p: 0.95, seed, ..SamplingParams::default() };
+    let mut measured = Vec::new();
+    for &gamma in &DRAFT_LENGTHS {
+        for (p, prompt) in setup.prompts.iter().enumerate() {
+            let r = request(prompt, greedy);
+            let result = one_request(setup.model, &drafter, &r, gamma);
+            if gamma == 3 {
+                if let Ok((spec, plain)) = &result {
+                    measured.push((spec.stats.clone(), plain.stats.decode_ms));
+                }
+            }
+            note(&format!("greedy, {gamma} draft tokens, prompt {p}"), result.map(|(spec, _)| summary(&spec)));
+        }
+    }
+    for (p, prompt) in setup.prompts.iter().enumerate() {
+        let r = request(prompt, sampled(7 + p as u64));
+        let result = one_request(setup.model, &drafter, &r, 3).map(|(spec, _)| summary(&spec));
+        note(&format!("sampled (T 0.8, top-p 0.95, seed {}), 3 draft tokens, prompt {p}", 7 + p), result);
+    }
+    let requests: Vec<Request> = setup
+        .prompts
+        .iter()
+        .enumerate()
+        .map(|(p, prompt)| request(prompt, if p % 2 == 0 { greedy } else { sampled(20 + p as u64) }))
+        .collect();
+    note("rows joining and leaving a batch mid-flight", rows_in_flight(setup.model, &drafter, &requests));
+
+    report.kind = Some(kind);
+    report.measurement = measure(&measured);
+    report
+}
+
+/// A request speculatively at `gamma` draft tokens and plainly: equal tokens, and the drafter
+/// never dropped.
+fn one_request(
+    model: &Rc<Gemma4>,
+    drafter: &LoadedDrafter,
+    request: &Request,
+    gamma: usize,
+) -> Result<(Generation, Generation), String> {
+    let config = SpecConfig { draft_tokens: gamma, verify: Verify::Match };
+    let spec = generate_speculative(model, drafter, request, config, |_| Flow::Continue).map_err(|e| e.to_string())?;
+    let plain = generate(model, request, |_| Flow::Continue).map_err(|e| e.to_string())?;
+    if let Some(error) = &spec.stats.drafter_error {
+        return Err(format!("the host dropped the drafter: {error}"));
+    }
+    compare(&spec.tokens, &plain.tokens)?;
+    Ok((spec, plain))
+}
+
+/// Where `got` first departs from plain decoding's `plain`, if it does.
+fn compare(got: &[u32], plain: &[u32]) -> Result<(), String> {
+    match got.iter().zip(plain).position(|(a, b)| a != b) {
+        Some(i) => Err(format!("differs from plain decoding at generated token {i}: {} against {}", got[i], plain[i])),
+        None if got.len() != plain.len() => {
+            Err(format!("{} tokens where plain decoding made {}", got.len(), plain.len()))
+        }
+        None => Ok(()),
+    }
+}
+
+fn summary(g: &Generation) -> String {
+    format!(
+        "identical to plain decoding; {} tokens, {} drafted, {} accepted",
+        g.tokens.len(),
+        g.stats.drafted,
+        g.stats.accepted
+    )
+}
+
+/// Requests joining one batch a round apart, one of them cancelled after its fourth token: each
+/// row's output equals its plain run (the cancelled one, that run's first four tokens).
+fn rows_in_flight(model: &Rc<Gemma4>, drafter: &LoadedDrafter, requests: &[Request]) -> Result<String, String> {
+    let config = SpecConfig { draft_tokens: 3, verify: Verify::Match };
+    let mut batch = LiveBatch::new(model, Some(drafter), config).map_err(|e| e.to_string())?;
+    let cancelled = requests.len().saturating_sub(1).min(1);
+    let mut done: Vec<Option<Generation>> = vec![None; requests.len()];
+    let mut streamed: Vec<usize> = vec![0; requests.len()];
+    let mut round = 0;
+    while done.iter().any(Option::is_none) {
+        if let Some(request) = requests.get(round) {
+            batch.join(round, request.clone(), |_| Flow::Continue).map_err(|e| format!("row {round} joining: {e}"))?;
+        }
+        let finished = batch
+            .round(|row, event| {
+                if let Event::Token(_) = event {
+                    streamed[row] += 1;
+                }
+                if row == cancelled && streamed[row] == 4 {
+                    Flow::Stop
+                } else {
+                    Flow::Continue
+                }
+            })
+            .map_err(|e| format!("round {round}: {e}"))?;
+        for (row, generation) in finished {
+            done[row] = Some(generation);
+        }
+        round += 1;
+        if round > 100_000 {
+            return Err("the batch never finished".into());
+        }
+    }
+    for (row, (request, generation)) in requests.iter().zip(&done).enumerate() {
+        let generation = generation.as_ref().expect("every row finished");
+        if let Some(error) = &generation.stats.drafter_error {
+            return Err(format!("row {row}: the host dropped the drafter: {error}"));
+        }
+        let plain = generate(model, request, |_| Flow::Continue).map_err(|e| e.to_string())?.tokens;
+        let expected = match generation.stop {
+            StopReason::Interrupted if row == cancelled => &plain[..4.min(plain.len())],
+            _ => &plain[..],
+        };
+        compare(&generation.tokens, expected).map_err(|e| format!("row {row}: {e}"))?;
+    }
+    Ok(format!("{} rows, one joining per round, row {cancelled} cancelled; each equals its plain run", requests.len()))
+}
+
+/// The measurement over the greedy runs at 3 draft tokens (their stats, and plain decoding's time).
+fn measure(runs: &[(crate::generate::Stats, f64)]) -> Option<Measurement> {
+    if runs.is_empty() {
+        return None;
+    }
+    let sum = |f: &dyn Fn(&crate::generate::Stats) -> f64| runs.iter().map(|(s, _)| f(s)).sum::<f64>();
+    let rounds = sum(&|s| s.rounds as f64).max(1.0);
+    let forwards = sum(&|s| s.target_forwards as f64).max(1.0);
+    let positions = runs.iter().map(|(s, _)| s.drafted_by_position.len()).max().unwrap_or(0);
+    let accepted_by_position = (0..positions)
+        .map(|i| {
+            let drafted: f64 = runs.iter().map(|(s, _)| *s.drafted_by_position.get(i).unwrap_or(&0) as f64).sum();
+            let accepted: f64 = runs
+                .iter()
+                .map(|(s, _)| {
+                    s.accepted_by_position.get(i).unwrap_or(&0.0) * *s.drafted_by_position.get(i).unwrap_or(&0) as f64
+                })
+                .sum();
+            if drafted > 0.0 {
+                accepted / drafted
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let plain_ms: f64 = runs.iter().map(|(_, plain)| plain).sum();
+    Some(Measurement {
+        tokens_per_forward: sum(&|s| s.generated_tokens as f64) / forwards,
+        accepted_by_position,
+        draft_ms_per_round: sum(&|s| s.draft_ms) / rounds,
+        verify_ms_per_round: sum(&|s| s.verify_ms) / rounds,
+        speedup: plain_ms / sum(&|s| s.decode_ms).max(f64::MIN_POSITIVE),
+    })
+}
