@@ -207,7 +207,7 @@ fn a_long_prefill_reports_its_progress_chunk_by_chunk() {
     let options = host::run::RunOptions {
         source: host::manifest::Source::manifest(&m),
         overrides: host::run::Overrides { prompt_ids: Some(prompt), ..Default::default() },
-        plugins_dir: PathBuf::from("."),
+        plugins_dir: host::plugins_dir::resolve(Some(PathBuf::from("."))),
         compare_plain: false,
     };
     let mut seen = Vec::new();

@@ -307,12 +307,16 @@ mod tests {
         let table =
             mlx_rs::random::normal::<f32>(&[100, 128], None, None, &key).unwrap().as_dtype(Dtype::Bfloat16).unwrap();
         let (wq, scales, biases) = mlx_rs::ops::quantize(&table, 64, 4).unwrap();
-        let q = Some(Quantization { group_size: 64, bits: 4 });
-        let plain =
-            Embedding { weight: Stored::Mlx(wq.clone()), scales: Some(scales), biases: Some(biases), quantization: q };
+        let q = Quantization { group_size: 64, bits: 4 };
+        let packs = Packed::quantized(&wq, &scales, &biases, q).is_some();
+        let plain = Embedding {
+            weight: Stored::Mlx(wq.clone()),
+            scales: Some(scales),
+            biases: Some(biases),
+            quantization: Some(q),
+        };
         let head = plain.clone().tied_head();
-        if Packed::quantized(&wq, plain.scales.as_ref().unwrap(), plain.biases.as_ref().unwrap(), q.unwrap()).is_none()
-        {
+        if !packs {
             assert!(matches!(head.weight, Stored::Mlx(_)));
             return;
         }
