@@ -44,7 +44,7 @@ impl Row for f32 {
 /// The candidate whose row of `table` has the largest dot product with `x` (its length is the
 /// row length), each rounded to bfloat16 if asked; among equal scores the lowest id. `None` if
 /// no score is above -inf. Each score is the sum, in order, of eight lanes, lane i summing
-/// r[j]·x[j] for j ≡ i (mod 8) in order (a multiply, then an add), then the rest in order.
+/// `r[j]·x[j]` for j ≡ i (mod 8) in order (a multiply, then an add), then the rest in order.
 pub fn best_token<T: Row>(table: &[T], x: &[f32], candidates: &[i32], to_bf16: bool) -> Option<i32> {
     let d = x.len();
     let mut best = (f32::NEG_INFINITY, i32::MAX);

@@ -16,7 +16,7 @@ use crate::arrays::{
 ///
 /// MLX's CPU rope (its fallback in mlx/fast.cpp, some twenty ops per call) in one pass:
 /// x₁·cos − x₂·sin and x₁·sin + x₂·cos, each product and sum rounded to x's dtype, with the
-/// cosines and sines MLX itself computes (see [`Table`]). Bit for bit MLX's (tested); each
+/// cosines and sines MLX itself computes (see `Table`). Bit for bit MLX's (tested); each
 /// MLX op costs microseconds of dispatch on the CPU, and a layer rotates twice.
 pub fn rotate(
     x: &Array,
