@@ -23,7 +23,13 @@ fn a_good_drafter_passes_every_check_and_gets_measured() {
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let checks = report["checks"].as_array().unwrap();
     assert!(checks.len() >= 10 && checks.iter().all(|c| c["passed"] == true), "{report}");
-    for name in ["load", "open", "greedy, 6 draft tokens, prompt 2", "rows joining and leaving a batch mid-flight"] {
+    for name in [
+        "load",
+        "open",
+        "greedy, 6 draft tokens, prompt 2",
+        "rows joining and leaving a batch mid-flight",
+        "a prompt extending a cached one (row state captured, then restored)",
+    ] {
         assert!(checks.iter().any(|c| c["check"] == name), "no check `{name}`: {report}");
     }
     assert!(report["measurement"]["tokens_per_forward"].as_f64().unwrap() > 1.0, "{report}");

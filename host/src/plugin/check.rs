@@ -160,6 +160,13 @@ pub fn check(setup: &Setup) -> Report {
         .map(|(p, prompt)| request(prompt, if p % 2 == 0 { greedy } else { sampled(20 + p as u64) }))
         .collect();
     note("rows joining and leaving a batch mid-flight", rows_in_flight(setup.model, &drafter, &requests));
+    let mut longer = setup.prompts[0].clone();
+    longer.extend(setup.prompts.last().expect("a prompt").iter().take(16));
+    let (first, second) = (request(&setup.prompts[0], greedy), request(&longer, greedy));
+    note(
+        "a prompt extending a cached one (row state captured, then restored)",
+        prefix_cache(setup.model, &drafter, &first, &second),
+    );
 
     report.kind = Some(kind);
     report.measurement = measure(&measured);
@@ -250,6 +257,38 @@ fn rows_in_flight(model: &Rc<Gemma4>, drafter: &LoadedDrafter, requests: &[Reque
         compare(&generation.tokens, expected).map_err(|e| format!("row {row}: {e}"))?;
     }
     Ok(format!("{} rows, one joining per round, row {cancelled} cancelled; each equals its plain run", requests.len()))
+}
+
+/// Two requests through one batch with a prefix cache, the second's prompt extending the
+/// first's: the second starts from the first's captured state (the target's and the drafter's
+/// rows) and still equals its plain run.
+fn prefix_cache(
+    model: &Rc<Gemma4>,
+    drafter: &LoadedDrafter,
+    first: &Request,
+    second: &Request,
+) -> Result<String, String> {
+    let config = SpecConfig { draft_tokens: 3, verify: Verify::Match };
+    let mut batch =
+        LiveBatch::new(model, Some(drafter), config).map_err(|e| e.to_string())?.with_prefix_cache(64 << 20);
+    let mut last = None;
+    for (i, request) in [first, second].into_iter().enumerate() {
+        batch.join(i, request.clone(), |_| Flow::Continue).map_err(|e| format!("request {i} joining: {e}"))?;
+        while !batch.is_empty() {
+            let finished = batch.round(|_, _| Flow::Continue).map_err(|e| format!("request {i}: {e}"))?;
+            last = finished.into_iter().last().map(|(_, g)| g).or(last);
+        }
+    }
+    let generation = last.ok_or("the second request never finished")?;
+    if let Some(error) = &generation.stats.drafter_error {
+        return Err(format!("the host dropped the drafter: {error}"));
+    }
+    if generation.stats.cached_prompt_tokens == 0 {
+        return Err("the second request reused nothing of the first's prefill".into());
+    }
+    let plain = generate(model, second, |_| Flow::Continue).map_err(|e| e.to_string())?;
+    compare(&generation.tokens, &plain.tokens)?;
+    Ok(format!("{} prompt tokens restored; identical to plain decoding", generation.stats.cached_prompt_tokens))
 }
 
 /// The measurement over the greedy runs at 3 draft tokens (their stats, and plain decoding's time).
