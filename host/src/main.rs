@@ -294,8 +294,8 @@ enum PluginsCommand {
         #[command(flatten)]
         dir: PluginsDir,
     },
-    /// Load a built drafter library as `run` does and check it against a real target:
-    /// speculative output equal to plain decoding (greedy at several draft lengths, seeded
+    /// Load a built drafter library as `run` does and check it: the conformance kit through its
+    /// ABI, then against a real target, speculative output equal to plain decoding (greedy at several draft lengths, seeded
     /// sampling, rows joining and leaving a batch), then what it buys. Exit 0 only when every
     /// check holds.
     Check {

@@ -32,6 +32,8 @@ fn a_good_drafter_passes_every_check_and_gets_measured() {
     ] {
         assert!(checks.iter().any(|c| c["check"] == name), "no check `{name}`: {report}");
     }
+    let contract = checks.iter().filter(|c| c["check"].as_str().unwrap().starts_with("contract: ")).count();
+    assert!(contract >= 5, "the conformance kit's checks through the library's ABI: {report}");
     assert!(report["measurement"]["tokens_per_forward"].as_f64().unwrap() > 1.0, "{report}");
 }
 

@@ -2,7 +2,8 @@
 //! its paces on a real target before anyone trusts it. Every check says what it ran and, where it
 //! failed, which request, row and call; the library passes only when every check holds.
 //!
-//! The checks: the library loads and opens on the target; greedy speculative output equals plain
+//! The checks: the library loads; the conformance kit's contract checks pass through its ABI (on
+//! a synthetic target of the real one's sizes); it opens on the target; greedy speculative output equals plain
 //! decoding on every prompt at several draft lengths, past the target's sliding window; seeded
 //! sampled output equals plain sampling; rows sharing rounds, joining and leaving mid-flight,
 //! each equal their plain runs. A drafter dropped mid-request (a panic, ids outside the
@@ -114,6 +115,12 @@ pub fn check(setup: &Setup) -> Report {
     };
     let kind = plugin.descriptor.kind.to_string();
     note("load", Ok(format!("kind `{kind}`, plugin API {}", plugin.api_version)));
+    // The conformance kit through the library's own ABI, on a synthetic target of the real
+    // one's shape.
+    let contract = plugin_api::conformance::check_root(plugin.root, &conformance_config(setup));
+    for (name, outcome) in contract.checks {
+        note(&format!("contract: {name}"), outcome.map(|()| "holds".to_owned()));
+    }
     let drafter = LoadedDrafter::load(&plugin, setup.artifact, setup.options)
         .map_err(|e| e.to_string())
         .and_then(|d| probe_open(setup.model, &d).map(|()| d).map_err(|e| e.to_string()));
@@ -171,6 +178,24 @@ pub fn check(setup: &Setup) -> Report {
     report.kind = Some(kind);
     report.measurement = measure(&measured);
     report
+}
+
+/// The conformance kit's setup: the drafter's artifact and options, and a synthetic target of the
+/// real target's sizes.
+fn conformance_config(setup: &Setup) -> plugin_api::conformance::Config {
+    let c = &setup.model.config;
+    plugin_api::conformance::Config {
+        artifact: setup.artifact.map(Path::to_owned),
+        options: setup.options.to_owned(),
+        vocab_size: c.vocab_size as u32,
+        hidden_size: c.hidden_size as u32,
+        num_layers: c.num_hidden_layers as u32,
+        final_logit_softcap: c.final_logit_softcapping.unwrap_or(0.0),
+        head_dim: c.head_dim as u32,
+        global_head_dim: c.global_head_dim as u32,
+        sliding_window: c.sliding_window as u32,
+        ..plugin_api::conformance::Config::default()
+    }
 }
 
 /// A request speculatively at `gamma` draft tokens and plainly: equal tokens, and the drafter
