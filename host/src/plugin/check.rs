@@ -5,8 +5,9 @@
 //! The checks: the library loads; the conformance kit's contract checks pass through its ABI (on
 //! a synthetic target of the real one's sizes); it opens on the target; greedy speculative output equals plain
 //! decoding on every prompt at several draft lengths, past the target's sliding window; seeded
-//! sampled output equals plain sampling; rows sharing rounds, joining and leaving mid-flight,
-//! each equal their plain runs. A drafter dropped mid-request (a panic, ids outside the
+//! sampled output equals plain sampling; rows sharing rounds (at 1 and 6 draft tokens), and
+//! rows joining and leaving mid-flight, each equal their plain runs; a prompt extending a cached
+//! one starts from the cached row states. A drafter dropped mid-request (a panic, ids outside the
 //! vocabulary, too many tokens) fails the check it was dropped in, with the host's reason.
 //! Then a short measurement: tokens per target forward, acceptance by position, time per round.
 
@@ -20,7 +21,7 @@ use super::LoadedDrafter;
 use crate::generate::{generate, Event, Flow, Generation, Request, StopReason};
 use crate::model::Gemma4;
 use crate::sampling::SamplingParams;
-use crate::speculative::{generate_speculative, probe_open, LiveBatch, SpecConfig, Verify};
+use crate::speculative::{generate_speculative, generate_speculative_rows, probe_open, LiveBatch, SpecConfig, Verify};
 
 /// Draft lengths every greedy prompt is checked at.
 pub const DRAFT_LENGTHS: [usize; 3] = [1, 3, 6];
@@ -166,6 +167,10 @@ pub fn check(setup: &Setup) -> Report {
         .enumerate()
         .map(|(p, prompt)| request(prompt, if p % 2 == 0 { greedy } else { sampled(20 + p as u64) }))
         .collect();
+    for gamma in [1, 6] {
+        let check = format!("{} rows in one batch, {gamma} draft tokens", requests.len());
+        note(&check, batch(setup.model, &drafter, &requests, gamma));
+    }
     note("rows joining and leaving a batch mid-flight", rows_in_flight(setup.model, &drafter, &requests));
     let mut longer = setup.prompts[0].clone();
     longer.extend(setup.prompts.last().expect("a prompt").iter().take(16));
@@ -234,6 +239,22 @@ fn summary(g: &Generation) -> String {
         g.stats.drafted,
         g.stats.accepted
     )
+}
+
+/// Every request in one batch from the start, their rows drafted and verified together: each
+/// row equals its plain run.
+fn batch(model: &Rc<Gemma4>, drafter: &LoadedDrafter, requests: &[Request], gamma: usize) -> Result<String, String> {
+    let config = SpecConfig { draft_tokens: gamma, verify: Verify::Match };
+    let rows = generate_speculative_rows(model, drafter, requests, config, |_, _| Flow::Continue)
+        .map_err(|e| e.to_string())?;
+    for (row, (request, generation)) in requests.iter().zip(&rows).enumerate() {
+        if let Some(error) = &generation.stats.drafter_error {
+            return Err(format!("row {row}: the host dropped the drafter: {error}"));
+        }
+        let plain = generate(model, request, |_| Flow::Continue).map_err(|e| e.to_string())?;
+        compare(&generation.tokens, &plain.tokens).map_err(|e| format!("row {row}: {e}"))?;
+    }
+    Ok(format!("each row equals its plain run ({} greedy, the others sampled)", requests.len().div_ceil(2)))
 }
 
 /// Requests joining one batch a round apart, one of them cancelled after its fourth token: each
