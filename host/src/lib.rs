@@ -5,6 +5,7 @@ pub mod batch;
 pub mod bench;
 pub mod chat;
 pub mod check_model;
+pub mod checkout;
 pub mod distributed;
 pub mod doctor;
 pub mod generate;

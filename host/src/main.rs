@@ -506,7 +506,7 @@ fn check_plugin(
     options: &str,
     prompts: Option<PathBuf>,
 ) -> Result<host::plugin::check::Report> {
-    let model_dir = model.unwrap_or_else(host::new_drafter::demo_target);
+    let model_dir = model.unwrap_or_else(host::checkout::demo_target);
     let target = std::rc::Rc::new(host::model::load(&model_dir)?);
     let tokenizer = host::tokenizer::Tokenizer::load(&model_dir)?;
     let prompts_file = prompts.unwrap_or_else(|| model_dir.join("bench-prompts.jsonl"));

@@ -5,17 +5,6 @@
 
 use std::path::{Path, PathBuf};
 
-/// The checkout this host was built from.
-fn checkout() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-/// The checkout's demo target, the embedded default's.
-pub fn demo_target() -> PathBuf {
-    let checkout = checkout();
-    checkout.canonicalize().unwrap_or(checkout).join("models/kjv-gemma4")
-}
-
 const CARGO_TOML: &str = include_str!("../templates/drafter/Cargo.toml.in");
 const LIB_RS: &str = include_str!("../templates/drafter/lib.rs.in");
 const DEMO_TOML: &str = include_str!("../templates/drafter/demo.toml.in");
@@ -56,7 +45,7 @@ pub fn write(name: &str, dir: &Path, host: &Path) -> Result<Vec<PathBuf>, NewDra
     if std::fs::read_dir(dir).is_ok_and(|mut entries| entries.next().is_some()) {
         return Err(NewDrafterError::NotEmpty(dir.to_owned()));
     }
-    let checkout = checkout().canonicalize().unwrap_or_else(|_| checkout());
+    let checkout = crate::checkout::root();
     let cargo_config = checkout.join(".native/cargo-config.toml");
     let cargo_config =
         std::fs::read_to_string(&cargo_config).map_err(|_| NewDrafterError::NoNativeSetup(cargo_config))?;

@@ -11,6 +11,8 @@
 //! vocabulary, too many tokens) fails the check it was dropped in, with the host's reason.
 //! Then a short measurement: tokens per target forward, acceptance by position, time per round.
 
+use std::cell::RefCell;
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 
@@ -143,11 +145,12 @@ pub fn check(setup: &Setup) -> Report {
     };
     let greedy = SamplingParams::default();
     let sampled = |seed| SamplingParams { temperature: 0.8, top_p: 0.95, seed, ..SamplingParams::default() };
+    let plain = PlainRuns { model: setup.model, runs: RefCell::new(HashMap::new()) };
     let mut measured = Vec::new();
     for &gamma in &DRAFT_LENGTHS {
         for (p, prompt) in setup.prompts.iter().enumerate() {
             let r = request(prompt, greedy);
-            let result = one_request(setup.model, &drafter, &r, gamma);
+            let result = one_request(&plain, &drafter, &r, gamma);
             if gamma == 3 {
                 if let Ok((spec, plain)) = &result {
                     measured.push((spec.stats.clone(), plain.stats.decode_ms));
@@ -158,7 +161,7 @@ pub fn check(setup: &Setup) -> Report {
     }
     for (p, prompt) in setup.prompts.iter().enumerate() {
         let r = request(prompt, sampled(7 + p as u64));
-        let result = one_request(setup.model, &drafter, &r, 3).map(|(spec, _)| summary(&spec));
+        let result = one_request(&plain, &drafter, &r, 3).map(|(spec, _)| summary(&spec));
         note(&format!("sampled (T 0.8, top-p 0.95, seed {}), 3 draft tokens, prompt {p}", 7 + p), result);
     }
     let requests: Vec<Request> = setup
@@ -169,15 +172,15 @@ pub fn check(setup: &Setup) -> Report {
         .collect();
     for gamma in [1, 6] {
         let check = format!("{} rows in one batch, {gamma} draft tokens", requests.len());
-        note(&check, batch(setup.model, &drafter, &requests, gamma));
+        note(&check, batch(&plain, &drafter, &requests, gamma));
     }
-    note("rows joining and leaving a batch mid-flight", rows_in_flight(setup.model, &drafter, &requests));
+    note("rows joining and leaving a batch mid-flight", rows_in_flight(&plain, &drafter, &requests));
     let mut longer = setup.prompts[0].clone();
     longer.extend(setup.prompts.last().expect("a prompt").iter().take(16));
     let (first, second) = (request(&setup.prompts[0], greedy), request(&longer, greedy));
     note(
         "a prompt extending a cached one (row state captured, then restored)",
-        prefix_cache(setup.model, &drafter, &first, &second),
+        prefix_cache(&plain, &drafter, &first, &second),
     );
 
     report.kind = Some(kind);
@@ -206,19 +209,39 @@ fn conformance_config(setup: &Setup) -> plugin_api::conformance::Config {
 /// A request speculatively at `gamma` draft tokens and plainly: equal tokens, and the drafter
 /// never dropped.
 fn one_request(
-    model: &Rc<Gemma4>,
+    plain: &PlainRuns,
     drafter: &LoadedDrafter,
     request: &Request,
     gamma: usize,
 ) -> Result<(Generation, Generation), String> {
     let config = SpecConfig { draft_tokens: gamma, verify: Verify::Match };
-    let spec = generate_speculative(model, drafter, request, config, |_| Flow::Continue).map_err(|e| e.to_string())?;
-    let plain = generate(model, request, |_| Flow::Continue).map_err(|e| e.to_string())?;
+    let spec =
+        generate_speculative(plain.model, drafter, request, config, |_| Flow::Continue).map_err(|e| e.to_string())?;
+    let plain = plain.of(request)?;
     if let Some(error) = &spec.stats.drafter_error {
         return Err(format!("the host dropped the drafter: {error}"));
     }
     compare(&spec.tokens, &plain.tokens)?;
     Ok((spec, plain))
+}
+
+/// Plain decoding's output of each request, decoded once however many checks compare with it.
+struct PlainRuns<'a> {
+    model: &'a Rc<Gemma4>,
+    /// By the request as JSON: its prompt, length and sampling.
+    runs: RefCell<HashMap<String, Generation>>,
+}
+
+impl PlainRuns<'_> {
+    fn of(&self, request: &Request) -> Result<Generation, String> {
+        let key = serde_json::to_string(request).map_err(|e| e.to_string())?;
+        if let Some(run) = self.runs.borrow().get(&key) {
+            return Ok(run.clone());
+        }
+        let run = generate(self.model, request, |_| Flow::Continue).map_err(|e| e.to_string())?;
+        self.runs.borrow_mut().insert(key, run.clone());
+        Ok(run)
+    }
 }
 
 /// Where `got` first departs from plain decoding's `plain`, if it does.
@@ -243,25 +266,24 @@ fn summary(g: &Generation) -> String {
 
 /// Every request in one batch from the start, their rows drafted and verified together: each
 /// row equals its plain run.
-fn batch(model: &Rc<Gemma4>, drafter: &LoadedDrafter, requests: &[Request], gamma: usize) -> Result<String, String> {
+fn batch(plain: &PlainRuns, drafter: &LoadedDrafter, requests: &[Request], gamma: usize) -> Result<String, String> {
     let config = SpecConfig { draft_tokens: gamma, verify: Verify::Match };
-    let rows = generate_speculative_rows(model, drafter, requests, config, |_, _| Flow::Continue)
+    let rows = generate_speculative_rows(plain.model, drafter, requests, config, |_, _| Flow::Continue)
         .map_err(|e| e.to_string())?;
     for (row, (request, generation)) in requests.iter().zip(&rows).enumerate() {
         if let Some(error) = &generation.stats.drafter_error {
             return Err(format!("row {row}: the host dropped the drafter: {error}"));
         }
-        let plain = generate(model, request, |_| Flow::Continue).map_err(|e| e.to_string())?;
-        compare(&generation.tokens, &plain.tokens).map_err(|e| format!("row {row}: {e}"))?;
+        compare(&generation.tokens, &plain.of(request)?.tokens).map_err(|e| format!("row {row}: {e}"))?;
     }
     Ok(format!("each row equals its plain run ({} greedy, the others sampled)", requests.len().div_ceil(2)))
 }
 
 /// Requests joining one batch a round apart, one of them cancelled after its fourth token: each
 /// row's output equals its plain run (the cancelled one, that run's first four tokens).
-fn rows_in_flight(model: &Rc<Gemma4>, drafter: &LoadedDrafter, requests: &[Request]) -> Result<String, String> {
+fn rows_in_flight(plain: &PlainRuns, drafter: &LoadedDrafter, requests: &[Request]) -> Result<String, String> {
     let config = SpecConfig { draft_tokens: 3, verify: Verify::Match };
-    let mut batch = LiveBatch::new(model, Some(drafter), config).map_err(|e| e.to_string())?;
+    let mut batch = LiveBatch::new(plain.model, Some(drafter), config).map_err(|e| e.to_string())?;
     let cancelled = requests.len().saturating_sub(1).min(1);
     let mut done: Vec<Option<Generation>> = vec![None; requests.len()];
     let mut streamed: Vec<usize> = vec![0; requests.len()];
@@ -295,7 +317,7 @@ fn rows_in_flight(model: &Rc<Gemma4>, drafter: &LoadedDrafter, requests: &[Reque
         if let Some(error) = &generation.stats.drafter_error {
             return Err(format!("row {row}: the host dropped the drafter: {error}"));
         }
-        let plain = generate(model, request, |_| Flow::Continue).map_err(|e| e.to_string())?.tokens;
+        let plain = plain.of(request)?.tokens;
         let expected = match generation.stop {
             StopReason::Interrupted if row == cancelled => &plain[..4.min(plain.len())],
             _ => &plain[..],
@@ -309,14 +331,14 @@ fn rows_in_flight(model: &Rc<Gemma4>, drafter: &LoadedDrafter, requests: &[Reque
 /// first's: the second starts from the first's captured state (the target's and the drafter's
 /// rows) and still equals its plain run.
 fn prefix_cache(
-    model: &Rc<Gemma4>,
+    plain: &PlainRuns,
     drafter: &LoadedDrafter,
     first: &Request,
     second: &Request,
 ) -> Result<String, String> {
     let config = SpecConfig { draft_tokens: 3, verify: Verify::Match };
     let mut batch =
-        LiveBatch::new(model, Some(drafter), config).map_err(|e| e.to_string())?.with_prefix_cache(64 << 20);
+        LiveBatch::new(plain.model, Some(drafter), config).map_err(|e| e.to_string())?.with_prefix_cache(64 << 20);
     let mut last = None;
     for (i, request) in [first, second].into_iter().enumerate() {
         batch.join(i, request.clone(), |_| Flow::Continue).map_err(|e| format!("request {i} joining: {e}"))?;
@@ -332,8 +354,7 @@ fn prefix_cache(
     if generation.stats.cached_prompt_tokens == 0 {
         return Err("the second request reused nothing of the first's prefill".into());
     }
-    let plain = generate(model, second, |_| Flow::Continue).map_err(|e| e.to_string())?;
-    compare(&generation.tokens, &plain.tokens)?;
+    compare(&generation.tokens, &plain.of(second)?.tokens)?;
     Ok(format!("{} prompt tokens restored; identical to plain decoding", generation.stats.cached_prompt_tokens))
 }
 
