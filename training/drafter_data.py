@@ -1,5 +1,5 @@
-"""What every drafter learns from: the target's own greedy continuations of training text, and
-the target's hidden states along them.
+"""The training signal every drafter learns from: the target's own greedy continuations of
+training text, its hidden states along them, and its next-token distributions.
 
 A drafter is right when it proposes what the target would emit next, so its labels are the
 target's greedy tokens, not the corpus's (self-distillation, as EAGLE and DFlash train on
@@ -10,8 +10,21 @@ every next token is the target's argmax given all the tokens before it.
 The examples and the tapped hidden states (the outputs of the decoder layers `taps`, before the
 final norm: what the host hands a drafter) are cached in `runs/drafter-data/` under a key made
 of the target's weights and the settings, since every drafter kind reads the same ones.
-"""
 
+A trainer of a new drafter kind imports this module (with `training/` on `sys.path`, run by
+`training/.venv/bin/python`) and reads:
+
+    spec = DataSpec(taps=(1, 3, 5))                     # the last layer among them
+    data = build(target_dir, spec)                      # made once, then read from the cache
+    data.tokens                                         # [N, prefix + greedy] int32
+    data.hidden                                         # [N, prefix + greedy, len(taps) * H] float16
+    head = TargetHead(target_dir)
+    p = head.distribution(data.tap(hidden, 5))          # [..., V]: the target's next token at
+                                                        # each position, from its last layer
+
+`data.batches(...)` draws seeded training batches of examples and anchor positions.
+`host new-drafter NAME --trainable` writes a trainer that does this.
+"""
 import hashlib
 import json
 from dataclasses import asdict, dataclass
@@ -48,6 +61,29 @@ def load_float32_target(target_dir: Path):
     model.eval()
     mx.eval(model.parameters())
     return model
+
+
+class TargetHead:
+    """The target's frozen embedding, final norm and soft-capped tied head."""
+
+    def __init__(self, target_dir: Path):
+        model = load_float32_target(target_dir)
+        inner = model.model
+        self.embed = mx.stop_gradient(inner.embed_tokens.weight)      # [V, H]
+        self.embed_scale = float(inner.embed_scale)
+        self.norm_weight = mx.stop_gradient(inner.norm.weight)
+        self.eps = inner.norm.eps
+        self.softcap = float(model.final_logit_softcapping or 0.0)
+
+    def logits(self, h: mx.array) -> mx.array:
+        """The head on hidden states that are already normed."""
+        logits = h @ self.embed.T
+        return mx.tanh(logits / self.softcap) * self.softcap if self.softcap else logits
+
+    def distribution(self, last_layer: mx.array) -> mx.array:
+        """The target's next-token probabilities from its last layer's output (a tap)."""
+        h = mx.fast.rms_norm(last_layer, self.norm_weight, self.eps)
+        return mx.softmax(self.logits(h).astype(mx.float32), axis=-1)
 
 
 def forward_with_taps(model, inputs: mx.array, taps: Sequence[int], cache=None):
@@ -121,6 +157,15 @@ class DrafterData:
     tokens: np.ndarray   # [N, prefix + greedy] int32
     hidden: np.ndarray   # [N, prefix + greedy, len(taps) * H] float16, taps concatenated
     spec: DataSpec
+
+    def tap(self, hidden, layer: int):
+        """Decoder layer `layer`'s output (one of the spec's taps) from hidden states whose last
+        axis holds the taps concatenated, as `hidden` and the batches do."""
+        if layer not in self.spec.taps:
+            raise ValueError(f"layer {layer} is not tapped: the data holds layers {tuple(self.spec.taps)}")
+        width = hidden.shape[-1] // len(self.spec.taps)
+        at = list(self.spec.taps).index(layer) * width
+        return hidden[..., at:at + width]
 
     def anchors(self, block: int) -> range:
         """Positions p that can anchor a block of `block` rows: the block's labels, tokens

@@ -21,32 +21,10 @@ from mlx.utils import tree_flatten
 
 import drafter_data
 import loop
+from drafter_data import TargetHead
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-
-
-class TargetHead:
-    """The target's frozen embedding, final norm and soft-capped tied head."""
-
-    def __init__(self, target_dir: Path):
-        model = drafter_data.load_float32_target(target_dir)
-        inner = model.model
-        self.embed = mx.stop_gradient(inner.embed_tokens.weight)      # [V, H]
-        self.embed_scale = float(inner.embed_scale)
-        self.norm_weight = mx.stop_gradient(inner.norm.weight)
-        self.eps = inner.norm.eps
-        self.softcap = float(model.final_logit_softcapping or 0.0)
-
-    def logits(self, h: mx.array) -> mx.array:
-        """The head on hidden states that are already normed."""
-        logits = h @ self.embed.T
-        return mx.tanh(logits / self.softcap) * self.softcap if self.softcap else logits
-
-    def distribution(self, last_layer: mx.array) -> mx.array:
-        """The target's next-token probabilities from its last layer's output (a tap)."""
-        h = mx.fast.rms_norm(last_layer, self.norm_weight, self.eps)
-        return mx.softmax(self.logits(h).astype(mx.float32), axis=-1)
 
 
 def rope(x: mx.array, positions: mx.array, inv_freq: mx.array) -> mx.array:
@@ -124,11 +102,10 @@ class Run:
         self.data = loop.leader_first(
             lambda: data_for(self.args, self.taps, self.p.get("examples")))
         self.head = TargetHead(self.args.target)
-        self._last = list(self.taps).index(layers - 1) * self.target["hidden_size"]
 
     def last_layer(self, hidden: mx.array) -> mx.array:
         """The target's last layer's output, from a batch's concatenated taps."""
-        return hidden[..., self._last:self._last + self.target["hidden_size"]]
+        return self.data.tap(hidden, self.target["num_hidden_layers"] - 1)
 
     def p_target(self, hidden: mx.array, anchors: mx.array, rows: int) -> mx.array:
         """The target's next-token distributions after positions p .. p+rows−1 of every anchor

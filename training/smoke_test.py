@@ -4,7 +4,8 @@ falls, a run interrupted halfway and resumed ends exactly where an uninterrupted
 weights averaged over the same steps), a run directory of another recipe is refused by name,
 and two data-parallel processes compute one's gradients; then each drafter trainer, run as its
 command (as two processes), learns from that tiny target for a few steps (its loss falls) and
-writes a checkpoint (the assistant's with its centroid head)."""
+writes a checkpoint (the assistant's with its centroid head), and so does the trainer
+`host new-drafter --trainable` writes for a new kind."""
 
 import json
 import subprocess
@@ -156,6 +157,25 @@ def main() -> None:
                 assert "## Centroid head" in (out / "README.md").read_text()
             print(f"smoke: {kind} loss {log[0]['loss']:.3f} -> {log[-1]['loss']:.3f}, wrote "
                   f"{config}, model.safetensors and its card")
+
+        # The trainer `host new-drafter --trainable` writes, as it writes it, on the tiny target:
+        # it reads the training signal from drafter_data and its table beats the most common
+        # token on the held-out continuations.
+        template = (HERE.parent / "host/templates/drafter/train.py.in").read_text()
+        script = Path(tmp) / "new-kind" / "train.py"
+        script.parent.mkdir()
+        script.write_text(template.replace("@NAME@", "smoke").replace("@TRAINING@", str(HERE))
+                          .replace("@MODEL@", str(target)))
+        subprocess.run([sys.executable, str(script), "--preset", "tiny", "--out",
+                        str(script.parent / "trained"), "--data", str(Path(tmp) / "data")], check=True)
+        report = json.loads((script.parent / "trained" / "config.json").read_text())
+        assert report["vocab_size"] == tt.PRESETS["tiny"]["config"]["vocab_size"], report
+        assert (report["held_out_agreement"] >
+                report["held_out_agreement_of_the_most_common_token"]), report
+        assert (script.parent / "trained" / "next_tokens.safetensors").exists()
+        print(f"smoke: a new kind's trainer agrees with the target on "
+              f"{report['held_out_agreement']:.0%} of held-out tokens (the most common token: "
+              f"{report['held_out_agreement_of_the_most_common_token']:.0%})")
 
         # The lookup datastore: the target's greedy continuations of windows of the text, each
         # example after <bos>; a second run reuses the kept batches and writes the same file.

@@ -253,6 +253,10 @@ enum Command {
         /// Where to write it (default: ./NAME); must not exist, or be empty.
         #[arg(long, value_name = "DIR")]
         dir: Option<PathBuf>,
+        /// Also write `train.py`, which fits the drafter's artifact (a next-token table) to a
+        /// target from the target's own training signal, and a manifest that names it.
+        #[arg(long)]
+        trainable: bool,
     },
     /// Run a command (`run …`) as N tensor-parallel ranks over MLX's ring backend: N local
     /// ranks on loopback, or one rank per entry of a ring hostfile. Only rank 0 writes output.
@@ -400,10 +404,10 @@ fn run(cli: Cli, silent_rank: bool) -> Result<()> {
             clap_complete::generate(shell, &mut Cli::command(), "host", &mut script);
             std::io::stdout().write_all(&script)?;
         }
-        Command::NewDrafter { name, dir } => {
+        Command::NewDrafter { name, dir, trainable } => {
             let dir = dir.unwrap_or_else(|| PathBuf::from(&name));
             let host = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("host"));
-            host::new_drafter::write(&name, &dir, &host)?;
+            host::new_drafter::write(&name, &dir, &host, trainable)?;
             if !quiet {
                 eprintln!("wrote the drafter `{name}` in {}: its README.md has the commands to build, check, run and bench it", dir.display());
             }

@@ -9,6 +9,8 @@ const CARGO_TOML: &str = include_str!("../templates/drafter/Cargo.toml.in");
 const LIB_RS: &str = include_str!("../templates/drafter/lib.rs.in");
 const DEMO_TOML: &str = include_str!("../templates/drafter/demo.toml.in");
 const README: &str = include_str!("../templates/drafter/README.md.in");
+const TRAIN_PY: &str = include_str!("../templates/drafter/train.py.in");
+const README_TRAINABLE: &str = include_str!("../templates/drafter/README-trainable.md.in");
 
 #[derive(Debug, thiserror::Error)]
 pub enum NewDrafterError {
@@ -37,8 +39,9 @@ fn valid_name(name: &str) -> bool {
 }
 
 /// Writes the crate `name` into `dir` (which must not exist, or be empty) and returns the
-/// files written.
-pub fn write(name: &str, dir: &Path, host: &Path) -> Result<Vec<PathBuf>, NewDrafterError> {
+/// files written. A `trainable` drafter needs an artifact, which its `train.py` fits to a target
+/// in the checkout's training environment; its manifest and README name it.
+pub fn write(name: &str, dir: &Path, host: &Path, trainable: bool) -> Result<Vec<PathBuf>, NewDrafterError> {
     if !valid_name(name) {
         return Err(NewDrafterError::BadName(name.to_owned()));
     }
@@ -50,23 +53,51 @@ pub fn write(name: &str, dir: &Path, host: &Path) -> Result<Vec<PathBuf>, NewDra
     let cargo_config =
         std::fs::read_to_string(&cargo_config).map_err(|_| NewDrafterError::NoNativeSetup(cargo_config))?;
     let library = format!("{}{name}{}", std::env::consts::DLL_PREFIX, std::env::consts::DLL_SUFFIX);
+    let python = checkout.join("training/.venv/bin/python");
+    let model = checkout.join("models/kjv-gemma4");
+    let (train, artifact_flag, artifact_line, ship_artifact, needs_artifact) = if trainable {
+        (
+            format!(
+                "# trained/: the table train.py fits to the demo target (see Training below)\n{} train.py --target {} --out trained\n",
+                python.display(),
+                model.display()
+            ),
+            " --artifact trained",
+            "# What train.py wrote.\nartifact = \"trained\"\n",
+            ", with `artifact` naming a copy of `trained/`",
+            "            .needs_artifact()\n",
+        )
+    } else {
+        (String::new(), "", "", "", "")
+    };
     let fill = |template: &str| {
         template
+            .replace("@TRAIN@", &train)
+            .replace("@ARTIFACT_FLAG@", artifact_flag)
+            .replace("@ARTIFACT_LINE@", artifact_line)
+            .replace("@SHIP_ARTIFACT@", ship_artifact)
+            .replace("@NEEDS_ARTIFACT@", needs_artifact)
             .replace("@NAME@", name)
             .replace("@PLUGIN_API@", &checkout.join("plugin-api").display().to_string())
-            .replace("@MODEL@", &checkout.join("models/kjv-gemma4").display().to_string())
+            .replace("@MODEL@", &model.display().to_string())
             .replace("@SETUP@", &checkout.join("scripts/setup.sh").display().to_string())
+            .replace("@TRAINING@", &checkout.join("training").display().to_string())
             .replace("@HOST@", &host.display().to_string())
             .replace("@LIBRARY@", &library)
     };
-    let files = [
+    let mut readme = fill(README);
+    let mut files = vec![
         ("Cargo.toml", fill(CARGO_TOML)),
         ("src/lib.rs", fill(LIB_RS)),
         ("demo.toml", fill(DEMO_TOML)),
-        ("README.md", fill(README)),
         (".cargo/config.toml", cargo_config),
-        (".gitignore", "/target\n".to_owned()),
+        (".gitignore", "/target\n/trained\n".to_owned()),
     ];
+    if trainable {
+        readme.push_str(&fill(README_TRAINABLE));
+        files.push(("train.py", fill(TRAIN_PY)));
+    }
+    files.push(("README.md", readme));
     let mut written = Vec::new();
     for (file, text) in files {
         let path = dir.join(file);
@@ -99,10 +130,34 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("keep.txt"), "mine").unwrap();
         let host = Path::new("host");
-        assert!(matches!(write("bigram", dir.path(), host), Err(NewDrafterError::NotEmpty(_))));
+        assert!(matches!(write("bigram", dir.path(), host, false), Err(NewDrafterError::NotEmpty(_))));
         let fresh = dir.path().join("fresh");
-        assert!(matches!(write("Big-ram", &fresh, host), Err(NewDrafterError::BadName(_))));
+        assert!(matches!(write("Big-ram", &fresh, host, true), Err(NewDrafterError::BadName(_))));
         assert!(!fresh.exists());
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+
+    /// Whether `text` holds a template placeholder, `@` then capitals or `_` then `@`.
+    fn has_placeholder(text: &str) -> bool {
+        text.match_indices('@').any(|(at, _)| {
+            let rest = &text[at + 1..];
+            let name = rest.find(|c: char| !(c.is_ascii_uppercase() || c == '_')).unwrap_or(rest.len());
+            name > 0 && rest[name..].starts_with('@')
+        })
+    }
+
+    #[test]
+    fn every_placeholder_is_filled_in_either_kind_of_crate() {
+        assert!(has_placeholder("a @NAME@ b") && !has_placeholder("me@host.org, @ x"));
+        for trainable in [false, true] {
+            let dir = tempfile::tempdir().unwrap();
+            for file in write("bigram", dir.path(), Path::new("host"), trainable).unwrap() {
+                let text = std::fs::read_to_string(&file).unwrap();
+                assert!(!has_placeholder(&text), "{}:\n{text}", file.display());
+            }
+            assert_eq!(dir.path().join("train.py").exists(), trainable);
+            let manifest = std::fs::read_to_string(dir.path().join("demo.toml")).unwrap();
+            assert_eq!(manifest.contains("artifact = \"trained\""), trainable, "{manifest}");
+        }
     }
 }

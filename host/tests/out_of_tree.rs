@@ -1,6 +1,7 @@
-//! A drafter crate outside the checkout, as `host new-drafter` writes it: `cargo build` and
-//! `cargo test` pass in it untouched, the host loads the library, and it drafts on the demo
-//! target with output identical to plain decoding.
+//! A drafter crate outside the checkout, as `host new-drafter --trainable` writes it: `cargo
+//! build` and `cargo test` pass in it untouched, the host loads the library, and it drafts on the
+//! demo target with output identical to plain decoding, without its artifact and with the one
+//! its `train.py` fits to the demo target.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -24,14 +25,16 @@ fn run(dir: &Path, command: &mut Command) -> String {
     format!("{stdout}{stderr}")
 }
 
-#[test]
-fn a_new_drafter_builds_outside_the_checkout_passes_its_tests_and_drafts_losslessly() {
-    let home = tempfile::tempdir().unwrap();
-    let krate = home.path().join("bigram");
+/// Writes the crate `name` (trainable or not) in `home`, checks its MLX link settings and
+/// builds it into the build directory every run shares (the crate's `target` links to it).
+fn scaffold(home: &Path, name: &str, trainable: bool) -> PathBuf {
+    let krate = home.join(name);
     let host = env!("CARGO_BIN_EXE_host");
-    run(home.path(), Command::new(host).args(["new-drafter", "bigram"]));
+    let flag: &[&str] = if trainable { &["--trainable"] } else { &[] };
+    run(home, Command::new(host).args(["new-drafter", name]).args(flag));
     let readme = std::fs::read_to_string(krate.join("README.md")).unwrap();
     assert!(readme.contains("cargo build --release") && readme.contains("--compare-plain"), "{readme}");
+    assert_eq!(readme.contains("train.py"), trainable, "{readme}");
 
     // The MLX link settings are what setup.sh writes for a drafter crate.
     let config = krate.join(".cargo/config.toml");
@@ -40,23 +43,79 @@ fn a_new_drafter_builds_outside_the_checkout_passes_its_tests_and_drafts_lossles
     run(&krate, Command::new("bash").arg(repo().join("scripts/setup.sh")).args(["--drafter-crate", "."]));
     assert_eq!(std::fs::read_to_string(&config).unwrap(), written);
 
-    // One build directory across runs (the crate's `target` links to it): a second run builds
-    // nothing new.
     let builds = repo().join("target/out-of-tree");
     std::fs::create_dir_all(&builds).unwrap();
     kernels::os::files::symlink(&builds, krate.join("target")).unwrap();
-    let cargo = env!("CARGO");
-    run(&krate, Command::new(cargo).args(["build", "--release", "--quiet"]));
-    let tests = run(&krate, Command::new(cargo).args(["test", "--release", "--quiet"]));
-    assert!(tests.contains("2 passed"), "{tests}");
+    run(&krate, Command::new(env!("CARGO")).args(["build", "--release", "--quiet"]));
+    krate
+}
+
+fn library(name: &str) -> String {
+    format!("target/release/{}{name}{}", std::env::consts::DLL_PREFIX, std::env::consts::DLL_SUFFIX)
+}
+
+#[test]
+fn a_new_drafter_builds_outside_the_checkout_passes_its_tests_and_drafts_losslessly() {
+    let home = tempfile::tempdir().unwrap();
+    let krate = scaffold(home.path(), "bigram", false);
+    let host = env!("CARGO_BIN_EXE_host");
+    let tests = run(&krate, Command::new(env!("CARGO")).args(["test", "--release", "--quiet"]));
+    assert!(tests.contains("4 passed"), "{tests}");
 
     // The README's commands: the manifest names target/release as its plugins directory.
-    let library = format!("target/release/{}bigram{}", std::env::consts::DLL_PREFIX, std::env::consts::DLL_SUFFIX);
-    let checked = run(&krate, Command::new(host).args(["plugins", "check", &library]));
+    let checked = run(&krate, Command::new(host).args(["plugins", "check", &library("bigram")]));
     assert!(checked.contains("passed:"), "{checked}");
     let report = run(&krate, Command::new(host).args(["run", "--manifest", "demo.toml", "--compare-plain"]));
     assert!(report.contains("output identical"), "{report}");
     assert!(!report.contains(" 0 drafted"), "{report}");
+
+    // The drafter takes no artifact, and says so.
+    let out = Command::new(host)
+        .args(["plugins", "check", &library("bigram"), "--artifact", "."])
+        .current_dir(&krate)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success() && said.contains("drafter `bigram` takes no artifact"), "{said}");
+}
+
+#[test]
+fn a_trainable_drafter_trains_on_the_targets_signal_and_drafts_losslessly_with_its_artifact() {
+    let home = tempfile::tempdir().unwrap();
+    // Named apart from the other test's crate, which shares the build directory.
+    let krate = scaffold(home.path(), "learned", true);
+    let host = env!("CARGO_BIN_EXE_host");
+    let tests = run(&krate, Command::new(env!("CARGO")).args(["test", "--release", "--quiet"]));
+    assert!(tests.contains("4 passed"), "{tests}");
+
+    // Without its artifact the drafter is refused by name, before anything runs.
+    let out = Command::new(host).args(["plugins", "check", &library("learned")]).current_dir(&krate).output().unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success() && said.contains("drafter `learned` needs an artifact"), "{said}");
+
+    // The README's training command at the tiny preset, the signal cached in the crate.
+    let python = repo().join("training/.venv/bin/python");
+    assert!(python.exists(), "{} is missing: `bash training/setup.sh` makes it", python.display());
+    let trained = run(&krate, Command::new(&python).args(["train.py", "--preset", "tiny", "--data", "signal"]));
+    assert!(trained.contains("\"held_out_agreement\""), "{trained}");
+    let checked =
+        run(&krate, Command::new(host).args(["plugins", "check", &library("learned"), "--artifact", "trained"]));
+    assert!(checked.contains("passed:") && checked.contains("learned-0-trained"), "{checked}");
+    let report = run(&krate, Command::new(host).args(["run", "--manifest", "demo.toml", "--compare-plain"]));
+    assert!(report.contains("output identical"), "{report}");
+    assert!(!report.contains(" 0 drafted"), "{report}");
+
+    // A table trained for another vocabulary is refused when the provider opens on the target.
+    let small = "import mlx.core as mx; mx.save_safetensors('small/next_tokens.safetensors', {'next_token': mx.array([1, 0, -1])})";
+    std::fs::create_dir(krate.join("small")).unwrap();
+    run(&krate, Command::new(&python).args(["-c", small]));
+    let out = Command::new(host)
+        .args(["plugins", "check", &library("learned"), "--artifact", "small"])
+        .current_dir(&krate)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success() && said.contains("table has 3 tokens and the target's vocabulary 8192"), "{said}");
 }
 
 #[test]

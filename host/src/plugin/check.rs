@@ -100,7 +100,8 @@ pub struct Setup<'a> {
     pub max_tokens: usize,
 }
 
-/// Runs every check, stopping after the first two (load, open) if either fails.
+/// Runs every check, stopping where the library does not load, takes an artifact other than
+/// as given, or does not open on the target.
 pub fn check(setup: &Setup) -> Report {
     let mut report = Report { library: setup.library.to_owned(), kind: None, checks: Vec::new(), measurement: None };
     let mut note = |check: &str, result: Result<String, String>| {
@@ -118,6 +119,16 @@ pub fn check(setup: &Setup) -> Report {
     };
     let kind = plugin.descriptor.kind.to_string();
     note("load", Ok(format!("kind `{kind}`, plugin API {}", plugin.api_version)));
+    // What a manifest would be refused for, refused here too.
+    let artifact = match (plugin.descriptor.needs_artifact, setup.artifact) {
+        (true, None) => Err(format!("drafter `{kind}` needs an artifact directory: name it with --artifact DIR")),
+        (false, Some(dir)) => Err(format!("drafter `{kind}` takes no artifact, got {}", dir.display())),
+        _ => Ok(setup.artifact.map_or("none".to_owned(), |dir| dir.display().to_string())),
+    };
+    if !note("artifact", artifact) {
+        report.kind = Some(kind);
+        return report;
+    }
     // The conformance kit through the library's own ABI, on a synthetic target of the real
     // one's shape.
     let contract = plugin_api::conformance::check_root(plugin.root, &conformance_config(setup));
