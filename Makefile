@@ -10,31 +10,35 @@ FIXTURES := cargo build --manifest-path tests/fixtures/Cargo.toml --target-dir t
 ORACLE_PY := tests/oracle/.venv/bin/python
 BENCH_MODEL := target/bench-model
 
-.PHONY: setup build fixtures run serve test doctor oracle bench bench-large demo-model training-smoke \
+.PHONY: help setup build fixtures run serve test doctor oracle bench bench-large demo-model training-smoke \
 	train-drafter demo-drafters drafter-bench replicas check-platforms
+.DEFAULT_GOAL := help
 
-setup:
+help: ## this list
+	@awk -F ':.*## ' '/^[a-z-]+:.*## / {printf "  make %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+setup: ## install what the build needs (apt packages, MLX, mlx-c, bindings) into .native/
 	@bash scripts/setup.sh
 
-build: setup
+build: setup ## build the host and the shipped plugins (release)
 	cargo build --workspace --release
 
 # Test libraries, kept out of the plugins directory the host uses by default.
-fixtures: setup
+fixtures: setup ## build the test plugins, apart from the default plugins directory
 	$(FIXTURES)
 
 # Generates text with the embedded default manifest (the trained demo target, models/kjv-gemma4,
 # drafted by prompt lookup, greedy), then decodes it again plainly to say how much faster it ran.
-run: build
+run: build ## the main job: generate on the embedded default, then compare with plain decoding
 	./target/release/host run --manifest manifests/default.toml --compare-plain
 
 # An OpenAI-compatible server on the embedded default, at http://127.0.0.1:8080/v1.
-serve: build
+serve: build ## an OpenAI-compatible server on the embedded default at 127.0.0.1:8080
 	./target/release/host serve --manifest manifests/default.toml
 
 # Two `host serve` replicas behind Debian's nginx on loopback (installed if missing): requests
 # sent through nginx reach both (scripts/replicas.sh; not part of the tests).
-replicas: build
+replicas: build ## two `host serve` replicas behind nginx on loopback
 	bash scripts/replicas.sh
 
 # Then once more on the route Metal and CUDA take, MLX's own ops for everything
@@ -44,7 +48,7 @@ replicas: build
 # MLX's CPU kernel rounds to bfloat16 at every step (tests/oracle/README.md).
 MLX_ROUTE_TESTS := --test gemma4_parity --test speculative --test assistant --test dflash --test dspark \
 	--test deepspec --test trained_drafters
-test: setup fixtures training-smoke check-platforms
+test: setup fixtures training-smoke check-platforms ## every test: Rust (both kernel routes), training smoke, platforms, docs
 	bash tests/clients/setup.sh
 	cargo build --workspace
 	cargo test --workspace
@@ -52,17 +56,17 @@ test: setup fixtures training-smoke check-platforms
 
 # The workspace type-checked for macOS on Apple silicon and for Windows, which CI cannot run:
 # every platform path compiles there (nothing is linked or run).
-check-platforms: setup
+check-platforms: setup ## type-check the workspace for macOS (Apple silicon) and Windows
 	bash scripts/check-platforms.sh
 
 # The training scripts on a tiny configuration: the loss falls and an interrupted run resumes.
-training-smoke:
+training-smoke: ## the training scripts on tiny presets
 	bash training/setup.sh
 	training/.venv/bin/python training/smoke_test.py
 
 # Reproduces the demo target from the corpus (about 66 minutes on 2 cores; resumes if interrupted):
 # trains, writes models/kjv-gemma4 (bfloat16), measures it on the held-out text.
-demo-model:
+demo-model: ## retrain the demo target models/kjv-gemma4 from the corpus (about an hour)
 	bash training/setup.sh
 	training/.venv/bin/python training/train_target.py
 	training/.venv/bin/python training/evaluate_target.py
@@ -73,14 +77,14 @@ demo-model:
 KIND ?= dflash
 TARGET ?= models/kjv-gemma4
 OUT ?= $(TARGET)-$(KIND)
-train-drafter:
+train-drafter: ## train a drafter: KIND=dflash|dspark|deepspec|assistant|lookup TARGET=DIR [OUT=DIR]
 	bash training/setup.sh
 	training/.venv/bin/python training/train_$(KIND).py --target $(TARGET) --out $(OUT)
 
 # Reproduces the demo drafters (the four learned ones 7 to 17 minutes each on 2 cores, the
 # lookup datastore about 10; about an hour in all) and records each learned one's drafts in
 # its reference implementation for the tests (tests/fixtures/kjv-demo).
-demo-drafters:
+demo-drafters: ## retrain the demo drafters and re-record their reference drafts
 	for kind in dflash dspark deepspec assistant lookup; do $(MAKE) train-drafter KIND=$$kind || exit 1; done
 	bash tests/oracle/setup-venv.sh
 	$(ORACLE_PY) tests/oracle/dflash_oracle.py --trained models/kjv-gemma4-dflash
@@ -91,21 +95,21 @@ demo-drafters:
 
 # Every demo drafter (and prompt lookup alone) at every draft length on 20 held-out prompts greedy,
 # and at two lengths sampled (match, and rejection where the drafter returns probabilities),
-# against plain decoding: the README's table and plot (4 to 55 minutes on 2 cores, by machine).
+# against plain decoding: models/kjv-gemma4/drafters.md and drafters.png (4 to 55 minutes on 2 cores).
 DEMO_DRAFTERS := manifests/demo-dflash.toml,manifests/demo-dspark.toml,manifests/demo-deepspec.toml,manifests/demo-assistant.toml,manifests/demo-lookup.toml,manifests/demo-ngram.toml,manifests/demo-dflash-rejection.toml,manifests/demo-dspark-rejection.toml,manifests/demo-deepspec-rejection.toml
-drafter-bench: build
+drafter-bench: build ## every demo drafter at every draft length against plain decoding
 	./target/release/host bench --sweep $(DEMO_DRAFTERS) \
 	  --prompts-file models/kjv-gemma4/bench-prompts.jsonl --draft-tokens 1,2,3,4,6,8 --max-tokens 256 \
 	  --temperature 0.7 --top-p 0.95 --sampled-draft-tokens 2,4 \
 	  --plot models/kjv-gemma4/drafters.png | tee models/kjv-gemma4/drafters.md
 
-doctor: build
+doctor: build ## what MLX, BLAS, route and plugins directory this build uses
 	./target/release/host doctor
 
 # Regenerates the oracle fixtures, each oracle in its own venv (tests/oracle): the target with
 # mlx-lm, dflash with dflash 0.1.0 (same venv), the assistant drafter with transformers (a
 # large download: torch with CUDA wheels).
-oracle: setup
+oracle: setup ## regenerate the oracle fixtures with the reference implementations
 	bash tests/oracle/setup-venv.sh
 	$(ORACLE_PY) tests/oracle/gemma4_oracle.py
 	$(ORACLE_PY) tests/oracle/demo_oracle.py
@@ -118,7 +122,7 @@ oracle: setup
 # The host alone on a random Gemma 4 of 1.3B parameters, which no CPU cache holds: decoding
 # bound by memory, as on real checkpoints (made once, not committed: 5 GB in float32, 2.6 GB in
 # bfloat16, 1.4 and 0.7 GB in 8 and 4 bits). mlx-lm's CPU kernels would take minutes per run.
-bench-large: build
+bench-large: build ## the host on a random 1.3B Gemma 4, bound by memory
 	bash tests/oracle/setup-venv.sh
 	[ -e $(BENCH_MODEL)-large/config.json ] || $(ORACLE_PY) tests/oracle/gemma4_oracle.py --bench $(BENCH_MODEL)-large --bench-large
 	[ -e $(BENCH_MODEL)-large-bf16/config.json ] || $(ORACLE_PY) -m mlx_lm convert --hf-path $(BENCH_MODEL)-large \
@@ -129,7 +133,7 @@ bench-large: build
 		./target/release/host bench --manifest manifests/$$m.toml --pairs 2 --no-mlx-lm; done
 
 # Host against mlx-lm on a random Gemma 4 of more than 20M parameters (made once, not committed).
-bench: build
+bench: build ## the host against mlx-lm on random Gemma 4 checkpoints, and the kernels
 	bash tests/oracle/setup-venv.sh
 	[ -e $(BENCH_MODEL)/config.json ] || $(ORACLE_PY) tests/oracle/gemma4_oracle.py --bench $(BENCH_MODEL)
 	[ -e $(BENCH_MODEL)-262k/config.json ] || $(ORACLE_PY) tests/oracle/gemma4_oracle.py --bench $(BENCH_MODEL)-262k --bench-vocab 262144

@@ -246,7 +246,7 @@ continuations of the training split (`training/drafter_data.py`); no held-out ch
 - Command (from the repository root): `training/.venv/bin/python training/train_{kind}.py --target {shown(args.target)} --out {shown(out)}`
 
 The speed-up it buys is measured by `make drafter-bench` (the demo target's model card and the
-README).
+repository's docs/performance.md).
 """
     (out / "README.md").write_text(text)
     refresh_target_card(args.target)

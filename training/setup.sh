@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates training/.venv from training/requirements.txt (every package pinned) and points the
-# MLX wheel's reference BLAS at OpenBLAS, as the host and the oracle venv do (about 40x faster
-# matmuls on CPU). Idempotent: a stamp holds the hash of the requirements and this script.
+# MLX wheel's reference BLAS at OpenBLAS, as the host and the oracle venv do: the reference
+# BLAS is unoptimized code, far too slow for training's matmuls on the CPU. Idempotent: a stamp
+# holds the hash of the requirements and this script.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 VENV=$HERE/.venv

@@ -37,10 +37,8 @@ from drafter_train import refresh_target_card, shown
 ROOT = Path(__file__).resolve().parent.parent
 
 PRESETS = {
-    # The demo datastore: 4096 continuations of 256 tokens, about 10 minutes on 2 cores. Twice
-    # as many (17 minutes) raised τ on the bench prompts by 1% (4.01 to 4.03 at four drafts, 5.89
-    # to 5.97 at eight) and doubled the time the plugin takes to sort it (0.35 to 0.62 s for a
-    # one-token `host run`, on one thread).
+    # The demo datastore: 4096 continuations of 256 tokens. Twice as many barely raise τ on the
+    # bench prompts and double the time the plugin takes to sort the datastore when it loads.
     "demo": dict(examples=4096, prefix=32, greedy=256, batch=256),
     # The smoke-test size.
     "tiny": dict(examples=8, prefix=8, greedy=8, batch=4),
@@ -144,7 +142,7 @@ target writes.
 - Command (from the repository root): `{command}`
 
 The speed-up it buys is measured by `make drafter-bench` (the demo target's model card and the
-README).
+repository's docs/performance.md).
 """)
     refresh_target_card(target)
 

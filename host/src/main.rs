@@ -31,8 +31,8 @@ struct Cli {
 
 #[derive(Args)]
 struct PluginsDir {
-    /// Where drafter plugins are looked for (default: $HOST_PLUGINS_DIR, else the directory
-    /// of this executable).
+    /// Where drafter plugins are looked for (default: the manifest's `[drafter] plugins_dir`,
+    /// else $HOST_PLUGINS_DIR, else the directory of this executable).
     #[arg(long, value_name = "DIR", global = true)]
     plugins_dir: Option<PathBuf>,
 }

@@ -36,9 +36,9 @@ pub fn init_process() {
 
 /// MLX's switch for cuDNN attention on CUDA, which the host turns off unless the user set it.
 /// MLX 0.32 takes cuDNN for the attention of query rows that its own vector kernel does not
-/// serve (verify windows, block drafters) and builds a new cuDNN graph whenever the keys grow:
-/// measured on an H200, a verify round took 150 ms with it and 12 ms without (README, "On a
-/// GPU"). Without it, those rows take MLX's own kernels.
+/// serve (verify windows, block drafters) and builds a new cuDNN graph whenever the keys grow,
+/// so every verify round builds one, which costs the round far more than its attention
+/// (docs/gpu.md). Without it, those rows take MLX's own kernels.
 pub const CUDNN_ATTENTION_ENV: &str = "MLX_CUDA_USE_CUDNN_SDPA";
 
 /// The cores this process was given, before [`init_process`] kept one for MLX's dispatch.

@@ -112,7 +112,8 @@ fn check_model(name: &str, model_dir: &Path, oracle_dir: &Path, wraps: usize, to
 
 // Tolerances. The host computes what mlx-lm computes, op for op, except that on the CPU its
 // half-precision products go through its own loops (`nn::kernels`), which sum in another order
-// than MLX's before the one rounding. Measured largest logit differences (printed with --nocapture):
+// than MLX's before the one rounding. The largest logit differences they allow for (each run
+// prints its own with --nocapture):
 // - the bfloat16 fixture: 0.18, on logits up to 11.75 (one rounding step is 0.0625 from 8);
 // - the 4-bit fixture: 2e-3, against an oracle whose quantized products sum in float32 as the
 //   host's do (see tests/oracle/README.md); summation order moves an occasional bfloat16

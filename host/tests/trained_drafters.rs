@@ -1,7 +1,8 @@
 //! The drafters trained for the demo target (models/kjv-gemma4-<kind>): their drafts equal
 //! their reference implementation's, greedy speculative output equals plain decoding far past
-//! the target's window, and each keeps drafting as well as the README's bench says (τ pinned
-//! at 80% of it), so that a drafter that silently stops drafting well fails here.
+//! the target's window, and each keeps drafting as well as `make drafter-bench` measured it
+//! (models/kjv-gemma4/drafters.md; τ pinned at 80% of it), so that a drafter that silently
+//! stops drafting well fails here.
 
 mod common;
 

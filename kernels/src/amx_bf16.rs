@@ -10,9 +10,9 @@
 //! float32 sums of four blocks of 16 outputs, so that four chains of dependent products overlap.
 //!
 //! One row takes AVX-512 FMAs over the same tiles instead (`fma_rows`), summed as the unit
-//! sums, bit for bit: a tile load costs the unit 12 ns even from L1 (measured: 5 ns per product
-//! alone, 17.5 with a load), so a one-token step through it was 8% slower than through the
-//! AVX-512 BF16 loops on the demo target, and through the FMAs it is not.
+//! sums, bit for bit: a tile load costs the unit more than twice the product it feeds, even
+//! from L1, so a one-token step through the unit would be slower than through the AVX-512 BF16
+//! loops, and through the FMAs it is not.
 //!
 //! Each output is summed over its inputs 32 at a time in order, a block's even and odd inputs
 //! apart (`fma_rows` says how), and its result for one row and output does not depend on the
@@ -36,8 +36,8 @@ pub(super) const BLOCKS_AT_ONCE: usize = 4;
 /// Outputs per group: the B tiles of one pass, one per C tile.
 pub const GROUP: usize = BLOCK * BLOCKS_AT_ONCE;
 /// How far ahead of its loads [`fma_block`] asks for the weight's lines: two input blocks of a
-/// group. On the demo target's head (8192 × 256, one row) 47–48 µs against 53–58 without,
-/// and 32 KB ahead 61–65 µs.
+/// group. Without the requests a row waits on the weight's lines; asked for much farther ahead
+/// (32 KB), they no longer stay in L1 until they are read, and the row is slower still.
 #[cfg(target_arch = "x86_64")]
 const PREFETCH_BYTES: usize = 2 * BLOCKS_AT_ONCE * BLOCK * DEPTH * 2;
 

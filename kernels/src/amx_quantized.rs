@@ -395,10 +395,10 @@ unsafe fn fma_row<const BITS: usize>(
 #[cfg(target_arch = "x86_64")]
 const PREFETCH_BLOCKS: usize = 2;
 
-/// How many input blocks after the next one the unit's route asks for, into L2. Against two
-/// blocks into L1, on the 1.3B bench models (`host bench --manifest --no-mlx-lm`, 1 pair,
-/// alternated): 8-bit windows 92.7–97.3 → 85.5–91.0 ms, 4-bit 49.0–49.4 → 45.6–45.7 ms; on the
-/// 40M ones, which sit in L3, 4-bit 1.53–1.60 → 1.58–1.64 ms and 8-bit 2.11–2.23 → 2.16–2.20.
+/// How many input blocks after the next one the unit's route asks for, into L2: weights that
+/// come from memory (a model of a billion parameters) arrive in time for a window's products
+/// only when asked for this far ahead, not two blocks into L1 as a row's FMAs ask; weights that
+/// already sit in L3 lose next to nothing by it.
 #[cfg(target_arch = "x86_64")]
 const TILED_PREFETCH_BLOCKS: usize = 6;
 

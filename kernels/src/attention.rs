@@ -319,11 +319,10 @@ fn half_attention_core(q: &Array, rows: &[RowData], hkv: usize, scale: f32, mask
 
 /// Work (queries × keys × head dimension) from which attention's queries are split in two, the
 /// second half on the products' helper thread. Each query is computed alike on either thread,
-/// so the split changes no result. Medians of 2,000 calls, 4 bfloat16 query heads over one KV
-/// head of dimension 64 (the demo target's sliding layers): one query over 32 keys (2¹³) took
-/// 4.7–5.0 µs whole and 3.7–5.0 µs split, over 64 keys 7.1–7.9 and 5.2–6.4 µs, over 128 keys
-/// 11.6–11.8 and 8.0–8.8 µs, and five queries over 128 keys (a verify window) 46.5–48.4 and
-/// 28.2–29.3 µs.
+/// so the split changes no result. With the demo target's sliding layers (4 query heads over
+/// one KV head of dimension 64), this is one query over 64 keys: from there on the split is
+/// clearly faster, and more so the more keys and queries; below it, over 32 keys, handing half
+/// over costs about what it saves.
 const ATTENTION_SPLIT_WORK: usize = 1 << 14;
 
 /// The queries of one attention call, flattened as (row, KV head, query of the heads sharing

@@ -3,11 +3,11 @@
 //! MLX runs every CPU op on a worker thread of its own: the thread that builds the graph wakes
 //! it for each op, and is woken back when an evaluation completes. When the two threads sit on
 //! different cores every wake is an inter-processor interrupt, which on virtual machines costs
-//! tens of microseconds; measured with `perf` on a 2-core machine, those wakes took 35–40% of
-//! decode time, and decoding the demo target confined to one core ran 1.8× faster than on
-//! two. Products of large weights still want a second core (the float32 bench model decodes
-//! about 1.5× faster on two). So the process's driving thread and MLX's worker share one core,
-//! and the kernels' helper thread ([`crate::helper`]) runs on the others.
+//! tens of microseconds: with a wake per op, a small model's decoding then spends a large share
+//! of its time on wakes, and runs faster confined to one core than spread over two. Products of
+//! large weights still want a second core, where a helper thread computes half of each product.
+//! So the process's driving thread and MLX's worker share one core, and the kernels' helper
+//! thread ([`crate::helper`]) runs on the others.
 //!
 //! The host pins itself once at start-up and names the helper cores in [`HELPER_CPUS_ENV`], which
 //! every copy of this crate in the process (the host's and each plugin's) reads. Threads are

@@ -168,12 +168,10 @@ pub(super) mod avx2 {
         }
         // Four W rows for a single x row while their converted floats stay well inside L1, and
         // for float32 rows read in place at any row count: four rows streamed at once keep the
-        // memory busier than two. Their tiles take three x rows (twelve accumulators and four
-        // weight vectors fill the sixteen registers), two from nine rows on. Against two W rows
-        // in tiles of four x rows, `host bench --kernels` (4096×4096, alternated, two runs
-        // each) read 24.7–30.1 GB/s against 21.4–22.4 at one row, 21.7–23.2 against 17.6–17.9
-        // at four, 13.8–15.1 against 13.7–13.8 at eight; with three x rows rather than two,
-        // sixteen rows read 8.9–9.1 GB/s against 10.2–10.6.
+        // memory busier than two, which counts most at a few x rows, where the weight's stream
+        // is the limit. Their tiles take three x rows (twelve accumulators and four weight
+        // vectors fill the sixteen registers), two from nine rows on, where tiles of three x
+        // rows read the weight slower than tiles of two.
         let in_place = matches!(w, Weight::F32(_)) && k.is_multiple_of(8);
         let w_block = if (rows == 1 && k <= 1024) || in_place { 4 } else { 2 };
         let x_block = match (w_block, rows) {
@@ -343,10 +341,9 @@ pub(super) mod avx2 {
 ///
 /// Spreading those requests over the loop, one line per row and step, keeps the weight's
 /// stream going while the tile computes. Asking for the next block's rows whole before each
-/// tile, as the AVX2 loops do, left one row alone at 18–25 GB/s of a float32 weight streamed
-/// from L3 and five rows 1.2–1.3× slower than one; spread, one row took 26–27 GB/s and five
-/// rows 1.1–1.2× one (medians of 54 passes over 96 MB of weights, 512 × 2048 to 16384 × 512,
-/// one thread).
+/// tile, as the AVX2 loops do, leaves the stream idle between those bursts: a float32 weight
+/// streamed from L3 is then read markedly slower, by one row alone and more so by a window of
+/// several.
 #[cfg(target_arch = "x86_64")]
 trait RegisterTile {
     /// # Safety

@@ -3,11 +3,10 @@
 //!
 //! Between the host's own kernels (products, norms, rope, attention), each MLX op that
 //! reshapes, transposes or adds costs a round trip to MLX's stream thread when the next kernel
-//! evaluates its input: 10–30 µs on the development machine, against well under a microsecond
-//! to copy a decode step's few kilobytes. A layer meets about ten of them. Each function here
-//! gives what the MLX op gives, bit for bit (a sum or product of the widened values rounded
-//! once to the dtype, as MLX's binary ops round), and leaves larger arrays, other dtypes and
-//! other devices to MLX.
+//! evaluates its input, many times what copying a decode step's few kilobytes costs. A layer
+//! meets about ten of them. Each function here gives what the MLX op gives, bit for bit (a sum
+//! or product of the widened values rounded once to the dtype, as MLX's binary ops round), and
+//! leaves larger arrays, other dtypes and other devices to MLX.
 
 use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype};

@@ -9,8 +9,8 @@
 //! Quantized weights of half-precision activations are summed in float32 here, as MLX's Metal
 //! and CUDA kernels sum them. MLX's CPU kernel instead rounds to the activation dtype after
 //! every multiply and add, one weight at a time; reproducing that costs about 27 vector
-//! operations per weight and bounds a product at a few GB/s, an eighth of the machine's read rate
-//! (measured with such a kernel), and its sums are less accurate than float32's.
+//! operations per weight, which bounds a product far below the machine's read rate, and its
+//! sums are less accurate than float32's.
 
 use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype};
@@ -27,10 +27,9 @@ pub struct Quantization {
 }
 
 /// Multiply-adds (rows × outputs × inputs) from which a product is split with the helper thread
-/// ([`crate::helper`]): below it, handing half over costs more than it saves. Measured on the
-/// demo target, one-token steps and 5-token windows interleaved in one process, two runs:
-/// windows took 6.8–7.1 ms splitting from 2¹⁵, 2¹⁷ or 2¹⁹ against 7.2–7.7 never splitting, and
-/// steps 4.1–4.5 ms either way.
+/// ([`crate::helper`]): below it, handing half over costs more than it saves. On the demo
+/// target a verify window's products gain from the split and a one-token step's neither gain
+/// nor lose. The threshold is not sharp: a quarter of it or four times it does as well.
 const SPLIT_WORK: usize = 1 << 17;
 
 /// `x · wᵀ` through the hand-written loops, or `None` where they do not apply.
@@ -72,9 +71,8 @@ pub fn small_product(
         }
         (None, None, None) => match w.dtype() {
             // Float32 weights of up to MAX_ROWS rows: with the helper thread taking half of each
-            // product, these loops decode the float32 bench model at 60–62 tok/s against 41–48
-            // through MLX's op (OpenBLAS), and its 262,144-token sibling at 19 against 12
-            // (`host run`, alternated). More rows (prefill) stay with OpenBLAS.
+            // product, these loops decode faster than MLX's op (OpenBLAS), which packs the whole
+            // weight for every product (see `dot`). More rows (prefill) stay with OpenBLAS.
             Dtype::Float32 => match slice::<f32>(w) {
                 Some(w) => Weight::F32(w),
                 None => return Ok(None),
@@ -159,10 +157,10 @@ pub fn tiled_product(x: &Array, tiles: Tiled) -> Result<Option<Array>, Exception
 }
 
 /// Two bfloat16 rows or more on the unit, read and written as bfloat16 bits: each thread rounds
-/// the outputs it summed into the result's own buffer. Through [`outputs`], x was widened to
-/// float32 first and the helper's float32 half read back for rounding, and on a 5-token window
-/// of the 4-bit bench model moving those between the cores cost more than the split's handover
-/// (the helper's part of a 512 × 2048 product reading x took 6.5 µs).
+/// the outputs it summed into the result's own buffer. Through [`outputs`], x would be widened
+/// to float32 first and the helper's float32 half read back for rounding, and on a verify
+/// window of a quantized model moving those between the cores costs more than the split's
+/// handover: the helper's part would spend much of its time reading x.
 #[cfg(target_arch = "x86_64")]
 fn bf16_rows_on_unit(x: &Array, tiles: Tiled, rows: usize, split: Option<usize>) -> Result<Array, Exception> {
     let x = row_major(x)?;
@@ -201,8 +199,7 @@ fn bf16_rows_on_unit(x: &Array, tiles: Tiled, rows: usize, split: Option<usize>)
 /// an id is out of range (MLX's own take then decides what happens).
 ///
 /// A token's embedding otherwise takes four MLX ops (three gathers and the dequantization),
-/// whose dispatch cost more than the rest of the lookup: 5% of a decode step of the 8-bit
-/// bench model, waiting on MLX's thread.
+/// whose dispatch, each waiting on MLX's thread, costs more than the rest of the lookup.
 pub fn dequantized_rows(
     ids: &Array,
     w: &Array,
@@ -306,9 +303,9 @@ fn rounded_halves(low: &mut [f32], high: &[f32], at: usize, shape: &[i32], dtype
 }
 
 /// Floats a thread's products keep for their sums between calls, up to this many per buffer.
-/// Fresh buffers cost each product their zeroing and, past the allocator's reuse, page faults:
-/// kept, decoding on the demo target ran 1.2–1.8% faster (paired `host run`, plain, prompt
-/// lookup and the assistant). Larger sums, rarer, take fresh buffers.
+/// Fresh buffers cost each product their zeroing and, past the allocator's reuse, page faults,
+/// which a step's dozens of products pay again and again. Larger sums, rarer, take fresh
+/// buffers.
 const KEPT_SUMS: usize = 1 << 18;
 
 thread_local! {

@@ -12,11 +12,11 @@
 //! and the high nibbles the odd ones, so x is split once per call into the same even and odd
 //! halves of every 32 elements, and each half multiplies its own vector of weights.
 //!
-//! Tried on the development machine (Zen 4) and not kept: for bfloat16 rows, `vdpbf16ps` on the
-//! integers themselves (exact in bfloat16, 32 per instruction), with scale and bias applied per
-//! group as MLX's Metal kernels do, slower at every row count from one to sixteen; for 4-bit
-//! weights, each group's sixteen values made once and looked up by nibble (`vpermps`), no
-//! faster, there or on a Xeon with AMX (`host bench --kernels`, one row: 15.1 GB/s against 15.2).
+//! Two alternatives lose to this: for bfloat16 rows, `vdpbf16ps` on the integers themselves
+//! (exact in bfloat16, 32 per instruction), with scale and bias applied per group as MLX's Metal
+//! kernels do, is slower at every row count from one to sixteen (Zen 4); for 4-bit weights, each
+//! group's sixteen values made once and looked up by nibble (`vpermps`) is no faster, on Zen 4
+//! or on a Xeon with AMX.
 
 use std::arch::x86_64::*;
 

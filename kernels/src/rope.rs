@@ -106,7 +106,7 @@ avx2_where_available! {
 }
 
 /// Every vector of `xs` rotated into `out`, each product and sum rounded by `r`. Compiled with
-/// AVX2 or AVX-512 (above) the loop is vector code: 5 rows took 1.68 µs, against 4.27 scalar.
+/// AVX2 or AVX-512 (above), the loop is vector code rather than one element at a time.
 #[inline(always)]
 fn rotated_vectors<T: Value>(r: impl Round, xs: &[T], table: &Table, v: Vectors, out: &mut [T]) {
     let half = v.dims / 2;

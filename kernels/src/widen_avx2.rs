@@ -8,9 +8,7 @@ use crate::weight::Weight;
 /// Asks for W's rows `rows` (the next block) to be brought into cache while the current
 /// block is multiplied: each weight is read once per product, so it comes from memory, and
 /// a block of a few hundred bytes per row is done before the hardware prefetcher catches
-/// up. In verify rounds of the demo target (4 requests, 2 drafts each), alternated with and
-/// without, three runs each: products of 4 rows ran at 13.6–17.4 GMAC/s against 11.9–15.2,
-/// of 12 rows at 26.1–31.6 against 21.3–25.3.
+/// up: without the request, each block would start by waiting on memory.
 #[inline(always)]
 pub unsafe fn prefetch_rows(w: Weight, k: usize, rows: std::ops::Range<usize>) {
     let (base, row_bytes) = match w {

@@ -20,9 +20,8 @@ pub struct Snapshot {
 ///
 /// Each layer's keys and values live in buffers [1, kv heads, capacity, head dim] of which the
 /// first N slots are held. A push writes its positions into the free slots in place and a full
-/// buffer doubles, so a round costs what it adds. Copied whole at every push and every draft,
-/// the context had cost DeepSpec about 3 ms a round after a 6,400-token prompt, half its
-/// drafting there.
+/// buffer doubles, so a round costs what it adds, not what the row holds: copied whole at every
+/// push and every draft, a long prompt's context would take a large share of a drafter's round.
 #[derive(Clone, Default)]
 pub struct LayerContext {
     keys: Vec<Array>,

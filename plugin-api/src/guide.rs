@@ -13,7 +13,7 @@
 //! [dev-dependencies]
 //! plugin-api = { path = "…/plugin-api", features = ["conformance"] }
 //!
-//! # The CPU kernels run 20-50x slower unoptimized, in the crate's own tests too.
+//! # The CPU kernels are SIMD loops, far too slow unoptimized, in the crate's own tests too.
 //! [profile.dev.package.kernels]
 //! opt-level = 3
 //! ```

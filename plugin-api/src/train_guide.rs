@@ -14,9 +14,9 @@
 //!    layers. The labels are what *your* target would say, so the drafter learns to agree with
 //!    it. Bring your own text by pointing `training/corpus.py` at it. A run is seeded, shows a
 //!    progress bar and resumes from its last saved step when started again; the demo drafters
-//!    took 12 to 30 minutes each on two cores. Scale the preset in `training/train_<kind>.py`
-//!    (layers, width, steps) to your target: a drafter is worth it only while it costs a small
-//!    share of a target step. The assistant also gets a centroid head after training
+//!    took 7 to 17 minutes each on two cores, after the shared data (about 5 minutes, once).
+//!    Scale the preset in `training/train_<kind>.py` (layers, width, steps) to your target: a
+//!    drafter is worth it only while it costs a small share of a target step. The assistant also gets a centroid head after training
 //!    (`training/fit_centroids.py`, also runnable alone on a trained assistant), so that a
 //!    draft step scores a few groups of tokens instead of the whole vocabulary; its card says
 //!    how often the draft still lies in the groups kept. `make train-drafter KIND=lookup
@@ -57,11 +57,10 @@
 //!
 //! What decides the speed-up: τ against the cost of a round (the drafter's pass plus a
 //! verify window of γ+1 tokens), about τ over that cost in plain steps (the sweep's "a round:
-//! draft + verify" column). On this repository's CPU measurements a 5-token window costs
-//! 1.5–2.5× a one-token step, and the drafter's pass is arithmetic of its own beside it. So
-//! the larger the target's step against the drafter's pass, the more τ buys: on the
-//! 10M-parameter demo target (a step of under 1 ms) the best learned drafters reach 1.2–1.5×
-//! with τ 2.7–3.8, a round costing 2.3–2.6 steps, prompt lookup, which drafts for free,
-//! 1.6×, and lookup in the target's own continuations, also free, 2.3–2.7× with τ 4.0–5.9.
+//! draft + verify" column). On the CPU a verify window costs more than a one-token step though
+//! far less than a step per token, and the drafter's pass is arithmetic of its own beside it.
+//! So the larger the target's step against the drafter's pass, the more τ buys: on a target as
+//! small as the demo one, a learned drafter's pass costs a round a good part of a step, and
+//! the lookup drafters, which draft for free, do better (docs/performance.md has the figures).
 //! `host run --stats` shows τ, acceptance by position and a round's drafting and verifying
 //! time for one request.

@@ -9,9 +9,9 @@
 //!   rank, so that sampling and verification stay identical on all of them);
 //! - everything else (norms, router, per-layer inputs) is replicated.
 //!
-//! Splitting the head was measured against replicating it on the 262,144-token bench model over
-//! two ranks: a replicated head makes every rank read the whole table for every token, which
-//! costs more than gathering the logits (see the README).
+//! The head is split rather than replicated: a replicated head makes every rank read the whole
+//! table for every token, which on a large vocabulary costs more than gathering the logits (see
+//! docs/parallelism.md).
 
 use plugin_api::nn::Split;
 

@@ -223,8 +223,7 @@ pub fn draw(logits: &[f32], params: &SamplingParams, step: u64) -> u32 {
     // Otherwise the log-probabilities are the logits less one constant, which moves every
     // token's score alike and keeps their order and their distances to the best: min-p, top-k
     // and the draw give the same tokens on the logits, without the pass of exponentials over
-    // the vocabulary that normalizing takes (a quarter of an unfiltered draw from 262,144
-    // tokens, measured).
+    // the vocabulary that normalizing takes, a large share of a draw from a large vocabulary.
     if params.filters(logits.len()) {
         let mut scores = logits.to_vec();
         min_p_and_top_k(&mut scores, params);

@@ -211,9 +211,9 @@ impl Assistant {
     /// [`Self::head`]'s centroid path in host loops, where MLX runs on the CPU and the table is
     /// plain (bfloat16 or float32): the centroids' product, the best k of their scores, then one
     /// dot product per candidate token, each a few hundred multiply-adds. The same steps as MLX
-    /// ops cost a dispatch each, together more than the tied head's whole product (2.5x its
-    /// draft time on the demo assistant, measured); this path reads k·V/C rows of the table
-    /// where the tied head reads all V. `None` where it does not apply.
+    /// ops cost a dispatch each, together more than the tied head's whole product, which the
+    /// centroids are there to save; this path reads k·V/C rows of the table where the tied head
+    /// reads all V. `None` where it does not apply.
     fn centroid_head_on_host(&self, m: &MaskedEmbedding, h: &Array) -> Result<Option<Array>, Exception> {
         if !route::on_cpu() || self.embed_tokens.scales.is_some() {
             return Ok(None);
