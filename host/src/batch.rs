@@ -1,14 +1,23 @@
 //! `host run --prompts-file`: one request per JSON line, generated together as rows of one
 //! batch when a drafter is set (one target forward per round for all rows), else one after
-//! another. Results come back in input order, one per line; a bad line is reported with its
-//! number and does not stop the others.
+//! another. Results are written in input order, one per line, each as soon as it and the lines
+//! before it are done, so that nothing finished is lost; a bad line is reported with its number
+//! and does not stop the others.
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::generate::{check_request, generate, Request, Stats, StopReason};
+use crate::generate::{check_request, generate, Flow, GenerateError, Generation, Request, Stats, StopReason};
 use crate::run::{Overrides, RunError, RunOptions, Session};
-use crate::speculative::generate_speculative_rows;
+use crate::speculative::LiveBatch;
+
+#[derive(Debug, thiserror::Error)]
+pub enum BatchError {
+    #[error(transparent)]
+    Run(#[from] RunError),
+    #[error("writing a result: {0}")]
+    Write(#[from] std::io::Error),
+}
 
 /// One line of the prompts file.
 #[derive(Debug, Deserialize)]
@@ -40,45 +49,126 @@ pub enum Outcome {
     Failed { error: String },
 }
 
-/// Generates every request of `jsonl` (blank lines skipped) with the session `options` open.
-pub fn run_batch(options: &RunOptions, jsonl: &str, warn: impl FnMut(String)) -> Result<Vec<BatchResult>, RunError> {
+/// Results in input order, each handed on as soon as it and every line before it are known.
+struct InOrder<F> {
+    results: Vec<Option<BatchResult>>,
+    next: usize,
+    emit: F,
+}
+
+impl<F: FnMut(BatchResult) -> std::io::Result<()>> InOrder<F> {
+    fn set(&mut self, slot: usize, result: BatchResult) -> std::io::Result<()> {
+        self.results[slot] = Some(result);
+        while let Some(result) = self.results.get_mut(self.next).and_then(Option::take) {
+            (self.emit)(result)?;
+            self.next += 1;
+        }
+        Ok(())
+    }
+}
+
+/// How many results [`run_batch`] handed on, and how many of them are errors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Counts {
+    pub results: usize,
+    pub failed: usize,
+}
+
+/// Generates every request of `jsonl` (blank lines skipped) with the session `options` open,
+/// handing each result to `emit` in input order as soon as it and the lines before it are done.
+/// Once `stop` says so, each row in flight ends at its next token (`"stop": "interrupted"`)
+/// and requests not started are reported as not generated.
+pub fn run_batch(
+    options: &RunOptions,
+    jsonl: &str,
+    warn: impl FnMut(String),
+    stop: impl Fn() -> bool,
+    emit: impl FnMut(BatchResult) -> std::io::Result<()>,
+) -> Result<Counts, BatchError> {
     let session = Session::open(options, warn)?;
-    let mut results = Vec::new();
+    let mut ids = Vec::new();
     let mut pending: Vec<(usize, Request)> = Vec::new();
+    let mut early = Vec::new();
     for (index, text) in jsonl.lines().enumerate().filter(|(_, t)| !t.trim().is_empty()) {
         let line = index + 1;
         let parsed: Result<Line, String> = serde_json::from_str(text).map_err(|e| format!("not a request: {e}"));
         let id = parsed.as_ref().ok().and_then(|l| l.id.clone());
         match parsed.and_then(|l| request(&session, &options.overrides, l)) {
-            Ok(request) => {
-                pending.push((results.len(), request));
-                results.push(BatchResult { line, id, outcome: Outcome::Failed { error: "not generated".into() } });
-            }
-            Err(error) => results.push(BatchResult { line, id, outcome: Outcome::Failed { error } }),
+            Ok(request) => pending.push((ids.len(), request)),
+            Err(error) => early.push((ids.len(), error)),
         }
+        ids.push((line, id));
     }
-    let requests: Vec<Request> = pending.iter().map(|(_, r)| r.clone()).collect();
-    let generations: Vec<Result<_, String>> = match session.drafter_for(requests.len()) {
-        Some((drafter, config)) => {
-            match generate_speculative_rows(&session.model, drafter, &requests, config, |_, _| {}) {
-                Ok(all) => all.into_iter().map(Ok).collect(),
-                Err(e) => requests.iter().map(|_| Err(e.to_string())).collect(),
-            }
-        }
-        None => requests.iter().map(|r| generate(&session.model, r, |_| {}).map_err(|e| e.to_string())).collect(),
+    let mut failed = early.len();
+    let mut out = InOrder { results: (0..ids.len()).map(|_| None).collect(), next: 0, emit };
+    let mut finish = |slot: usize, outcome: Outcome| {
+        let (line, id) = ids[slot].clone();
+        out.set(slot, BatchResult { line, id, outcome })
     };
-    for ((slot, _), generation) in pending.into_iter().zip(generations) {
-        results[slot].outcome = match generation {
-            Ok(g) => Outcome::Done {
-                text: session.tokenizer.decode(&g.tokens),
-                tokens: g.tokens,
-                stop: g.stop,
-                stats: Box::new(g.stats),
-            },
-            Err(error) => Outcome::Failed { error },
-        };
+    for (slot, error) in early {
+        finish(slot, Outcome::Failed { error })?;
     }
-    Ok(results)
+    let done = |g: Generation| Outcome::Done {
+        text: session.tokenizer.decode(&g.tokens),
+        tokens: g.tokens,
+        stop: g.stop,
+        stats: Box::new(g.stats),
+    };
+    let flow = || if stop() { Flow::Stop } else { Flow::Continue };
+    match session.drafter_for(pending.len()) {
+        Some((drafter, config)) => {
+            let rows = (|| {
+                let mut batch = LiveBatch::new(&session.model, Some(drafter), config)?;
+                for (slot, request) in &pending {
+                    batch.join(*slot, request.clone(), |_| flow())?;
+                }
+                Ok::<_, GenerateError>(batch)
+            })();
+            let mut batch = match rows {
+                Ok(batch) => batch,
+                Err(e) => {
+                    for (slot, _) in &pending {
+                        finish(*slot, Outcome::Failed { error: e.to_string() })?;
+                    }
+                    return Ok(Counts { results: ids.len(), failed: ids.len() });
+                }
+            };
+            let mut open: Vec<bool> = (0..ids.len()).map(|slot| pending.iter().any(|(s, _)| *s == slot)).collect();
+            while !batch.is_empty() {
+                match batch.round(|_, _| flow()) {
+                    Ok(finished) => {
+                        for (slot, generation) in finished {
+                            open[slot] = false;
+                            finish(slot, done(generation))?;
+                        }
+                    }
+                    Err(e) => {
+                        // The batch cannot go on: every row still in it fails with the reason.
+                        for (slot, _) in pending.iter().filter(|(slot, _)| open[*slot]) {
+                            failed += 1;
+                            finish(*slot, Outcome::Failed { error: e.to_string() })?;
+                        }
+                        break;
+                    }
+                }
+            }
+        }
+        None => {
+            for (slot, request) in &pending {
+                let outcome = if stop() {
+                    Outcome::Failed { error: "not generated: interrupted".into() }
+                } else {
+                    match generate(&session.model, request, |_| flow()) {
+                        Ok(generation) => done(generation),
+                        Err(e) => Outcome::Failed { error: e.to_string() },
+                    }
+                };
+                failed += matches!(outcome, Outcome::Failed { .. }) as usize;
+                finish(*slot, outcome)?;
+            }
+        }
+    }
+    Ok(Counts { results: ids.len(), failed })
 }
 
 /// The line's request: its fields over the command line's, over the manifest's.

@@ -592,33 +592,41 @@ fn run_manifest(args: RunArgs, quiet: bool) -> Result<()> {
         plugins_dir: plugins_dir::resolve(args.dir.plugins_dir),
         compare_plain: args.compare_plain,
     };
+    host::interrupt::install();
     if let Some(file) = &args.prompts_file {
         let jsonl = std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+        // The output is opened before any work, so that a path that cannot be written costs
+        // nothing; each result is written (and flushed) as soon as it is in order.
+        let mut sink: Box<dyn Write> = match &args.output {
+            Some(path) => Box::new(
+                std::fs::File::create(path).with_context(|| format!("--output {}: cannot write it", path.display()))?,
+            ),
+            None => Box::new(std::io::stdout().lock()),
+        };
         let bar =
             (std::io::stderr().is_terminal() && !quiet).then(|| spinner(&format!("generating {}", file.display())));
-        let results = host::batch::run_batch(&options, &jsonl, |warning| {
-            if !quiet {
-                eprintln!("warning: {warning}");
-            }
-        });
+        let counts = host::batch::run_batch(
+            &options,
+            &jsonl,
+            |warning| {
+                if !quiet {
+                    eprintln!("warning: {warning}");
+                }
+            },
+            host::interrupt::requested,
+            |result| {
+                let line = serde_json::to_string(&result).expect("results serialize");
+                writeln!(sink, "{line}").and_then(|()| sink.flush())
+            },
+        );
         bar.inspect(ProgressBar::finish_and_clear);
-        let results = results?;
-        let mut out = String::new();
-        for result in &results {
-            out += &serde_json::to_string(result)?;
-            out.push('\n');
-        }
-        match &args.output {
-            Some(path) => std::fs::write(path, out).with_context(|| format!("writing {}", path.display()))?,
-            None => print!("{out}"),
-        }
-        let failed = results.iter().filter(|r| matches!(r.outcome, host::batch::Outcome::Failed { .. })).count();
+        let counts = counts?;
         if !quiet {
-            eprintln!("{} requests, {failed} failed", results.len());
+            eprintln!("{} requests, {} failed", counts.results, counts.failed);
         }
+        exit_if_interrupted();
         return Ok(());
     }
-    host::interrupt::install();
     // Progress (loading, a long prefill) only on a terminal: pipes and --json stay clean.
     let mut bar = (std::io::stderr().is_terminal() && !quiet).then(|| spinner("loading the target and drafter"));
     let mut stdout = std::io::stdout().lock();
@@ -672,7 +680,17 @@ fn run_manifest(args: RunArgs, quiet: bool) -> Result<()> {
             eprint!("{}", output.summary());
         }
     }
+    let _ = stdout.flush();
+    exit_if_interrupted();
     Ok(())
+}
+
+/// Ends the process with the conventional status of the signal that asked it to stop (130 after
+/// Ctrl-C, 143 after SIGTERM), once what was produced is out.
+fn exit_if_interrupted() {
+    if let Some(status) = host::interrupt::exit_status() {
+        std::process::exit(status);
+    }
 }
 
 /// A spinner on stderr with `message`, ticking on its own.

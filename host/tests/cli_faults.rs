@@ -68,7 +68,7 @@ fn ctrl_c_during_json_still_prints_the_json_of_what_was_produced() {
     std::thread::sleep(Duration::from_secs(3));
     sigint(&child);
     let out = wait_for_output(child, Duration::from_secs(60));
-    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(out.status.code(), Some(130), "{}", text(&out.stderr));
     let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
     assert_eq!(json["stop"], "interrupted");
     let tokens = json["tokens"].as_array().unwrap().len();
@@ -84,9 +84,106 @@ fn ctrl_c_while_streaming_ends_the_text_with_a_newline_and_prints_the_summary() 
     child.stdout.as_mut().unwrap().read_exact(&mut first).unwrap();
     sigint(&child);
     let out = wait_for_output(child, Duration::from_secs(60));
-    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(out.status.code(), Some(130), "{}", text(&out.stderr));
     assert!(out.stdout.ends_with(b"\n"));
     assert!(text(&out.stderr).contains("generated (Interrupted)"), "{}", text(&out.stderr));
+}
+
+#[test]
+fn sigterm_means_what_ctrl_c_means_and_the_json_of_what_was_produced_is_printed() {
+    let work = tempfile::tempdir().unwrap();
+    let m = manifest(work.path(), "", ENDLESS);
+    let child = spawn(&["run", "--manifest", m.to_str().unwrap(), "--json"]);
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(processes::send(child.id(), Signal::Terminate));
+    let out = wait_for_output(child, Duration::from_secs(60));
+    assert_eq!(out.status.code(), Some(143), "{}", text(&out.stderr));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    assert_eq!(json["stop"], "interrupted");
+    assert!(!json["tokens"].as_array().unwrap().is_empty(), "{json}");
+}
+
+/// A prompts file of a short request, an endless one and one after it, with or without a
+/// drafter (`extra` manifest TOML), interrupted by `signal` once the first result is written.
+fn interrupt_a_prompts_file(extra: &str, signal: Signal) -> (Output, Vec<serde_json::Value>) {
+    let work = tempfile::tempdir().unwrap();
+    let m = manifest(work.path(), extra, 8);
+    let prompts = work.path().join("in.jsonl");
+    let lines = [
+        r#"{"prompt_ids": [2, 17, 40], "max_tokens": 4, "id": "a"}"#.to_owned(),
+        format!(r#"{{"prompt_ids": [2, 17, 40], "max_tokens": {ENDLESS}, "id": "b"}}"#),
+        format!(r#"{{"prompt_ids": [2, 17, 40], "max_tokens": {ENDLESS}, "id": "c"}}"#),
+    ];
+    fs::write(&prompts, lines.join("\n")).unwrap();
+    let results = work.path().join("out.jsonl");
+    let plugins = workspace_plugin("ngram").parent().unwrap().to_owned();
+    let child = spawn(&[
+        "run",
+        "--manifest",
+        m.to_str().unwrap(),
+        "--prompts-file",
+        prompts.to_str().unwrap(),
+        "--output",
+        results.to_str().unwrap(),
+        "--plugins-dir",
+        plugins.to_str().unwrap(),
+    ]);
+    let started = Instant::now();
+    while fs::read_to_string(&results).map_or(true, |t| t.is_empty()) && started.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(processes::send(child.id(), signal));
+    let out = wait_for_output(child, Duration::from_secs(60));
+    let written = fs::read_to_string(&results).unwrap();
+    (out, written.lines().map(|l| serde_json::from_str(l).unwrap()).collect())
+}
+
+#[test]
+fn an_interrupted_prompts_file_keeps_every_result_and_what_each_row_produced() {
+    // Plain decoding: one request after another; the first is done, the second interrupted,
+    // the third never started.
+    let (out, results) = interrupt_a_prompts_file("", Signal::Interrupt);
+    assert_eq!(out.status.code(), Some(130), "{}", text(&out.stderr));
+    assert_eq!(results.len(), 3, "{results:?}");
+    assert_eq!((results[0]["id"].as_str(), results[0]["stop"].as_str()), (Some("a"), Some("max_tokens")));
+    assert_eq!(results[1]["stop"], "interrupted", "{:?}", results[1]);
+    assert!(!results[1]["tokens"].as_array().unwrap().is_empty());
+    assert_eq!(results[2]["error"], "not generated: interrupted");
+
+    // Speculative: the rows share rounds; the short one finished, the others stop at the next
+    // token with what they produced.
+    let (out, results) = interrupt_a_prompts_file("[drafter]\nkind = \"ngram\"\n", Signal::Terminate);
+    assert_eq!(out.status.code(), Some(143), "{}", text(&out.stderr));
+    let stops: Vec<_> = results.iter().map(|r| r["stop"].as_str().unwrap_or("none")).collect();
+    assert_eq!(stops, ["max_tokens", "interrupted", "interrupted"], "{results:?}");
+    assert!(results.iter().all(|r| !r["tokens"].as_array().unwrap().is_empty()));
+}
+
+#[test]
+fn an_output_that_cannot_be_written_is_refused_before_anything_loads() {
+    let work = tempfile::tempdir().unwrap();
+    let m = manifest(work.path(), "", 4);
+    let prompts = work.path().join("in.jsonl");
+    fs::write(&prompts, r#"{"prompt_ids": [2, 17, 40]}"#).unwrap();
+    for output in [work.path().join("missing/out.jsonl"), work.path().to_owned()] {
+        let started = Instant::now();
+        let out = host(&[
+            "run",
+            "--manifest",
+            m.to_str().unwrap(),
+            "--prompts-file",
+            prompts.to_str().unwrap(),
+            "--output",
+            output.to_str().unwrap(),
+        ]);
+        let err = text(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(&format!("--output {}: cannot write it", output.display())),
+            "{err}"
+        );
+        assert!(started.elapsed() < Duration::from_secs(5), "refused only after {:?}", started.elapsed());
+    }
 }
 
 #[test]

@@ -6,33 +6,46 @@
 //! installed: Ctrl-C ends the process as the system does by default, and the flags stay unset.
 
 use std::process::{Child, ExitStatus};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 
-/// Set by a SIGINT after [`stop_at_first_interrupt`].
-static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+/// The signal (SIGINT or SIGTERM) that arrived first after [`stop_at_first_interrupt`]; 0 while
+/// none has.
+static INTERRUPTED_BY: AtomicI32 = AtomicI32::new(0);
 /// Set by a SIGINT or SIGTERM after [`watch_stop_requests`].
 static STOP_REQUESTED: AtomicBool = AtomicBool::new(false);
 
-/// Makes the first Ctrl-C a request to stop ([`interrupted`] then says so) and the second one
-/// end the process as usual.
+/// Makes the first Ctrl-C or SIGTERM a request to stop ([`interrupted`] then says which) and a
+/// second one end the process as usual.
 pub fn stop_at_first_interrupt() {
     #[cfg(unix)]
     {
-        extern "C" fn on_sigint(_: libc::c_int) {
-            INTERRUPTED.store(true, Ordering::SeqCst);
-            // SAFETY: signal() is async-signal-safe; the default disposition ends the process
-            // on the next Ctrl-C.
-            unsafe { libc::signal(libc::SIGINT, libc::SIG_DFL) };
+        extern "C" fn on_signal(signal: libc::c_int) {
+            let _ = INTERRUPTED_BY.compare_exchange(0, signal, Ordering::SeqCst, Ordering::SeqCst);
+            // SAFETY: signal() is async-signal-safe; the default dispositions end the process
+            // on the next SIGINT or SIGTERM.
+            unsafe {
+                libc::signal(libc::SIGINT, libc::SIG_DFL);
+                libc::signal(libc::SIGTERM, libc::SIG_DFL);
+            }
         }
-        let handler = on_sigint as extern "C" fn(libc::c_int) as libc::sighandler_t;
+        let handler = on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
         // SAFETY: the handler is async-signal-safe (see above).
-        unsafe { libc::signal(libc::SIGINT, handler) };
+        unsafe {
+            libc::signal(libc::SIGINT, handler);
+            libc::signal(libc::SIGTERM, handler);
+        }
     }
 }
 
-/// Whether Ctrl-C was pressed since [`stop_at_first_interrupt`].
-pub fn interrupted() -> bool {
-    INTERRUPTED.load(Ordering::SeqCst)
+/// The signal number of the SIGINT or SIGTERM that asked to stop since
+/// [`stop_at_first_interrupt`], if one did.
+pub fn interrupted() -> Option<i32> {
+    Some(INTERRUPTED_BY.load(Ordering::SeqCst)).filter(|&signal| signal != 0)
+}
+
+/// The exit status a process stopped by `signal` conventionally ends with: 128 + its number.
+pub fn exit_status_for(signal: i32) -> i32 {
+    128 + signal
 }
 
 /// Makes every SIGINT and SIGTERM a request to stop, taken with [`take_stop_request`].
