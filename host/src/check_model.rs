@@ -3,6 +3,7 @@
 
 use std::path::Path;
 
+use crate::model::Gemma4Config;
 use mlx_rs::{Array, Dtype};
 use plugin_api::nn::Weights;
 use serde::Serialize;
@@ -27,11 +28,16 @@ pub struct ModelReport {
     pub tensors: Vec<TensorReport>,
     /// Why the target cannot be built from the checkpoint, if it cannot.
     pub build_error: Option<String>,
+    /// Where `tokenizer.json` and the config disagree (vocabulary, special ids), or why the
+    /// tokenizer cannot be read.
+    pub tokenizer_problems: Vec<String>,
 }
 
 impl ModelReport {
     pub fn ok(&self) -> bool {
-        self.build_error.is_none() && self.tensors.iter().all(TensorReport::is_finite)
+        self.build_error.is_none()
+            && self.tokenizer_problems.is_empty()
+            && self.tensors.iter().all(TensorReport::is_finite)
     }
 
     /// One line per tensor, then the verdict.
@@ -46,6 +52,10 @@ impl ModelReport {
         match &self.build_error {
             None => out += "model: builds (every shape and dtype matches the config)\n",
             Some(e) => out += &format!("model: {e}\n"),
+        }
+        match self.tokenizer_problems.as_slice() {
+            [] => out += "tokenizer: fits the model (vocabulary and special ids)\n",
+            problems => problems.iter().for_each(|p| out += &format!("tokenizer: {p}\n")),
         }
         out
     }
@@ -71,7 +81,12 @@ pub fn check(dir: &Path) -> Result<ModelReport, plugin_api::nn::WeightsError> {
     }
     drop(weights);
     let build_error = crate::model::load(dir).err().map(|e| e.to_string());
-    Ok(ModelReport { tensors, build_error })
+    let tokenizer_problems = match (crate::tokenizer::Tokenizer::load(dir), Gemma4Config::load(dir)) {
+        (Ok(tokenizer), Ok(config)) => tokenizer.disagreements(config.vocab_size as usize, &config.special_ids()),
+        (Err(e), _) => vec![e.to_string()],
+        (_, Err(_)) => Vec::new(), // the build error says what is wrong with the config
+    };
+    Ok(ModelReport { tensors, build_error, tokenizer_problems })
 }
 
 /// Counts of NaN and infinite entries (zero for integer tensors).

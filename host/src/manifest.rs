@@ -267,9 +267,31 @@ impl Manifest {
             }
         };
 
+        // For checks made after parsing: the line `key` is written on.
+        let at_key = |key: &str, message: String| ManifestError {
+            file: file.to_owned(),
+            line: Some(key_line(text, 0..text.len(), key)),
+            message,
+        };
+
         let model = &parsed.target.model;
+        if model.get_ref().as_os_str().is_empty() {
+            return Err(at(
+                Some(model.span()),
+                "target.model: empty; name a Gemma 4 checkpoint directory or a Hugging Face id".into(),
+            ));
+        }
         let target_model = crate::hub::resolve(&model.get_ref().to_string_lossy(), base)
             .map_err(|e| at(Some(model.span()), format!("target.model: {e}")))?;
+        if !target_model.join("config.json").is_file() {
+            return Err(at(
+                Some(model.span()),
+                format!(
+                    "target.model: {} has no config.json: it is not a checkpoint directory",
+                    target_model.display()
+                ),
+            ));
+        }
         let drafter = match parsed.drafter {
             None => None,
             Some(d) => {
@@ -328,15 +350,22 @@ impl Manifest {
                 })
             }
         };
-        if parsed.generation.prompt.is_some() && parsed.generation.prompt_ids.is_some() {
-            return Err(at(None, "generation: give `prompt` or `prompt_ids`, not both".into()));
+        let g = &parsed.generation;
+        if g.prompt.is_some() && g.prompt_ids.is_some() {
+            return Err(at_key("prompt_ids", "generation: give `prompt` or `prompt_ids`, not both".into()));
+        }
+        if g.chat && g.prompt_ids.is_some() {
+            return Err(at_key(
+                "chat",
+                "generation.chat: a chat template wraps a text `prompt`, and `prompt_ids` are already tokens".into(),
+            ));
         }
         let server = parsed.server;
-        if server.max_batch.is_some_and(|n| !(1..=256).contains(&n)) {
-            return Err(at(None, format!("server.max_batch: must be 1 to 256, got {}", server.max_batch.unwrap())));
+        if let Some(n) = server.max_batch.filter(|n| !(1..=256).contains(n)) {
+            return Err(at_key("max_batch", format!("server.max_batch: must be 1 to 256, got {n}")));
         }
         if server.max_queue == Some(0) {
-            return Err(at(None, "server.max_queue: must be at least 1, got 0".into()));
+            return Err(at_key("max_queue", "server.max_queue: must be at least 1, got 0".into()));
         }
         Ok(Manifest { file: file.to_owned(), target_model, drafter, generation: parsed.generation, server })
     }
@@ -415,6 +444,7 @@ mod tests {
 
     fn manifest_in(dir: &Path, text: &str) -> Result<Manifest, ManifestError> {
         std::fs::create_dir_all(dir.join("model")).unwrap();
+        std::fs::write(dir.join("model/config.json"), "{}").unwrap();
         let file = dir.join("m.toml");
         std::fs::write(&file, text).unwrap();
         Manifest::load(&file)
@@ -423,6 +453,34 @@ mod tests {
     /// A fresh directory for one test, removed with it.
     fn temp(name: &str) -> tempfile::TempDir {
         tempfile::Builder::new().prefix(&format!("host-manifest-{name}-")).tempdir().unwrap()
+    }
+
+    #[test]
+    fn an_empty_model_or_a_directory_without_a_config_is_refused_at_its_line() {
+        let dir = temp("model");
+        let error = manifest_in(dir.path(), "# a target\n[target]\nmodel = \"\"\n").unwrap_err().to_string();
+        assert!(
+            error.ends_with("m.toml:3: target.model: empty; name a Gemma 4 checkpoint directory or a Hugging Face id"),
+            "{error}"
+        );
+        std::fs::create_dir_all(dir.path().join("empty")).unwrap();
+        let error = manifest_in(dir.path(), "[target]\nmodel = \"empty\"\n").unwrap_err().to_string();
+        assert!(
+            error.contains("m.toml:2: target.model: ")
+                && error.ends_with("has no config.json: it is not a checkpoint directory"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn chat_with_prompt_ids_and_bad_server_values_name_their_line() {
+        let dir = temp("lines");
+        let text = "[target]\nmodel = \"model\"\n[generation]\nprompt_ids = [2, 3]\nchat = true\n";
+        let error = manifest_in(dir.path(), text).unwrap_err().to_string();
+        assert!(error.contains("m.toml:5: generation.chat: a chat template wraps a text `prompt`"), "{error}");
+        let text = "[target]\nmodel = \"model\"\n[server]\nport = 1\nmax_batch = 0\n";
+        let error = manifest_in(dir.path(), text).unwrap_err().to_string();
+        assert!(error.contains("m.toml:5: server.max_batch: must be 1 to 256, got 0"), "{error}");
     }
 
     #[test]

@@ -155,6 +155,7 @@ impl Session {
             depth_warnings(&d.info, config.draft_tokens).into_iter().for_each(&mut warn);
         }
         let tokenizer = Tokenizer::load(&manifest.target_model)?;
+        tokenizer.check_fits(model.config.vocab_size as usize, &model.config.special_ids())?;
         let defaults = CheckpointDefaults::load(&manifest.target_model).map_err(RunError::CheckpointDefaults)?;
         let auto_draft_tokens = manifest.auto_draft_tokens(options.overrides.draft_tokens.is_some());
         Ok(Session { manifest, model, drafter, auto_draft_tokens, tokenizer, defaults })
@@ -226,6 +227,8 @@ impl CheckpointDefaults {
 pub enum RequestError {
     #[error("no prompt: give --prompt or --prompt-ids, or set [generation] prompt in the manifest")]
     NoPrompt,
+    #[error("chat: a chat template wraps a text prompt, and {0} are already tokens; give a text prompt")]
+    ChatWithIds(&'static str),
     #[error("{0}")]
     Tokenizer(#[from] crate::tokenizer::TokenizerError),
     #[error(transparent)]
@@ -242,6 +245,14 @@ pub fn resolve_request(
 ) -> Result<Request, RequestError> {
     let g = &manifest.generation;
     let chat = overrides.chat || g.chat;
+    let ids_given = match (&overrides.prompt_ids, &overrides.prompt, &g.prompt_ids) {
+        (Some(_), _, _) => Some("the request's prompt_ids"),
+        (None, None, Some(_)) => Some("the manifest's [generation] prompt_ids"),
+        _ => None,
+    };
+    if let (true, Some(source)) = (chat, ids_given) {
+        return Err(RequestError::ChatWithIds(source));
+    }
     let template = if chat { Some(ChatTemplate::load(&manifest.target_model)?) } else { None };
     let encode = |text: &str| -> Result<Vec<u32>, RequestError> {
         match &template {

@@ -10,18 +10,57 @@ pub enum TokenizerError {
     Encode(String),
     #[error("prompt token id {id} is outside the vocabulary of {vocab}")]
     OutOfVocabulary { id: u32, vocab: u32 },
+    #[error("{}: does not fit the model: {}", file.display(), problems.join("; "))]
+    Disagrees { file: PathBuf, problems: Vec<String> },
 }
 
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    file: PathBuf,
 }
 
 impl Tokenizer {
     pub fn load(model_dir: &Path) -> Result<Tokenizer, TokenizerError> {
         let file = model_dir.join("tokenizer.json");
         let inner = tokenizers::Tokenizer::from_file(&file)
-            .map_err(|e| TokenizerError::Load { file, reason: e.to_string() })?;
-        Ok(Tokenizer { inner })
+            .map_err(|e| TokenizerError::Load { file: file.clone(), reason: e.to_string() })?;
+        Ok(Tokenizer { inner, file })
+    }
+
+    /// Tokens the tokenizer knows, its added tokens included.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// What stops this tokenizer from serving a model of `vocab` token ids whose config names
+    /// `special` ids (`eos_token_id`, …): ids the model can emit and the tokenizer cannot
+    /// decode would vanish from the text.
+    pub fn disagreements(&self, vocab: usize, special: &[(&str, u32)]) -> Vec<String> {
+        let mut problems = Vec::new();
+        if self.vocab_size() < vocab {
+            problems.push(format!(
+                "it has {} tokens and the model's vocabulary {vocab}: ids {} to {} would decode to nothing",
+                self.vocab_size(),
+                self.vocab_size(),
+                vocab - 1
+            ));
+        }
+        for (key, id) in special {
+            if *id as usize >= vocab || self.inner.id_to_token(*id).is_none() {
+                problems.push(format!("config.json's {key} {id} is not a token of both"));
+            }
+        }
+        problems
+    }
+
+    /// [`Tokenizer::disagreements`] as an error, if there are any.
+    pub fn check_fits(&self, vocab: usize, special: &[(&str, u32)]) -> Result<(), TokenizerError> {
+        let problems = self.disagreements(vocab, special);
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(TokenizerError::Disagrees { file: self.file.clone(), problems })
+        }
     }
 
     /// Ids of `text`, with the tokenizer's own special tokens (e.g. `<bos>`) when it adds them.

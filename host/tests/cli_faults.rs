@@ -318,3 +318,47 @@ fn a_long_prefill_reports_its_progress_chunk_by_chunk() {
     assert_eq!(seen, [(512, 1100), (1024, 1100), (1100, 1100)]);
     assert_eq!(output.tokens.len(), 2);
 }
+
+#[test]
+fn a_tokenizer_smaller_than_the_models_vocabulary_is_refused_and_check_model_reports_it() {
+    // The demo target's weights with the 512-token tokenizer of a test fixture.
+    let work = tempfile::tempdir().unwrap();
+    let demo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/kjv-gemma4");
+    for entry in fs::read_dir(&demo).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_file() {
+            fs::copy(&path, work.path().join(path.file_name().unwrap())).unwrap();
+        }
+    }
+    let small = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/gemma4/dense/tokenizer.json");
+    fs::copy(small, work.path().join("tokenizer.json")).unwrap();
+    let dir = work.path().to_str().unwrap();
+    let out = host(&["run", "--model", dir, "--prompt-ids", "2,17", "--max-tokens", "4"]);
+    let err = text(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("tokenizer.json: does not fit the model: it has 512 tokens and the model's vocabulary 8192"),
+        "{err}"
+    );
+    let out = host(&["check-model", dir]);
+    let report = text(&out.stdout);
+    assert!(
+        !out.status.success() && report.contains("tokenizer: it has 512 tokens and the model's vocabulary 8192"),
+        "{report}"
+    );
+}
+
+#[test]
+fn chat_with_the_manifests_prompt_ids_is_refused() {
+    let work = tempfile::tempdir().unwrap();
+    let m = manifest(work.path(), "", 4);
+    let out = host(&["run", "--manifest", m.to_str().unwrap(), "--chat"]);
+    let err = text(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains(
+            "chat: a chat template wraps a text prompt, and the manifest's [generation] prompt_ids are already tokens"
+        ),
+        "{err}"
+    );
+}

@@ -264,6 +264,18 @@ fn bad_requests_get_openai_errors_naming_the_field() {
     check(chat, r#"{"messages": []}"#, 422, json!("messages"), "at least one");
     check(c, r#"{"prompt": "x", "draft_tokens": 9}"#, 422, json!("draft_tokens"), "1 to the server's 4");
     assert!(server.metric("host_requests_total{outcome=\"rejected\"}") >= 13.0);
+
+    // Errors made by the HTTP layers before any handler have the same shape.
+    let huge = format!("{{\"prompt\": \"{}\"}}", "x".repeat(3 << 20));
+    check(c, &huge, 413, Value::Null, "length limit");
+    for (method, path, status) in [("GET", c, 405), ("GET", "/v1/nothing", 404), ("POST", "/v2/completions", 404)] {
+        let error = match ureq::request(method, &server.url(path)).call() {
+            Err(ureq::Error::Status(code, r)) => (code, r.into_json::<Value>().unwrap()),
+            other => panic!("{method} {path}: {other:?}"),
+        };
+        assert_eq!(error.0, status, "{method} {path}: {:?}", error.1);
+        assert!(error.1["error"]["message"].is_string() && error.1["error"]["type"].is_string(), "{:?}", error.1);
+    }
 }
 
 #[test]
@@ -279,6 +291,24 @@ fn an_api_key_guards_everything_but_health() {
         ureq::get(&server.url("/v1/models")).set("authorization", "Bearer sesame").call().unwrap().into_json().unwrap();
     assert_eq!(models["data"][0]["id"], "kjv-gemma4");
     assert_eq!(server.get("/health"), r#"{"status":"ok"}"#);
+    // The scheme is case-insensitive (RFC 9110).
+    let lower = ureq::get(&server.url("/v1/models")).set("authorization", "bearer sesame").call();
+    assert!(lower.is_ok(), "{lower:?}");
+}
+
+#[test]
+fn a_port_in_use_is_refused_once_before_the_model_loads() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port().to_string();
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests/demo-ngram.toml");
+    let out = Command::new(env!("CARGO_BIN_EXE_host"))
+        .args(["serve", "--manifest", manifest.to_str().unwrap(), "--port", &port])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains(&format!("cannot listen on 127.0.0.1:{port}: ")), "{err}");
+    assert_eq!(err.matches("in use").count(), 1, "{err}");
 }
 
 #[test]

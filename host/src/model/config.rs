@@ -97,6 +97,11 @@ impl Gemma4Config {
         parse(&file, &root)
     }
 
+    /// The special token ids the config names, with the key that names them.
+    pub fn special_ids(&self) -> Vec<(&'static str, u32)> {
+        self.eos_token_ids.iter().map(|&id| ("eos_token_id", id)).collect()
+    }
+
     pub fn layer_type(&self, layer: usize) -> LayerType {
         self.layer_types[layer]
     }

@@ -54,8 +54,8 @@ pub enum ServeError {
     Load(#[from] RunError),
     #[error(transparent)]
     Chat(#[from] crate::chat::ChatError),
-    #[error("binding {address}: {source}")]
-    Bind { address: String, source: std::io::Error },
+    #[error("cannot listen on {address}: {error}")]
+    Bind { address: String, error: std::io::Error },
     #[error("{0}")]
     Io(#[from] std::io::Error),
     #[error("the engine thread stopped before it was ready")]
@@ -87,6 +87,11 @@ pub fn serve(
     on_listening: impl FnOnce(SocketAddr),
     warn: impl FnMut(String) + Send + 'static,
 ) -> Result<(), ServeError> {
+    // The address is taken before the model loads, so that a port in use costs no load.
+    let address = format!("{}:{}", options.host, options.port);
+    let listener =
+        std::net::TcpListener::bind(&address).map_err(|error| ServeError::Bind { address: address.clone(), error })?;
+    listener.set_nonblocking(true)?;
     let metrics = Arc::new(Metrics::new());
     let (jobs, queue) = sync_channel(options.max_queue);
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
@@ -110,10 +115,7 @@ pub fn serve(
 
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let result = runtime.block_on(async move {
-        let address = format!("{}:{}", options.host, options.port);
-        let listener = tokio::net::TcpListener::bind(&address)
-            .await
-            .map_err(|source| ServeError::Bind { address: address.clone(), source })?;
+        let listener = tokio::net::TcpListener::from_std(listener)?;
         on_listening(listener.local_addr()?);
         axum::serve(listener, router(app)).with_graceful_shutdown(shutdown_signal()).await?;
         Ok(())
@@ -132,7 +134,34 @@ fn router(app: Arc<App>) -> Router {
         .route("/v1/models", get(models))
         .route("/metrics", get(metrics_text))
         .route_layer(middleware::from_fn_with_state(app.clone(), require_key));
-    Router::new().route("/health", get(|| async { Json(json!({"status": "ok"})) })).merge(authorized).with_state(app)
+    Router::new()
+        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .merge(authorized)
+        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, None, "no such endpoint").into_response() })
+        .layer(middleware::map_response(as_openai_error))
+        .with_state(app)
+}
+
+/// Every error response in the OpenAI error shape, whichever layer made it (axum's own 405 and
+/// 413 are plain text): its status, with its text as the message.
+async fn as_openai_error(response: Response) -> Response {
+    let status = response.status();
+    let is_json =
+        response.headers().get(header::CONTENT_TYPE).is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
+    if !(status.is_client_error() || status.is_server_error()) || is_json {
+        return response;
+    }
+    let text = axum::body::to_bytes(response.into_body(), 64 << 10).await.unwrap_or_default();
+    let text = String::from_utf8_lossy(&text).trim().to_owned();
+    let message = if text.is_empty() { status.canonical_reason().unwrap_or("error").to_owned() } else { text };
+    ApiError::new(status, None, message).into_response()
+}
+
+/// The key of an `Authorization: Bearer <key>` header; the scheme's case does not matter
+/// (RFC 9110).
+fn bearer_key(value: &str) -> Option<&str> {
+    let (scheme, key) = value.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| key.trim())
 }
 
 /// Resolves at the first Ctrl-C or SIGTERM (`kernels::os::signals`, polled: a shutdown need
@@ -147,7 +176,7 @@ async fn shutdown_signal() {
 async fn require_key(State(app): State<Arc<App>>, request: HttpRequest, next: Next) -> Response {
     if let Some(key) = &app.api_key {
         let given = request.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
-        if given.and_then(|v| v.strip_prefix("Bearer ")) != Some(key.as_str()) {
+        if given.and_then(bearer_key) != Some(key.as_str()) {
             app.metrics.count("rejected");
             let why = if given.is_some() { "the API key is wrong" } else { "an API key is required" };
             return ApiError::new(StatusCode::UNAUTHORIZED, None, format!("{why}: send `Authorization: Bearer <key>`"))
