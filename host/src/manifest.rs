@@ -354,6 +354,17 @@ impl Manifest {
         if g.prompt.is_some() && g.prompt_ids.is_some() {
             return Err(at_key("prompt_ids", "generation: give `prompt` or `prompt_ids`, not both".into()));
         }
+        use crate::sampling::{check_min_p, check_temperature, check_top_p};
+        let bounds = [
+            ("temperature", g.temperature.map(check_temperature)),
+            ("top_p", g.top_p.map(check_top_p)),
+            ("min_p", g.min_p.map(check_min_p)),
+        ];
+        for (key, check) in bounds {
+            if let Some(Err(e)) = check {
+                return Err(at_key(key, format!("generation.{key}: {e}")));
+            }
+        }
         if g.chat && g.prompt_ids.is_some() {
             return Err(at_key(
                 "chat",
@@ -478,6 +489,9 @@ mod tests {
         let text = "[target]\nmodel = \"model\"\n[generation]\nprompt_ids = [2, 3]\nchat = true\n";
         let error = manifest_in(dir.path(), text).unwrap_err().to_string();
         assert!(error.contains("m.toml:5: generation.chat: a chat template wraps a text `prompt`"), "{error}");
+        let text = "[target]\nmodel = \"model\"\n[generation]\nmax_tokens = 3\ntop_p = 0.0\n";
+        let error = manifest_in(dir.path(), text).unwrap_err().to_string();
+        assert!(error.contains("m.toml:5: generation.top_p: top_p must be in (0, 1]"), "{error}");
         let text = "[target]\nmodel = \"model\"\n[server]\nport = 1\nmax_batch = 0\n";
         let error = manifest_in(dir.path(), text).unwrap_err().to_string();
         assert!(error.contains("m.toml:5: server.max_batch: must be 1 to 256, got 0"), "{error}");

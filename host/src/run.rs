@@ -46,6 +46,8 @@ pub enum RunError {
     Generate(#[from] GenerateError),
     #[error("--draft-tokens: must be 1 to {max}, got {0}", max = crate::manifest::MAX_DRAFT_TOKENS)]
     DraftTokens(u32),
+    #[error("--draft-tokens: no drafter is set (name one with --drafter KIND or a manifest's [drafter])")]
+    DraftTokensWithoutDrafter,
 }
 
 /// What `run` reports while it works.
@@ -145,6 +147,9 @@ impl Session {
         let manifest = options.source.load()?;
         let model = Rc::new(crate::model::load(&manifest.target_model)?);
         let mut drafter = load_drafter(&manifest, &options.plugins_dir)?;
+        if drafter.is_none() && options.overrides.draft_tokens.is_some() {
+            return Err(RunError::DraftTokensWithoutDrafter);
+        }
         if let Some((d, config)) = &mut drafter {
             probe_open(&model, d)?;
             match options.overrides.draft_tokens {
@@ -199,27 +204,48 @@ pub struct CheckpointDefaults {
 }
 
 impl CheckpointDefaults {
+    /// Reads `generation_config.json` if the checkpoint has one. A value of the wrong type or
+    /// out of its bounds is refused, naming the file, its line and the key: a default that is
+    /// silently dropped would change the output without a word.
     pub fn load(model_dir: &Path) -> Result<CheckpointDefaults, String> {
         let file = model_dir.join("generation_config.json");
         let Ok(text) = std::fs::read_to_string(&file) else { return Ok(Self::default()) };
         let json: serde_json::Value =
             serde_json::from_str(&text).map_err(|e| format!("{}: not valid JSON: {e}", file.display()))?;
-        let sampling = json.get("do_sample").and_then(|v| v.as_bool()).unwrap_or(true);
-        let eos = match json.get("eos_token_id") {
-            Some(serde_json::Value::Number(n)) => n.as_u64().map(|n| vec![n as u32]).unwrap_or_default(),
-            Some(serde_json::Value::Array(a)) => a.iter().filter_map(|v| v.as_u64().map(|n| n as u32)).collect(),
-            _ => Vec::new(),
+        let refuse = |key: &str, why: String| {
+            let line = text.find(&format!("\"{key}\"")).map_or(1, |at| text[..at].matches('\n').count() + 1);
+            format!("{}:{line}: {key}: {why}", file.display())
         };
-        Ok(CheckpointDefaults {
-            temperature: if sampling {
-                json.get("temperature").and_then(|v| v.as_f64()).map(|t| t as f32)
-            } else {
-                Some(0.0)
-            },
-            top_p: json.get("top_p").and_then(|v| v.as_f64()).map(|v| v as f32),
-            top_k: json.get("top_k").and_then(|v| v.as_u64()).map(|v| v as u32),
-            eos,
-        })
+        let number = |key: &str| -> Result<Option<f64>, String> {
+            match json.get(key) {
+                None | Some(serde_json::Value::Null) => Ok(None),
+                Some(v) => v.as_f64().map(Some).ok_or_else(|| refuse(key, format!("expected a number, got {v}"))),
+            }
+        };
+        let bounded = |key: &str, check: fn(f32) -> Result<(), String>| -> Result<Option<f32>, String> {
+            let value = number(key)?.map(|v| v as f32);
+            value.map(check).transpose().map_err(|e| refuse(key, e))?;
+            Ok(value)
+        };
+        let sampling = match json.get("do_sample") {
+            None | Some(serde_json::Value::Null) => true,
+            Some(v) => v.as_bool().ok_or_else(|| refuse("do_sample", format!("expected true or false, got {v}")))?,
+        };
+        let temperature = bounded("temperature", crate::sampling::check_temperature)?;
+        let top_p = bounded("top_p", crate::sampling::check_top_p)?;
+        let top_k = match number("top_k")? {
+            None => None,
+            Some(k) if k >= 0.0 && k.fract() == 0.0 && k <= u32::MAX as f64 => Some(k as u32),
+            Some(k) => return Err(refuse("top_k", format!("expected a whole number >= 0 (0 = off), got {k}"))),
+        };
+        let ids = |v: &serde_json::Value| v.as_u64().filter(|&n| n <= u32::MAX as u64).map(|n| n as u32);
+        let eos = match json.get("eos_token_id") {
+            None | Some(serde_json::Value::Null) => Some(Vec::new()),
+            Some(serde_json::Value::Array(a)) => a.iter().map(ids).collect::<Option<Vec<u32>>>(),
+            Some(v) => ids(v).map(|id| vec![id]),
+        }
+        .ok_or_else(|| refuse("eos_token_id", "expected a token id or a list of them".into()))?;
+        Ok(CheckpointDefaults { temperature: if sampling { temperature } else { Some(0.0) }, top_p, top_k, eos })
     }
 }
 
@@ -439,7 +465,29 @@ fn per_round(ms: f64, rounds: usize) -> f64 {
 
 #[cfg(test)]
 mod tests {
-    use super::first_difference;
+    use super::{first_difference, CheckpointDefaults};
+
+    #[test]
+    fn generation_config_values_of_the_wrong_type_or_range_are_refused_by_file_line_and_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let load = |body: &str| {
+            std::fs::write(dir.path().join("generation_config.json"), body).unwrap();
+            CheckpointDefaults::load(dir.path())
+        };
+        let good = load("{\n  \"temperature\": 0.7,\n  \"top_k\": 64,\n  \"eos_token_id\": [1, 6]\n}").unwrap();
+        assert_eq!((good.temperature, good.top_k, good.eos), (Some(0.7), Some(64), vec![1, 6]));
+        for (body, says) in [
+            ("{\n  \"temperature\": \"hot\"\n}", ":2: temperature: expected a number, got \"hot\""),
+            ("{\"do_sample\": true,\n \"top_k\": \"many\"}", ":2: top_k: expected a number, got \"many\""),
+            ("{\"top_k\": 2.5}", ":1: top_k: expected a whole number >= 0 (0 = off), got 2.5"),
+            ("{\"top_p\": 1.5}", ":1: top_p: top_p must be in (0, 1] (1 = off), got 1.5"),
+            ("{\"do_sample\": \"yes\"}", ":1: do_sample: expected true or false"),
+            ("{\"eos_token_id\": [1, \"x\"]}", ":1: eos_token_id: expected a token id or a list of them"),
+        ] {
+            let error = load(body).unwrap_err();
+            assert!(error.contains(&format!("generation_config.json{says}")), "{body}: {error}");
+        }
+    }
 
     #[test]
     fn the_first_difference_is_the_first_unequal_token_or_where_the_shorter_ends() {

@@ -362,3 +362,12 @@ fn chat_with_the_manifests_prompt_ids_is_refused() {
         "{err}"
     );
 }
+
+#[test]
+fn draft_tokens_without_a_drafter_is_refused() {
+    let work = tempfile::tempdir().unwrap();
+    let m = manifest(work.path(), "", 4);
+    let out = host(&["run", "--manifest", m.to_str().unwrap(), "--draft-tokens", "3"]);
+    let err = text(&out.stderr);
+    assert!(!out.status.success() && err.contains("--draft-tokens: no drafter is set"), "{err}");
+}

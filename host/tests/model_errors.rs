@@ -148,6 +148,13 @@ fn config_values_outside_their_domain_are_refused_by_key() {
         ("num_attention_heads", serde_json::json!(0), "`num_attention_heads`: must be positive"),
         ("num_attention_heads", serde_json::json!(2_000_000_000), "is beyond the sizes MLX can index"),
         ("num_key_value_heads", serde_json::json!(3), "3 does not divide num_attention_heads"),
+        (
+            "hidden_size",
+            serde_json::json!(1_000_000_000_000_000u64),
+            "1000000000000000 is too large (at most 2147483647)",
+        ),
+        ("head_dim", serde_json::json!(u64::MAX), "is too large (at most 2147483647)"),
+        ("head_dim", serde_json::json!(-4), "expected a non-negative integer, found -4"),
     ] {
         let (_tmp, dir) = copy_of_dense();
         edit_config(&dir, |c| c[key] = value.clone());

@@ -49,6 +49,13 @@ fn an_abi_layout_mismatch_is_summarised_and_the_dump_kept_for_verbose() {
 }
 
 #[test]
+fn a_root_symbol_that_is_no_abi_stable_header_is_named_as_such() {
+    let message = refusal(&fixture("foreign_root"), None);
+    assert!(message.contains("its plugin root symbol is not an abi_stable library header"), "{message}");
+    assert_eq!(message.lines().count(), 1, "{message}");
+}
+
+#[test]
 fn a_panic_while_loading() {
     assert_eq!(refusal(&fixture("panic_at_load"), None), "the plugin panicked while loading");
 }

@@ -410,11 +410,11 @@ impl Reader<'_> {
     fn optional_int(&self, key: &str) -> Result<Option<i32>, ConfigError> {
         match self.map.get(key) {
             None | Some(Value::Null) => Ok(None),
-            Some(v) => v
-                .as_i64()
-                .filter(|n| *n >= 0 && *n <= i32::MAX as i64)
-                .map(|n| Some(n as i32))
-                .ok_or_else(|| self.invalid(key, &format!("expected a non-negative integer, found {v}"))),
+            Some(v) => match v.as_i64().or_else(|| v.as_u64().map(|_| i64::MAX)) {
+                Some(n) if (0..=i32::MAX as i64).contains(&n) => Ok(Some(n as i32)),
+                Some(n) if n > 0 => Err(self.invalid(key, &format!("{v} is too large (at most {})", i32::MAX))),
+                _ => Err(self.invalid(key, &format!("expected a non-negative integer, found {v}"))),
+            },
         }
     }
     fn float(&self, key: &str, default: f64) -> Result<f32, ConfigError> {

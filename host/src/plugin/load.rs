@@ -198,7 +198,24 @@ fn open_error(e: LibraryError) -> LoadError {
     match e {
         LibraryError::GetSymbolError { .. } => LoadError::NotAPlugin,
         LibraryError::OpenError { err, .. } => LoadError::Open(first_line(&err.to_string())),
+        LibraryError::InvalidAbiHeader(found) => LoadError::Open(invalid_header(&found)),
         other => LoadError::Open(first_line(&other.to_string())),
+    }
+}
+
+/// Why a library's root symbol is not the header abi_stable expects: not abi_stable's at all
+/// (another program's symbol of that name), or another abi_stable major.
+fn invalid_header(found: &abi_stable::library::AbiHeader) -> String {
+    let expected = abi_stable::library::AbiHeader::VALUE;
+    if found.magic_string != expected.magic_string {
+        "its plugin root symbol is not an abi_stable library header: it was not built with \
+         plugin-api's export_drafter!"
+            .to_owned()
+    } else {
+        format!(
+            "built with abi_stable {}.{}, which cannot load beside this host's {}.{}",
+            found.abi_major, found.abi_minor, expected.abi_major, expected.abi_minor
+        )
     }
 }
 

@@ -48,16 +48,35 @@ impl SamplingParams {
 
     /// One line naming the first parameter out of range, if any.
     pub fn validate(&self) -> Result<(), String> {
-        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
-            return Err(format!("temperature must be a finite number >= 0, got {}", self.temperature));
-        }
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(format!("top_p must be in (0, 1] (1 = off), got {}", self.top_p));
-        }
-        if !(0.0..=1.0).contains(&self.min_p) {
-            return Err(format!("min_p must be in [0, 1], got {}", self.min_p));
-        }
+        check_temperature(self.temperature)?;
+        check_top_p(self.top_p)?;
+        check_min_p(self.min_p)
+    }
+}
+
+/// The bounds of each sampling parameter, the same wherever it is set (flags, manifests,
+/// `generation_config.json`, requests).
+pub fn check_temperature(temperature: f32) -> Result<(), String> {
+    if temperature >= 0.0 && temperature.is_finite() {
         Ok(())
+    } else {
+        Err(format!("temperature must be a finite number >= 0, got {temperature}"))
+    }
+}
+
+pub fn check_top_p(top_p: f32) -> Result<(), String> {
+    if top_p > 0.0 && top_p <= 1.0 {
+        Ok(())
+    } else {
+        Err(format!("top_p must be in (0, 1] (1 = off), got {top_p}"))
+    }
+}
+
+pub fn check_min_p(min_p: f32) -> Result<(), String> {
+    if (0.0..=1.0).contains(&min_p) {
+        Ok(())
+    } else {
+        Err(format!("min_p must be in [0, 1], got {min_p}"))
     }
 }
 

@@ -27,7 +27,7 @@ impl Drafter for Lookup {
         Descriptor::new("lookup", "prompt and datastore lookup", env!("CARGO_PKG_VERSION"))
             .summary("prompt lookup or the most frequent continuation in a datastore of token ids (REST), whichever matched longer")
             .needs_artifact()
-            .option("max_ngram", "3", "longest n-gram looked up in the row's own text")
+            .option("max_ngram", "3", "longest n-gram looked up in the row's own text (at most 64)")
             .option("min_ngram", "2", "shortest n-gram looked up in the row's own text")
             .option("datastore_max_ngram", "12", "longest n-gram looked up in the datastore")
             .option(
@@ -60,9 +60,16 @@ struct Settings {
     min_share: f64,
 }
 
+/// The longest n-gram looked up in the row's own text: each round scans the text once per
+/// length, so an unbounded length costs every round the square of the text.
+const LONGEST_NGRAM: usize = 64;
+
 impl Settings {
     fn check(&self) -> Result<(), PluginError> {
         let refuse = |why: String| Err(PluginError::invalid_options(why));
+        if self.max_ngram > LONGEST_NGRAM {
+            return refuse(format!("max_ngram must be at most {LONGEST_NGRAM}, got {}", self.max_ngram));
+        }
         if self.min_ngram == 0 || self.min_ngram > self.max_ngram {
             return refuse(format!(
                 "need 1 <= min_ngram <= max_ngram, got min_ngram = {}, max_ngram = {}",
@@ -240,5 +247,6 @@ mod conformance {
         assert!(load_error(&options("min_ngram = 4\nmax_ngram = 2\n")).contains("min_ngram = 4, max_ngram = 2"));
         assert!(load_error(&options("datastore_max_ngram = 0\n")).contains("datastore_max_ngram must be in 1..32"));
         assert!(load_error(&options("min_share = 1.5\n")).contains("min_share must be in [0, 1], got 1.5"));
+        assert!(load_error(&options("max_ngram = 1000000000\n")).contains("max_ngram must be at most 64"));
     }
 }

@@ -11,6 +11,9 @@ use plugin_api::{Capabilities, Descriptor, PluginError, ProviderInfo};
 pub struct Ngram;
 
 const NAMESPACE: &str = "ngram/1";
+/// The longest n-gram a row may look up: each round scans the row's text once per length, so an
+/// unbounded length costs every round the square of the text.
+const LONGEST_NGRAM: usize = 64;
 
 impl Drafter for Ngram {
     type Provider = NgramProvider;
@@ -18,13 +21,18 @@ impl Drafter for Ngram {
     fn descriptor() -> Descriptor {
         Descriptor::new("ngram", "prompt lookup", env!("CARGO_PKG_VERSION"))
             .summary("proposes the tokens that followed the longest trailing n-gram earlier in the text")
-            .option("max_ngram", "3", "longest n-gram to look up")
+            .option("max_ngram", "3", "longest n-gram to look up (at most 64)")
             .option("min_ngram", "1", "shortest n-gram to look up")
     }
 
     fn load(_artifact: Option<&Path>, options: &Options) -> Result<NgramProvider, PluginError> {
         let max_ngram: usize = options.value("max_ngram")?;
         let min_ngram: usize = options.value("min_ngram")?;
+        if max_ngram > LONGEST_NGRAM {
+            return Err(PluginError::invalid_options(format!(
+                "max_ngram must be at most {LONGEST_NGRAM}, got {max_ngram}"
+            )));
+        }
         if min_ngram == 0 || min_ngram > max_ngram {
             return Err(PluginError::invalid_options(format!(
                 "need 1 <= min_ngram <= max_ngram, got min_ngram = {min_ngram}, max_ngram = {max_ngram}"
@@ -106,6 +114,9 @@ mod conformance {
         let failure = &report.failures()[0];
         assert_eq!(failure.0, "load");
         assert!(failure.1.as_ref().unwrap_err().contains("min_ngram = 4, max_ngram = 2"), "{report}");
+        let report = check::<super::Ngram>(&Config { options: "max_ngram = 1000000000\n".into(), ..Config::default() });
+        let failure = &report.failures()[0];
+        assert!(failure.1.as_ref().unwrap_err().contains("max_ngram must be at most 64, got 1000000000"), "{report}");
         let report = check::<super::Ngram>(&Config { options: "max_gram = 2\n".into(), ..Config::default() });
         assert!(report.failures()[0].1.as_ref().unwrap_err().contains("unknown option `max_gram`"), "{report}");
     }
