@@ -662,12 +662,24 @@ fn run_manifest(args: RunArgs, quiet: bool) -> Result<()> {
                 }
             }
         }
+        // With --json nothing is written until the end, so a reader that left is asked after.
+        stdout_closed |= args.json && kernels::os::files::stdout_reader_gone();
         if stdout_closed || host::interrupt::requested() {
             Flow::Stop
         } else {
             Flow::Continue
         }
-    })?;
+    });
+    let output = match output {
+        // What was produced before the failure is printed as JSON too, with the error.
+        Err(host::run::RunError::Partway { error, tokens, text }) if args.json => {
+            let failed =
+                serde_json::json!({"tokens": tokens, "text": text, "stop": "error", "error": error.to_string()});
+            writeln!(stdout, "{failed}")?;
+            return Err(error.into());
+        }
+        other => other?,
+    };
     bar.take().inspect(ProgressBar::finish_and_clear);
     if args.json {
         writeln!(stdout, "{}", serde_json::to_string(&output)?)?;

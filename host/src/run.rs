@@ -44,6 +44,10 @@ pub enum RunError {
     Request(#[from] RequestError),
     #[error(transparent)]
     Generate(#[from] GenerateError),
+    /// Generation failed after producing `tokens` (e.g. NaN logits at a later step): what was
+    /// produced is kept for the caller to print.
+    #[error("{error}")]
+    Partway { error: GenerateError, tokens: Vec<u32>, text: String },
     #[error("--draft-tokens: must be 1 to {max}, got {0}", max = crate::manifest::MAX_DRAFT_TOKENS)]
     DraftTokens(u32),
     #[error("--draft-tokens: no drafter is set (name one with --drafter KIND or a manifest's [drafter])")]
@@ -70,9 +74,11 @@ pub fn run(options: &RunOptions, mut on_event: impl FnMut(RunEvent) -> Flow) -> 
     })?;
     let request = session.request(&options.overrides)?;
     let mut stream = StreamDecoder::new(&session.tokenizer);
+    let mut produced = Vec::new();
     let on_generate = |event| match event {
         Event::Prefill { done, total } => on_event(RunEvent::Prefill { done, total }),
         Event::Token(token) => {
+            produced.push(token);
             let piece = stream.push(token);
             if piece.is_empty() {
                 Flow::Continue
@@ -82,9 +88,14 @@ pub fn run(options: &RunOptions, mut on_event: impl FnMut(RunEvent) -> Flow) -> 
         }
     };
     let generation = match session.drafter_for(1) {
-        None => generate(&session.model, &request, on_generate)?,
-        Some((drafter, config)) => generate_speculative(&session.model, drafter, &request, config, on_generate)?,
+        None => generate(&session.model, &request, on_generate),
+        Some((drafter, config)) => generate_speculative(&session.model, drafter, &request, config, on_generate),
     };
+    let generation = generation.map_err(|error| RunError::Partway {
+        error,
+        text: session.tokenizer.decode(&produced),
+        tokens: std::mem::take(&mut produced),
+    })?;
     let rest = stream.finish();
     if !rest.is_empty() {
         on_event(RunEvent::Text(&rest));

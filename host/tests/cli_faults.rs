@@ -201,6 +201,19 @@ fn a_closed_stdout_stops_generation_at_the_next_token() {
 }
 
 #[test]
+fn a_closed_stdout_stops_a_json_run_too() {
+    let work = tempfile::tempdir().unwrap();
+    let m = manifest(work.path(), "", ENDLESS);
+    let mut child = spawn(&["run", "--manifest", m.to_str().unwrap(), "--json"]);
+    std::thread::sleep(Duration::from_secs(2));
+    drop(child.stdout.take());
+    let closed = Instant::now();
+    let out = wait_for_output(child, Duration::from_secs(120));
+    assert!(closed.elapsed() < Duration::from_secs(5), "it decoded on for {:?}", closed.elapsed());
+    assert!(!text(&out.stderr).contains("panicked"), "{}", text(&out.stderr));
+}
+
+#[test]
 fn a_truncated_plugin_is_refused_in_one_line_and_the_others_still_load() {
     let dir = plugins_dir_with(&[&workspace_plugin("ngram")]);
     let bytes = fs::read(workspace_plugin("ngram")).unwrap();

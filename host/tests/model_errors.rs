@@ -228,6 +228,16 @@ fn nan_weights_stop_generation_naming_the_step_and_check_model_names_the_tensor(
     assert_eq!(bad.len(), 1, "{}", report.text());
     assert_eq!((bad[0].name.as_str(), bad[0].nan, bad[0].inf), (format!("model.{name}").as_str(), 1, 1));
     assert!(report.text().contains(&format!("BAD (1 NaN, 1 Inf)  model.{name}  float32")), "{}", report.text());
+
+    // `host run --json` still prints one object: what was produced, and the error.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_host"))
+        .args(["run", "--model", dir.to_str().unwrap(), "--prompt-ids", "2,17,40", "--max-tokens", "8", "--json"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    assert_eq!((json["stop"].as_str(), json["tokens"].as_array().map(Vec::len)), (Some("error"), Some(0)), "{json}");
+    assert!(json["error"].as_str().unwrap().contains("logits for output token 0 are NaN or infinite"), "{json}");
 }
 
 #[test]

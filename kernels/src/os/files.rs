@@ -78,3 +78,38 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
+
+/// Whether the reader of this process's stdout has gone (a pipe whose other end closed), found
+/// without writing: `host run --json` writes only at the end, and would otherwise decode to the
+/// end for no one. False where the system cannot say (Windows) or stdout is a file or terminal.
+pub fn stdout_reader_gone() -> bool {
+    #[cfg(unix)]
+    return reader_gone(libc::STDOUT_FILENO);
+    #[cfg(not(unix))]
+    false
+}
+
+#[cfg(unix)]
+fn reader_gone(fd: libc::c_int) -> bool {
+    let mut poll = libc::pollfd { fd, events: 0, revents: 0 };
+    // SAFETY: one valid pollfd and a zero timeout; poll only writes `revents`.
+    let ready = unsafe { libc::poll(&mut poll, 1, 0) };
+    ready > 0 && poll.revents & (libc::POLLERR | libc::POLLHUP) != 0
+}
+
+#[cfg(all(test, unix))]
+mod reader_tests {
+    #[test]
+    fn a_pipe_whose_reader_closed_is_seen_and_an_open_one_is_not() {
+        let mut fds = [0; 2];
+        // SAFETY: pipe writes two descriptors into the array, which this test closes.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        let [read, write] = fds;
+        assert!(!super::reader_gone(write));
+        // SAFETY: closing descriptors this test opened.
+        unsafe { libc::close(read) };
+        assert!(super::reader_gone(write));
+        // SAFETY: as above.
+        unsafe { libc::close(write) };
+    }
+}
