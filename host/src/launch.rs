@@ -10,9 +10,11 @@ use std::ffi::OsString;
 use std::net::{IpAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kernels::os::signals;
+use kernels::os::{processes, signals};
 
 use crate::distributed::{read_hostfile, DistributedError, HOSTFILE_ENV, RANK_ENV};
 
@@ -38,8 +40,10 @@ pub struct LaunchOptions {
     pub args: Vec<OsString>,
 }
 
-/// Starts every rank and waits for all of them; only rank 0's standard output is kept.
-pub fn launch(options: &LaunchOptions) -> Result<(), LaunchError> {
+/// Starts every rank and waits for all of them; only rank 0's standard output is kept. Returns
+/// the exit status to end with when a SIGINT or SIGTERM stopped the ranks (rank 0's own, 130 or
+/// 143, once it printed what it produced).
+pub fn launch(options: &LaunchOptions) -> Result<Option<i32>, LaunchError> {
     let io = |what: &str| {
         let what = what.to_owned();
         move |error| LaunchError::Io { what, error }
@@ -71,12 +75,13 @@ pub fn launch(options: &LaunchOptions) -> Result<(), LaunchError> {
     result
 }
 
-fn start_and_watch(hostfile: &Path, addresses: &[Vec<String>], args: &[OsString]) -> Result<(), LaunchError> {
+fn start_and_watch(hostfile: &Path, addresses: &[Vec<String>], args: &[OsString]) -> Result<Option<i32>, LaunchError> {
     let exe = std::env::current_exe().map_err(|error| LaunchError::Io { what: "this executable".into(), error })?;
     let local: Vec<bool> = addresses.iter().map(|a| a.iter().all(|addr| is_loopback(addr))).collect();
     let cores = crate::runtime::process_cpus();
     let local_ranks = local.iter().filter(|&&l| l).count();
     let mut children: Vec<Child> = Vec::new();
+    let stopping = Arc::new(AtomicBool::new(false));
     for (rank, addrs) in addresses.iter().enumerate() {
         let (mut command, share) = if local[rank] {
             // Each local rank on its own share of the cores, when there are enough.
@@ -106,17 +111,39 @@ fn start_and_watch(hostfile: &Path, addresses: &[Vec<String>], args: &[OsString]
             (c, cores.clone())
         };
         if rank > 0 {
-            command.stdin(Stdio::null()).stdout(Stdio::null());
+            command.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
         }
+        // A terminal's Ctrl-C reaches the launcher alone, which tells rank 0 once; ranks that
+        // each took it would stop at different tokens and leave the others in a collective.
+        processes::in_own_group(&mut command);
         match crate::runtime::starting_children_on(&share, || command.spawn()) {
-            Ok(child) => children.push(child),
+            Ok(mut child) => {
+                if let Some(stderr) = child.stderr.take() {
+                    pass_stderr_on(stderr, stopping.clone());
+                }
+                children.push(child)
+            }
             Err(error) => {
                 stop(&mut children);
                 return Err(LaunchError::Io { what: format!("starting rank {rank}"), error });
             }
         }
     }
-    watch(children)
+    watch(children, &stopping)
+}
+
+/// Copies a rank's stderr to the launcher's, line by line, until the ranks are being stopped on
+/// request: what a rank says then (the ring's "connection lost" as rank 0 leaves) is the stop
+/// itself, not news.
+fn pass_stderr_on(stderr: std::process::ChildStderr, stopping: Arc<AtomicBool>) {
+    std::thread::spawn(move || {
+        use std::io::{BufRead, Write};
+        for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+            if !stopping.load(Ordering::SeqCst) {
+                let _ = writeln!(std::io::stderr(), "{line}");
+            }
+        }
+    });
 }
 
 /// How long the other ranks may run on after rank 0 finished: they end within a round of it,
@@ -125,13 +152,15 @@ const AFTER_RANK_0: Duration = Duration::from_secs(10);
 
 /// Waits for every rank; when one fails, stops the rest and says which one and how. Of ranks
 /// found failed together, one killed by a signal is named first: the others are likely to have
-/// failed because it went away.
-fn watch(mut children: Vec<Child>) -> Result<(), LaunchError> {
-    // Stopping is rank 0's to decide (a server finishes what it holds and tells the other ranks
-    // to end): the launcher passes a SIGINT or SIGTERM on to it and keeps watching.
+/// failed because it went away. A SIGINT or SIGTERM is passed on to rank 0 once, as it came; when rank 0 has
+/// then finished, the other ranks are stopped and rank 0's status is returned.
+fn watch(mut children: Vec<Child>, stopping: &AtomicBool) -> Result<Option<i32>, LaunchError> {
+    // Stopping is rank 0's to decide (it prints what it produced; a server finishes what it
+    // holds and tells the other ranks to end).
     signals::watch_stop_requests();
     let mut done = vec![false; children.len()];
     let mut rank_0_done: Option<Instant> = None;
+    let mut stop_requested = false;
     while done.iter().any(|d| !d) {
         if let Some(rank) =
             rank_0_done.filter(|t| t.elapsed() > AFTER_RANK_0).and_then(|_| done.iter().position(|d| !d))
@@ -140,8 +169,10 @@ fn watch(mut children: Vec<Child>) -> Result<(), LaunchError> {
             let how = format!("still running {} s after rank 0 finished", AFTER_RANK_0.as_secs());
             return Err(LaunchError::RankFailed { rank, how });
         }
-        if signals::take_stop_request() && !done[0] {
-            signals::ask_to_stop(&children[0]);
+        if let Some(signal) = signals::take_stop_request().filter(|_| !stop_requested && !done[0]) {
+            stop_requested = true;
+            stopping.store(true, Ordering::SeqCst);
+            signals::pass_on(&children[0], signal);
         }
         let mut failed: Vec<(usize, ExitStatus)> = Vec::new();
         for (rank, child) in children.iter_mut().enumerate() {
@@ -155,6 +186,11 @@ fn watch(mut children: Vec<Child>) -> Result<(), LaunchError> {
                 done[rank] = true;
                 if rank == 0 {
                     rank_0_done = Some(Instant::now());
+                    if stop_requested {
+                        // Rank 0 stopped as asked: the others wait on it in a collective.
+                        stop(&mut children);
+                        return Ok(Some(status.code().unwrap_or(1)));
+                    }
                 }
                 if !status.success() {
                     failed.push((rank, status));
@@ -169,7 +205,7 @@ fn watch(mut children: Vec<Child>) -> Result<(), LaunchError> {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    Ok(())
+    Ok(None)
 }
 
 /// Asks every rank still running to stop (SIGTERM), then kills what is left after a grace period.

@@ -385,7 +385,10 @@ fn run(cli: Cli, silent_rank: bool) -> Result<()> {
             if !matches!(command.first().and_then(|c| c.to_str()), Some("run" | "serve" | "bench")) {
                 bail!("host launch runs `run …`, `serve …` or `bench --collectives`");
             }
-            host::launch::launch(&host::launch::LaunchOptions { ranks, hostfile, args: command })?;
+            if let Some(status) = host::launch::launch(&host::launch::LaunchOptions { ranks, hostfile, args: command })?
+            {
+                std::process::exit(status);
+            }
         }
         Command::Run(args) => run_manifest(args, quiet)?,
         Command::Bench(args) => bench(args, quiet)?,

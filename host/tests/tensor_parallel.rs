@@ -176,6 +176,30 @@ fn two_ranks_decode_one_processs_greedy_tokens() {
 }
 
 #[test]
+fn ctrl_c_at_the_terminal_stops_every_rank_and_prints_what_rank_0_produced() {
+    // The launcher in a group of its own, as a shell's foreground job: Ctrl-C goes to the group.
+    let dense = fixture("dense");
+    let mut command = Command::new(env!("CARGO_BIN_EXE_host"));
+    command
+        .args(["launch", "-n", "2", "--", "run", "--model", dense.to_str().unwrap(), "--prompt-ids", "2,17,40"])
+        .args(["--max-tokens", "100000", "--temperature", "0", "--json"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let child = processes::in_own_group(&mut command).spawn().unwrap();
+    std::thread::sleep(Duration::from_secs(4));
+    assert!(processes::send_to_group(child.id(), Signal::Interrupt));
+    let started = Instant::now();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(10), "{:?}: {err}", started.elapsed());
+    assert!(!err.contains("killed by signal") && !err.contains("rank 1"), "{err}");
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("rank 0's JSON");
+    assert_eq!(json["stop"], "interrupted", "{json}");
+    assert!(!json["tokens"].as_array().unwrap().is_empty(), "{json}");
+}
+
+#[test]
 fn speculation_over_two_ranks_equals_plain_decoding() {
     // The DFlash fixture's drafter and the target it was made for.
     let pair = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/dflash/gemma4-dense");

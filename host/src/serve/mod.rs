@@ -168,7 +168,7 @@ fn bearer_key(value: &str) -> Option<&str> {
 /// not start within the millisecond).
 async fn shutdown_signal() {
     kernels::os::signals::watch_stop_requests();
-    while !kernels::os::signals::take_stop_request() {
+    while kernels::os::signals::take_stop_request().is_none() {
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
 }

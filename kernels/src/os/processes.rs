@@ -15,6 +15,16 @@ pub enum Signal {
 /// Sends `signal` to process `pid`; false if it could not be sent, or where the system has no
 /// signals (Windows).
 pub fn send(pid: u32, signal: Signal) -> bool {
+    send_to(pid as i64, signal)
+}
+
+/// Sends `signal` to every process of the process group `group`, as a terminal's Ctrl-C does to
+/// its foreground group; false where it could not be sent, or the system has no signals.
+pub fn send_to_group(group: u32, signal: Signal) -> bool {
+    send_to(-(group as i64), signal)
+}
+
+fn send_to(target: i64, signal: Signal) -> bool {
     #[cfg(unix)]
     {
         let number = match signal {
@@ -23,13 +33,26 @@ pub fn send(pid: u32, signal: Signal) -> bool {
             Signal::Kill => libc::SIGKILL,
         };
         // SAFETY: kill only sends a signal.
-        unsafe { libc::kill(pid as libc::pid_t, number) == 0 }
+        unsafe { libc::kill(target as libc::pid_t, number) == 0 }
     }
     #[cfg(not(unix))]
     {
-        let _ = (pid, signal);
+        let _ = (target, signal);
         false
     }
+}
+
+/// Starts `command` in a process group of its own, so that a terminal's Ctrl-C reaches only the
+/// process that started it, which decides what its children are told. Nothing changes where
+/// the system has no process groups.
+pub fn in_own_group(command: &mut std::process::Command) -> &mut std::process::Command {
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::CommandExt;
+        command.process_group(0)
+    }
+    #[cfg(not(unix))]
+    command
 }
 
 /// Whether process `pid` exists (a zombie still does until its parent reaps it).

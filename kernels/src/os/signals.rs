@@ -6,13 +6,13 @@
 //! installed: Ctrl-C ends the process as the system does by default, and the flags stay unset.
 
 use std::process::{Child, ExitStatus};
-use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::atomic::{AtomicI32, Ordering};
 
 /// The signal (SIGINT or SIGTERM) that arrived first after [`stop_at_first_interrupt`]; 0 while
 /// none has.
 static INTERRUPTED_BY: AtomicI32 = AtomicI32::new(0);
-/// Set by a SIGINT or SIGTERM after [`watch_stop_requests`].
-static STOP_REQUESTED: AtomicBool = AtomicBool::new(false);
+/// The last SIGINT or SIGTERM not yet taken, after [`watch_stop_requests`]; 0 for none.
+static STOP_REQUESTED: AtomicI32 = AtomicI32::new(0);
 
 /// Makes the first Ctrl-C or SIGTERM a request to stop ([`interrupted`] then says which) and a
 /// second one end the process as usual.
@@ -52,8 +52,8 @@ pub fn exit_status_for(signal: i32) -> i32 {
 pub fn watch_stop_requests() {
     #[cfg(unix)]
     {
-        extern "C" fn on_signal(_: libc::c_int) {
-            STOP_REQUESTED.store(true, Ordering::SeqCst);
+        extern "C" fn on_signal(signal: libc::c_int) {
+            STOP_REQUESTED.store(signal, Ordering::SeqCst);
         }
         let handler = on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
         // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
@@ -64,9 +64,34 @@ pub fn watch_stop_requests() {
     }
 }
 
-/// Whether a stop was requested since the last call (after [`watch_stop_requests`]).
-pub fn take_stop_request() -> bool {
-    STOP_REQUESTED.swap(false, Ordering::SeqCst)
+/// The signal that requested a stop since the last call, if one did (after
+/// [`watch_stop_requests`]).
+pub fn take_stop_request() -> Option<StopSignal> {
+    match STOP_REQUESTED.swap(0, Ordering::SeqCst) {
+        0 => None,
+        #[cfg(unix)]
+        libc::SIGINT => Some(StopSignal::Interrupt),
+        _ => Some(StopSignal::Terminate),
+    }
+}
+
+/// Which request to stop arrived.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StopSignal {
+    /// SIGINT: Ctrl-C.
+    Interrupt,
+    /// SIGTERM.
+    Terminate,
+}
+
+/// Passes `signal` on to `child`, so that it stops as this process was asked to; false where
+/// it could not be sent.
+pub fn pass_on(child: &Child, signal: StopSignal) -> bool {
+    let signal = match signal {
+        StopSignal::Interrupt => super::processes::Signal::Interrupt,
+        StopSignal::Terminate => super::processes::Signal::Terminate,
+    };
+    super::processes::send(child.id(), signal)
 }
 
 /// Ignores SIGINT and SIGTERM: for a process whose stopping another one decides.
@@ -108,8 +133,8 @@ mod tests {
         watch_stop_requests();
         // SAFETY: raise sends the signal to this process, whose handler only sets the flag.
         assert_eq!(unsafe { libc::raise(libc::SIGTERM) }, 0);
-        assert!(take_stop_request());
-        assert!(!take_stop_request());
+        assert_eq!(take_stop_request(), Some(StopSignal::Terminate));
+        assert_eq!(take_stop_request(), None);
     }
 
     #[test]
