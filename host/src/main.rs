@@ -675,7 +675,8 @@ fn run_manifest(args: RunArgs, quiet: bool) -> Result<()> {
     });
     let output = match output {
         // What was produced before the failure is printed as JSON too, with the error.
-        Err(host::run::RunError::Partway { error, tokens, text }) if args.json => {
+        Err(host::run::RunError::Partway(partway)) if args.json => {
+            let host::run::Partway { error, tokens, text } = *partway;
             let failed =
                 serde_json::json!({"tokens": tokens, "text": text, "stop": "error", "error": error.to_string()});
             writeln!(stdout, "{failed}")?;

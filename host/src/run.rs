@@ -44,10 +44,10 @@ pub enum RunError {
     Request(#[from] RequestError),
     #[error(transparent)]
     Generate(#[from] GenerateError),
-    /// Generation failed after producing `tokens` (e.g. NaN logits at a later step): what was
-    /// produced is kept for the caller to print.
-    #[error("{error}")]
-    Partway { error: GenerateError, tokens: Vec<u32>, text: String },
+    /// Generation failed partway (e.g. NaN logits at a later step): what was produced is kept
+    /// for the caller to print.
+    #[error("{}", .0.error)]
+    Partway(Box<Partway>),
     #[error("--draft-tokens: must be 1 to {max}, got {0}", max = crate::manifest::MAX_DRAFT_TOKENS)]
     DraftTokens(u32),
     #[error("--draft-tokens: no drafter is set (name one with --drafter KIND or a manifest's [drafter])")]
@@ -63,6 +63,14 @@ pub enum RunEvent<'a> {
     /// Something the user should know before the text, e.g. a draft length beyond the
     /// drafter's own limit.
     Warning(String),
+}
+
+/// What a generation that failed partway produced before it failed.
+#[derive(Debug)]
+pub struct Partway {
+    pub error: GenerateError,
+    pub tokens: Vec<u32>,
+    pub text: String,
 }
 
 /// Generates the request `options` describe, reporting warnings, the prefill's progress and each
@@ -91,10 +99,9 @@ pub fn run(options: &RunOptions, mut on_event: impl FnMut(RunEvent) -> Flow) -> 
         None => generate(&session.model, &request, on_generate),
         Some((drafter, config)) => generate_speculative(&session.model, drafter, &request, config, on_generate),
     };
-    let generation = generation.map_err(|error| RunError::Partway {
-        error,
-        text: session.tokenizer.decode(&produced),
-        tokens: std::mem::take(&mut produced),
+    let generation = generation.map_err(|error| {
+        let text = session.tokenizer.decode(&produced);
+        RunError::Partway(Box::new(Partway { error, text, tokens: std::mem::take(&mut produced) }))
     })?;
     let rest = stream.finish();
     if !rest.is_empty() {
