@@ -91,7 +91,11 @@ pub fn run_batch(
     let mut early = Vec::new();
     for (index, text) in jsonl.lines().enumerate().filter(|(_, t)| !t.trim().is_empty()) {
         let line = index + 1;
-        let parsed: Result<Line, String> = serde_json::from_str(text).map_err(|e| format!("not a request: {e}"));
+        let parsed: Result<Line, String> = match serde_json::from_str::<Value>(text) {
+            Ok(Value::Object(_)) => serde_json::from_str(text).map_err(|e| format!("not a request: {e}")),
+            Ok(_) => Err("not a request: expected a JSON object with `prompt` or `prompt_ids`".into()),
+            Err(e) => Err(format!("not a request: not valid JSON: {e}")),
+        };
         let id = parsed.as_ref().ok().and_then(|l| l.id.clone());
         match parsed.and_then(|l| request(&session, &options.overrides, l)) {
             Ok(request) => pending.push((ids.len(), request)),

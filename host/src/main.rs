@@ -598,6 +598,9 @@ fn run_manifest(args: RunArgs, quiet: bool) -> Result<()> {
     host::interrupt::install();
     if let Some(file) = &args.prompts_file {
         let jsonl = std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+        if jsonl.lines().all(|line| line.trim().is_empty()) {
+            bail!("{}: no request in it (one JSON object per line)", file.display());
+        }
         // The output is opened before any work, so that a path that cannot be written costs
         // nothing; each result is written (and flushed) as soon as it is in order.
         let mut sink: Box<dyn Write> = match &args.output {

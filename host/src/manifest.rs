@@ -170,7 +170,7 @@ pub struct DrafterSpec {
     /// The plugin's options, as TOML text for the plugin.
     pub options: toml::Table,
     /// Line of each option key, for messages.
-    option_lines: Vec<(String, usize)>,
+    pub option_lines: Vec<(String, usize)>,
 }
 
 /// Where a run's target and drafter come from: a manifest, flags (`--model`, `--drafter`,
@@ -254,7 +254,8 @@ impl Manifest {
             line: span.map(|s| line_of(text, s.start)),
             message,
         };
-        let parsed: File = toml::from_str(text).map_err(|e| at(e.span(), e.message().to_owned()))?;
+        // toml's messages may run over lines; a refusal is one.
+        let parsed: File = toml::from_str(text).map_err(|e| at(e.span(), e.message().trim().replace('\n', ": ")))?;
         let base = file.parent().unwrap_or(Path::new("."));
         let existing = |key: &str, path: &Spanned<PathBuf>, want_dir: bool| {
             let resolved = base.join(path.get_ref());
@@ -295,6 +296,15 @@ impl Manifest {
         let drafter = match parsed.drafter {
             None => None,
             Some(d) => {
+                if d.kind.is_empty() || !d.kind.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') {
+                    return Err(at_key(
+                        "kind",
+                        format!(
+                            "drafter.kind: `{}` is not a plugin kind (letters, digits, `_` and `-`; `host plugins list` names those loaded)",
+                            d.kind
+                        ),
+                    ));
+                }
                 let artifact = d.artifact.as_ref().map(|a| existing("drafter.artifact", a, true)).transpose()?;
                 let plugins_dir =
                     d.plugins_dir.as_ref().map(|p| existing("drafter.plugins_dir", p, true)).transpose()?;

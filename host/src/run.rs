@@ -372,7 +372,8 @@ pub fn load_drafter(
         other => other,
     })?;
     manifest.check_drafter(&plugin.descriptor)?;
-    let drafter = LoadedDrafter::load(&plugin, spec.artifact.as_deref(), &spec.options_toml())?;
+    let drafter = LoadedDrafter::load(&plugin, spec.artifact.as_deref(), &spec.options_toml())
+        .map_err(|e| at_option_line(manifest, e))?;
     // Weights the drafter repacked for AMX's tiles leave their arrays in MLX's buffer cache, as
     // the target's do (see `model::load`): 3 to 9 MB for the demo drafters. Failing to empty it
     // costs memory only.
@@ -382,6 +383,26 @@ pub fn load_drafter(
         DraftTokens::Auto => AUTO_MOST,
     };
     Ok(Some((drafter, SpecConfig { draft_tokens, verify: spec.verify })))
+}
+
+/// A drafter's refusal of its options, placed at the manifest line of the option it names (the
+/// SDK's messages name the option as `` `key` `` or begin with it), where one is named.
+fn at_option_line(manifest: &Manifest, error: DrafterError) -> DrafterSetupError {
+    let (DrafterError::Plugin { error: refusal, .. }, Some(spec)) = (&error, &manifest.drafter) else {
+        return error.into();
+    };
+    let message = refusal.message.as_str();
+    let named = |key: &str| message.contains(&format!("`{key}`")) || message.starts_with(&format!("{key} "));
+    match spec.option_lines.iter().find(|(key, _)| refusal.kind == plugin_api::ErrorKind::INVALID_OPTIONS && named(key))
+    {
+        Some((key, line)) => crate::manifest::ManifestError {
+            file: manifest.file.clone(),
+            line: Some(*line),
+            message: format!("drafter.options.{key}: {error}"),
+        }
+        .into(),
+        None => error.into(),
+    }
 }
 
 /// The object `host run --json` prints.

@@ -47,7 +47,7 @@ impl Tokenizer {
         }
         for (key, id) in special {
             if *id as usize >= vocab || self.inner.id_to_token(*id).is_none() {
-                problems.push(format!("config.json's {key} {id} is not a token of both"));
+                problems.push(format!("config.json's {key} {id} is outside the model's vocabulary or unknown to it"));
             }
         }
         problems

@@ -384,3 +384,52 @@ fn draft_tokens_without_a_drafter_is_refused() {
     let err = text(&out.stderr);
     assert!(!out.status.success() && err.contains("--draft-tokens: no drafter is set"), "{err}");
 }
+
+/// The error line of `host run --manifest` on a manifest of `body` (the dense fixture's target
+/// first), with the workspace's plugins.
+fn manifest_refusal(body: &str) -> String {
+    let work = tempfile::tempdir().unwrap();
+    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/gemma4/dense").canonicalize().unwrap();
+    let file = work.path().join("m.toml");
+    fs::write(&file, format!("[target]\nmodel = \"{}\"\n{body}", model.display())).unwrap();
+    let plugins = workspace_plugin("ngram").parent().unwrap().to_owned();
+    let out = host(&["run", "--manifest", file.to_str().unwrap(), "--plugins-dir", plugins.to_str().unwrap()]);
+    assert!(!out.status.success(), "{body}");
+    let err = text(&out.stderr);
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    err.trim().to_owned()
+}
+
+#[test]
+fn manifest_refusals_are_one_line_at_the_key() {
+    let g = "[generation]\nprompt_ids = [2]\n";
+    for (body, says) in [
+        (format!("[drafter]\nkind = \"\"\n{g}"), "m.toml:4: drafter.kind: `` is not a plugin kind"),
+        (format!("[drafter]\nkind = \"../evil\"\n{g}"), "m.toml:4: drafter.kind: `../evil` is not a plugin kind"),
+        (
+            format!("[drafter]\nkind = \"ngram\"\n[drafter.options]\nmax_ngram = 1000\n{g}"),
+            "m.toml:6: drafter.options.max_ngram: ",
+        ),
+        (format!("[target]\nmodel = \"x\"\n{g}"), "m.toml:3: invalid table header: duplicate key `target`"),
+    ] {
+        let err = manifest_refusal(&body);
+        assert!(err.contains(says), "{body}: {err}");
+    }
+}
+
+#[test]
+fn a_prompts_file_without_requests_or_with_a_line_that_is_no_object_says_so() {
+    let work = tempfile::tempdir().unwrap();
+    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/gemma4/dense");
+    let prompts = work.path().join("p.jsonl");
+    fs::write(&prompts, "\n  \n").unwrap();
+    let args =
+        ["run", "--model", model.to_str().unwrap(), "--max-tokens", "2", "--prompts-file", prompts.to_str().unwrap()];
+    let out = host(&args);
+    assert!(!out.status.success() && text(&out.stderr).contains("no request in it"), "{}", text(&out.stderr));
+    fs::write(&prompts, "[]\n{\"prompt_ids\": [2]}\n").unwrap();
+    let out = host(&args);
+    let lines: Vec<serde_json::Value> = text(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines[0]["error"], "not a request: expected a JSON object with `prompt` or `prompt_ids`");
+    assert_eq!(lines[1]["stop"], "max_tokens");
+}

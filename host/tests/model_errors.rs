@@ -155,6 +155,8 @@ fn config_values_outside_their_domain_are_refused_by_key() {
         ),
         ("head_dim", serde_json::json!(u64::MAX), "is too large (at most 2147483647)"),
         ("head_dim", serde_json::json!(-4), "expected a non-negative integer, found -4"),
+        ("num_hidden_layers", serde_json::json!(0), "`num_hidden_layers`: must be positive, found 0"),
+        ("max_position_embeddings", serde_json::json!(0), "`max_position_embeddings`: must be positive, found 0"),
     ] {
         let (_tmp, dir) = copy_of_dense();
         edit_config(&dir, |c| c[key] = value.clone());
@@ -252,4 +254,19 @@ fn check_model_passes_a_sound_checkpoint_and_reports_a_shape_it_cannot_build() {
     assert!(!report.ok());
     let build = report.build_error.unwrap();
     assert!(build.contains("has shape") && build.contains("mlp."), "{build}");
+}
+
+#[test]
+fn a_directory_without_a_config_is_named_as_no_checkpoint() {
+    let work = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_host"))
+        .args(["run", "--model", work.path().to_str().unwrap(), "--prompt-ids", "2"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains(&format!("config.json: missing: {} is not a checkpoint directory", work.path().display())),
+        "{err}"
+    );
 }

@@ -263,10 +263,19 @@ fn bad_requests_get_openai_errors_naming_the_field() {
     check(chat, r#"{"messages": [{"role": "wizard", "content": "x"}]}"#, 422, json!("messages[0].role"), "wizard");
     check(chat, r#"{"messages": []}"#, 422, json!("messages"), "at least one");
     check(c, r#"{"prompt": "x", "draft_tokens": 9}"#, 422, json!("draft_tokens"), "1 to the server's 4");
+    check(c, "null", 422, Value::Null, "the body must be a JSON object");
+    check(c, r#"{"prompt": "x", "stop": 5}"#, 422, json!("stop"), "expected a string or a list of strings");
+    let image = r#"{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}"#;
+    check(chat, image, 422, json!("messages[0].content"), "images are not supported");
+    let long = format!(r#"{{"prompt": "x", "model": "{}"}}"#, "m".repeat(10_000));
+    let (_, error) = server.post_with(c, &long, None);
+    assert!(error["error"]["message"].as_str().unwrap().len() < 200, "{error}");
     assert!(server.metric("host_requests_total{outcome=\"rejected\"}") >= 13.0);
 
     // Errors made by the HTTP layers before any handler have the same shape.
-    let huge = format!("{{\"prompt\": \"{}\"}}", "x".repeat(3 << 20));
+    // Just past the 2 MiB limit: the whole body is sent before the server has read enough to
+    // refuse it, so the answer is not lost to a reset connection.
+    let huge = format!("{{\"prompt\": \"{}\"}}", "x".repeat((2 << 20) + 16));
     check(c, &huge, 413, Value::Null, "length limit");
     for (method, path, status) in [("GET", c, 405), ("GET", "/v1/nothing", 404), ("POST", "/v2/completions", 404)] {
         let error = match ureq::request(method, &server.url(path)).call() {

@@ -90,8 +90,13 @@ impl QuantizationConfig {
 impl Gemma4Config {
     pub fn load(dir: &Path) -> Result<Gemma4Config, ConfigError> {
         let file = dir.join("config.json");
-        let text = std::fs::read_to_string(&file)
-            .map_err(|e| ConfigError::File { file: file.clone(), reason: e.to_string() })?;
+        let text = std::fs::read_to_string(&file).map_err(|e| ConfigError::File {
+            file: file.clone(),
+            reason: match e.kind() {
+                std::io::ErrorKind::NotFound => format!("missing: {} is not a checkpoint directory", dir.display()),
+                _ => e.to_string(),
+            },
+        })?;
         let root: Value = serde_json::from_str(&text)
             .map_err(|e| ConfigError::File { file: file.clone(), reason: format!("not valid JSON: {e}") })?;
         parse(&file, &root)
@@ -165,6 +170,9 @@ fn parse(file: &Path, root: &Value) -> Result<Gemma4Config, ConfigError> {
     }
 
     let num_hidden_layers = c.required_int("num_hidden_layers")? as usize;
+    if num_hidden_layers == 0 {
+        return Err(c.invalid("num_hidden_layers", "must be positive, found 0"));
+    }
     let sliding_window_pattern = c.int("sliding_window_pattern", 5)? as usize;
     let layer_types = match text.get("layer_types") {
         None | Some(Value::Null) => (0..num_hidden_layers)
@@ -264,6 +272,7 @@ fn check_domain(c: &Reader, config: &Gemma4Config) -> Result<(), ConfigError> {
         ("head_dim", config.head_dim),
         ("global_head_dim", config.global_head_dim),
         ("vocab_size", config.vocab_size),
+        ("max_position_embeddings", config.max_position_embeddings.min(i32::MAX as usize) as i32),
     ];
     if let Some((key, _)) = positive.iter().find(|(_, v)| *v <= 0) {
         return Err(c.invalid(key, "must be positive, found 0"));

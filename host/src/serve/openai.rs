@@ -162,11 +162,35 @@ pub fn parse(bytes: &[u8]) -> Result<Body, ApiError> {
         if inner.is_data() {
             let param = if path == "." { None } else { Some(path.as_str()) };
             let at = param.map(|p| format!("{p}: ")).unwrap_or_default();
-            ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, param, format!("{at}{inner}"))
+            ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, param, format!("{at}{}", plain_words(&path, &inner)))
         } else {
             ApiError::new(StatusCode::BAD_REQUEST, None, format!("the body is not valid JSON: {inner}"))
         }
     })
+}
+
+/// `text` cut to 64 characters, for echoing what a client sent.
+fn shortened(text: &str) -> String {
+    match text.char_indices().nth(64) {
+        Some((at, _)) => format!("{}…", &text[..at]),
+        None => text.to_owned(),
+    }
+}
+
+/// serde's message for `inner` at `path`, with the names of this module's types (which a
+/// client never sees) replaced by what the field takes.
+fn plain_words(path: &str, inner: &serde_json::Error) -> String {
+    let message = inner.to_string();
+    let at = message.rfind(" at line ").map_or(String::new(), |i| message[i..].to_owned());
+    if path == "." && message.contains("struct Body") {
+        format!("the body must be a JSON object of the request's fields{at}")
+    } else if message.contains("untagged enum Stop") {
+        format!("expected a string or a list of strings{at}")
+    } else if message.contains("untagged enum Content") {
+        format!("expected a string or a list of text parts (`{{\"type\": \"text\", \"text\": …}}`; images are not supported){at}")
+    } else {
+        message
+    }
 }
 
 impl Served {
@@ -177,7 +201,7 @@ impl Served {
                 return Err(ApiError::new(
                     StatusCode::NOT_FOUND,
                     Some("model"),
-                    format!("model `{model}` is not served here (GET /v1/models lists `{}`)", self.name),
+                    format!("model `{}` is not served here (GET /v1/models lists `{}`)", shortened(model), self.name),
                 ));
             }
         }
