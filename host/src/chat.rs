@@ -47,14 +47,22 @@ impl ChatTemplate {
                 .map_err(|e| ChatError::Load { file: config_file.clone(), reason: format!("not valid JSON: {e}") })?,
             Err(_) => serde_json::Value::Null,
         };
-        let token = |key: &str, default: &str| match config.get(key) {
-            Some(serde_json::Value::String(s)) => s.clone(),
-            Some(serde_json::Value::Object(o)) => {
-                o.get("content").and_then(|c| c.as_str()).unwrap_or(default).to_owned()
-            }
-            _ => default.to_owned(),
+        let refuse = |key: &str, found: &serde_json::Value| ChatError::Load {
+            file: config_file.clone(),
+            reason: format!("{key}: expected {}, found {found}", match key {
+                "chat_template" => "a template string or a list of named templates",
+                _ => "a token string or an object with its `content`",
+            }),
         };
-        let (bos_token, eos_token) = (token("bos_token", "<bos>"), token("eos_token", "<eos>"));
+        let token = |key: &str, default: &str| match config.get(key) {
+            None | Some(serde_json::Value::Null) => Ok(default.to_owned()),
+            Some(serde_json::Value::String(s)) => Ok(s.clone()),
+            Some(v @ serde_json::Value::Object(o)) => {
+                o.get("content").and_then(|c| c.as_str()).map(str::to_owned).ok_or_else(|| refuse(key, v))
+            }
+            Some(v) => Err(refuse(key, v)),
+        };
+        let (bos_token, eos_token) = (token("bos_token", "<bos>")?, token("eos_token", "<eos>")?);
         let jinja_file = model_dir.join("chat_template.jinja");
         let (source, source_name) = match config.get("chat_template") {
             Some(serde_json::Value::String(t)) => (t.clone(), "chat_template in tokenizer_config.json".to_owned()),
@@ -68,6 +76,7 @@ impl ChatTemplate {
                 })?;
                 (template.to_owned(), "chat_template \"default\" in tokenizer_config.json".to_owned())
             }
+            Some(v) if !v.is_null() => return Err(refuse("chat_template", v)),
             _ if jinja_file.exists() => {
                 let text = std::fs::read_to_string(&jinja_file)
                     .map_err(|e| ChatError::Load { file: jinja_file.clone(), reason: e.to_string() })?;
@@ -152,6 +161,22 @@ mod tests {
             .unwrap()
             .to_string();
         assert!(e.contains("x.jinja"), "{e}");
+    }
+
+    #[test]
+    fn tokenizer_config_values_of_the_wrong_type_are_refused_naming_the_key() {
+        let dir = tempfile::tempdir().unwrap();
+        for (config, says) in [
+            (r#"{"chat_template": 5}"#, "chat_template: expected a template string or a list of named templates, found 5"),
+            (r#"{"eos_token": ["<eos>"]}"#, "eos_token: expected a token string or an object with its `content`"),
+            (r#"{"bos_token": {"text": "<bos>"}}"#, "bos_token: expected a token string"),
+        ] {
+            std::fs::write(dir.path().join("tokenizer_config.json"), config).unwrap();
+            let e = ChatTemplate::load(dir.path()).err().unwrap().to_string();
+            assert!(e.contains("tokenizer_config.json") && e.contains(says), "{config}: {e}");
+        }
+        std::fs::write(dir.path().join("tokenizer_config.json"), r#"{"chat_template": null}"#).unwrap();
+        assert!(ChatTemplate::load(dir.path()).is_ok());
     }
 
     #[test]
