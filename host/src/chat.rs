@@ -49,10 +49,13 @@ impl ChatTemplate {
         };
         let refuse = |key: &str, found: &serde_json::Value| ChatError::Load {
             file: config_file.clone(),
-            reason: format!("{key}: expected {}, found {found}", match key {
-                "chat_template" => "a template string or a list of named templates",
-                _ => "a token string or an object with its `content`",
-            }),
+            reason: format!(
+                "{key}: expected {}, found {found}",
+                match key {
+                    "chat_template" => "a template string or a list of named templates",
+                    _ => "a token string or an object with its `content`",
+                }
+            ),
         };
         let token = |key: &str, default: &str| match config.get(key) {
             None | Some(serde_json::Value::Null) => Ok(default.to_owned()),
@@ -167,7 +170,10 @@ mod tests {
     fn tokenizer_config_values_of_the_wrong_type_are_refused_naming_the_key() {
         let dir = tempfile::tempdir().unwrap();
         for (config, says) in [
-            (r#"{"chat_template": 5}"#, "chat_template: expected a template string or a list of named templates, found 5"),
+            (
+                r#"{"chat_template": 5}"#,
+                "chat_template: expected a template string or a list of named templates, found 5",
+            ),
             (r#"{"eos_token": ["<eos>"]}"#, "eos_token: expected a token string or an object with its `content`"),
             (r#"{"bos_token": {"text": "<bos>"}}"#, "bos_token: expected a token string"),
         ] {

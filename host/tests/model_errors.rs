@@ -162,6 +162,10 @@ fn config_values_outside_their_domain_are_refused_by_key() {
         edit_config(&dir, |c| c[key] = value.clone());
         let e = error_of(&dir);
         assert!(e.contains(expected), "{key} = {value}: {e}");
+        // The line the key is written on (the config is pretty-printed, one key a line).
+        let text = fs::read_to_string(dir.join("config.json")).unwrap();
+        let line = text.lines().position(|l| l.trim_start().starts_with(&format!("\"{key}\""))).unwrap() + 1;
+        assert!(e.contains(&format!("config.json:{line}: `")), "{key}: {e}");
     }
 }
 

@@ -13,10 +13,29 @@ use serde_json::{Map, Value};
 pub enum ConfigError {
     #[error("{file}: {reason}")]
     File { file: PathBuf, reason: String },
-    #[error("{file}: `{key}` = {value} is not supported{why}")]
-    Unsupported { file: PathBuf, key: String, value: String, why: String },
-    #[error("{file}: `{key}`: {reason}")]
-    Invalid { file: PathBuf, key: String, reason: String },
+    #[error("{}: `{key}` = {value} is not supported{why}", located(.file, *.line))]
+    Unsupported { file: PathBuf, line: Option<usize>, key: String, value: String, why: String },
+    #[error("{}: `{key}`: {reason}", located(.file, *.line))]
+    Invalid { file: PathBuf, line: Option<usize>, key: String, reason: String },
+}
+
+/// `file`, or `file:line` where the line is known.
+fn located(file: &Path, line: Option<usize>) -> String {
+    match line {
+        Some(line) => format!("{}:{line}", file.display()),
+        None => file.display().to_string(),
+    }
+}
+
+impl ConfigError {
+    /// The error with the line of `text` (the config's) where its key is written, if it is.
+    fn at_line_of(mut self, text: &str) -> ConfigError {
+        if let ConfigError::Unsupported { key, line, .. } | ConfigError::Invalid { key, line, .. } = &mut self {
+            let name = key.rsplit('.').next().unwrap_or(key);
+            *line = text.find(&format!("\"{name}\"")).map(|at| text[..at].matches('\n').count() + 1);
+        }
+        self
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -99,7 +118,7 @@ impl Gemma4Config {
         })?;
         let root: Value = serde_json::from_str(&text)
             .map_err(|e| ConfigError::File { file: file.clone(), reason: format!("not valid JSON: {e}") })?;
-        parse(&file, &root)
+        parse(&file, &root).map_err(|e| e.at_line_of(&text))
     }
 
     /// The special token ids the config names, with the key that names them.
@@ -146,6 +165,7 @@ fn parse(file: &Path, root: &Value) -> Result<Gemma4Config, ConfigError> {
     if !SUPPORTED_MODEL_TYPES.contains(&model_type.as_str()) {
         return Err(ConfigError::Unsupported {
             file: file.to_owned(),
+            line: None,
             key: "model_type".into(),
             value: format!("{:?}", model_type),
             why: format!(" (supported: {})", SUPPORTED_MODEL_TYPES.join(", ")),
@@ -398,6 +418,7 @@ impl Reader<'_> {
     fn unsupported(&self, key: &str, value: &str, why: &str) -> ConfigError {
         ConfigError::Unsupported {
             file: self.file.to_owned(),
+            line: None,
             key: format!("{}{key}", self.prefix),
             value: value.to_owned(),
             why: why.to_owned(),
@@ -406,6 +427,7 @@ impl Reader<'_> {
     fn invalid(&self, key: &str, reason: &str) -> ConfigError {
         ConfigError::Invalid {
             file: self.file.to_owned(),
+            line: None,
             key: format!("{}{key}", self.prefix),
             reason: reason.to_owned(),
         }
