@@ -103,14 +103,15 @@ pub fn run_batch(
         }
         ids.push((line, id));
     }
-    let mut failed = early.len();
     let mut out = InOrder { results: (0..ids.len()).map(|_| None).collect(), next: 0, emit };
     let mut finish = |slot: usize, outcome: Outcome| {
         let (line, id) = ids[slot].clone();
-        out.set(slot, BatchResult { line, id, outcome })
+        let failed = matches!(outcome, Outcome::Failed { .. });
+        out.set(slot, BatchResult { line, id, outcome }).map(|()| failed as usize)
     };
+    let mut failed = 0;
     for (slot, error) in early {
-        finish(slot, Outcome::Failed { error })?;
+        failed += finish(slot, Outcome::Failed { error })?;
     }
     let done = |g: Generation| Outcome::Done {
         text: session.tokenizer.decode(&g.tokens),
@@ -119,60 +120,64 @@ pub fn run_batch(
         stats: Box::new(g.stats),
     };
     let flow = || if stop() { Flow::Stop } else { Flow::Continue };
+    let mut finish = |slot: usize, outcome: Result<Generation, String>| {
+        finish(slot, outcome.map_or_else(|error| Outcome::Failed { error }, done)).map(|f| failed += f)
+    };
     match session.drafter_for(pending.len()) {
         Some((drafter, config)) => {
-            let rows = (|| {
-                let mut batch = LiveBatch::new(&session.model, Some(drafter), config)?;
-                for (slot, request) in &pending {
-                    batch.join(*slot, request.clone(), |_| flow())?;
-                }
-                Ok::<_, GenerateError>(batch)
-            })();
-            let mut batch = match rows {
-                Ok(batch) => batch,
-                Err(e) => {
-                    for (slot, _) in &pending {
-                        finish(*slot, Outcome::Failed { error: e.to_string() })?;
-                    }
-                    return Ok(Counts { results: ids.len(), failed: ids.len() });
-                }
-            };
-            let mut open: Vec<bool> = (0..ids.len()).map(|slot| pending.iter().any(|(s, _)| *s == slot)).collect();
-            while !batch.is_empty() {
-                match batch.round(|_, _| flow()) {
-                    Ok(finished) => {
-                        for (slot, generation) in finished {
-                            open[slot] = false;
-                            finish(slot, done(generation))?;
-                        }
-                    }
-                    Err(e) => {
-                        // The batch cannot go on: every row still in it fails with the reason.
-                        for (slot, _) in pending.iter().filter(|(slot, _)| open[*slot]) {
-                            failed += 1;
-                            finish(*slot, Outcome::Failed { error: e.to_string() })?;
-                        }
-                        break;
-                    }
-                }
-            }
+            let batch = LiveBatch::new(&session.model, Some(drafter), config);
+            as_rows(batch, &pending, flow, &mut finish)?
         }
         None => {
             for (slot, request) in &pending {
-                let outcome = if stop() {
-                    Outcome::Failed { error: "not generated: interrupted".into() }
+                let generation = if stop() {
+                    Err("not generated: interrupted".to_owned())
                 } else {
-                    match generate(&session.model, request, |_| flow()) {
-                        Ok(generation) => done(generation),
-                        Err(e) => Outcome::Failed { error: e.to_string() },
-                    }
+                    generate(&session.model, request, |_| flow()).map_err(|e| e.to_string())
                 };
-                failed += matches!(outcome, Outcome::Failed { .. }) as usize;
-                finish(*slot, outcome)?;
+                finish(*slot, generation)?;
             }
         }
     }
     Ok(Counts { results: ids.len(), failed })
+}
+
+/// The `pending` requests as rows of one speculative batch, each finished as it leaves it; a
+/// batch that cannot go on fails every row still in it with the reason.
+fn as_rows(
+    batch: Result<LiveBatch<'_, usize>, GenerateError>,
+    pending: &[(usize, Request)],
+    flow: impl Fn() -> Flow,
+    finish: &mut impl FnMut(usize, Result<Generation, String>) -> std::io::Result<()>,
+) -> std::io::Result<()> {
+    let mut open: Vec<usize> = pending.iter().map(|(slot, _)| *slot).collect();
+    let joined = batch.and_then(|mut batch| {
+        for (slot, request) in pending {
+            batch.join(*slot, request.clone(), |_| flow())?;
+        }
+        Ok(batch)
+    });
+    let error = match joined {
+        Err(e) => e,
+        Ok(mut batch) => loop {
+            if batch.is_empty() {
+                return Ok(());
+            }
+            match batch.round(|_, _| flow()) {
+                Ok(finished) => {
+                    for (slot, generation) in finished {
+                        open.retain(|&s| s != slot);
+                        finish(slot, Ok(generation))?;
+                    }
+                }
+                Err(e) => break e,
+            }
+        },
+    };
+    for slot in open {
+        finish(slot, Err(error.to_string()))?;
+    }
+    Ok(())
 }
 
 /// The line's request: its fields over the command line's, over the manifest's.

@@ -14,13 +14,13 @@ pub enum ConfigError {
     #[error("{file}: {reason}")]
     File { file: PathBuf, reason: String },
     #[error("{}: `{key}` = {value} is not supported{why}", located(.file, *.line))]
-    Unsupported { file: PathBuf, line: Option<usize>, key: String, value: String, why: String },
+    Unsupported { file: PathBuf, line: Option<u32>, key: String, value: String, why: String },
     #[error("{}: `{key}`: {reason}", located(.file, *.line))]
-    Invalid { file: PathBuf, line: Option<usize>, key: String, reason: String },
+    Invalid { file: PathBuf, line: Option<u32>, key: String, reason: String },
 }
 
 /// `file`, or `file:line` where the line is known.
-fn located(file: &Path, line: Option<usize>) -> String {
+fn located(file: &Path, line: Option<u32>) -> String {
     match line {
         Some(line) => format!("{}:{line}", file.display()),
         None => file.display().to_string(),
@@ -32,7 +32,7 @@ impl ConfigError {
     fn at_line_of(mut self, text: &str) -> ConfigError {
         if let ConfigError::Unsupported { key, line, .. } | ConfigError::Invalid { key, line, .. } = &mut self {
             let name = key.rsplit('.').next().unwrap_or(key);
-            *line = text.find(&format!("\"{name}\"")).map(|at| text[..at].matches('\n').count() + 1);
+            *line = text.find(&format!("\"{name}\"")).map(|at| text[..at].matches('\n').count() as u32 + 1);
         }
         self
     }
