@@ -81,6 +81,7 @@ fn manifest_check_loads_and_configures_the_drafter() {
     let plugins = plugins_dir_with(&[&workspace_plugin("ngram")]);
     let work = tempfile::tempdir().unwrap();
     fs::create_dir(work.path().join("model")).unwrap();
+    fs::write(work.path().join("model/config.json"), "{}").unwrap(); // a checkpoint, as far as manifests look
     let manifest = work.path().join("m.toml");
     let check = |text: &str| {
         fs::write(&manifest, text).unwrap();
@@ -127,6 +128,7 @@ fn a_manifest_names_its_plugins_directory() {
     let empty = tempfile::tempdir().unwrap();
     let work = tempfile::tempdir().unwrap();
     fs::create_dir(work.path().join("model")).unwrap();
+    fs::write(work.path().join("model/config.json"), "{}").unwrap(); // a checkpoint, as far as manifests look
     let manifest = work.path().join("m.toml");
     let relative = pathdiff(plugins.path(), work.path());
     let check = |plugins_dir: &str, flag: Option<&std::path::Path>| {
