@@ -395,11 +395,7 @@ fn run(cli: Cli, silent_rank: bool) -> Result<()> {
         Command::Serve(args) => serve(args, quiet, silent_rank)?,
         Command::Doctor { json, dir } => {
             let report = doctor::Report::collect(plugins_dir::resolve(dir.plugins_dir).path)?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&report)?);
-            } else {
-                print!("{}", report.human());
-            }
+            print_report(json, &report, || report.human())?;
         }
         Command::Completions { shell } => {
             // Written whole, so that a closed pipe is an error line rather than a panic.
@@ -417,11 +413,7 @@ fn run(cli: Cli, silent_rank: bool) -> Result<()> {
         }
         Command::CheckModel { dir, json } => {
             let report = host::check_model::check(&dir)?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&report)?);
-            } else {
-                print!("{}", report.text());
-            }
+            print_report(json, &report, || report.text())?;
             if !report.ok() {
                 bail!("{}: the checkpoint is broken (see above)", dir.display());
             }
@@ -446,11 +438,7 @@ fn run(cli: Cli, silent_rank: bool) -> Result<()> {
         }
         Command::Plugins { command: PluginsCommand::Check { library, model, artifact, options, prompts, json } } => {
             let report = check_plugin(&library, model, artifact.as_deref(), &options, prompts)?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&report)?);
-            } else {
-                print!("{}", report.text());
-            }
+            print_report(json, &report, || report.text())?;
             if !report.passed() {
                 bail!("{} did not pass every check", library.display());
             }

@@ -405,18 +405,8 @@ impl Manifest {
                 ),
             ));
         }
-        if descriptor.needs_artifact && drafter.artifact.is_none() {
-            return Err(error(
-                None,
-                format!("drafter.artifact: drafter `{}` needs an artifact directory", drafter.kind),
-            ));
-        }
-        if let (false, Some(artifact)) = (descriptor.needs_artifact, &drafter.artifact) {
-            return Err(error(
-                None,
-                format!("drafter.artifact: drafter `{}` takes no artifact, got {}", drafter.kind, artifact.display()),
-            ));
-        }
+        crate::plugin::check_artifact(descriptor, drafter.artifact.as_deref())
+            .map_err(|why| error(None, format!("drafter.artifact: {why}")))?;
         let known: Vec<&str> = descriptor.options.iter().map(|o| o.key.as_str()).collect();
         for (key, line) in &drafter.option_lines {
             if !known.contains(&key.as_str()) {

@@ -53,38 +53,30 @@ pub fn write(name: &str, dir: &Path, host: &Path, trainable: bool) -> Result<Vec
     let cargo_config =
         std::fs::read_to_string(&cargo_config).map_err(|_| NewDrafterError::NoNativeSetup(cargo_config))?;
     let library = format!("{}{name}{}", std::env::consts::DLL_PREFIX, std::env::consts::DLL_SUFFIX);
-    let python = checkout.join("training/.venv/bin/python");
-    let model = checkout.join("models/kjv-gemma4");
-    let (train, artifact_flag, artifact_line, ship_artifact, needs_artifact) = if trainable {
-        (
-            format!(
-                "# trained/: the table train.py fits to the demo target (see Training below)\n{} train.py --target {} --out trained\n",
-                python.display(),
-                model.display()
-            ),
-            " --artifact trained",
-            "# What train.py wrote.\nartifact = \"trained\"\n",
-            ", with `artifact` naming a copy of `trained/`",
-            "            .needs_artifact()\n",
-        )
-    } else {
-        (String::new(), "", "", "", "")
-    };
-    let fill = |template: &str| {
-        template
-            .replace("@TRAIN@", &train)
-            .replace("@ARTIFACT_FLAG@", artifact_flag)
-            .replace("@ARTIFACT_LINE@", artifact_line)
-            .replace("@SHIP_ARTIFACT@", ship_artifact)
-            .replace("@NEEDS_ARTIFACT@", needs_artifact)
-            .replace("@NAME@", name)
-            .replace("@PLUGIN_API@", &checkout.join("plugin-api").display().to_string())
-            .replace("@MODEL@", &model.display().to_string())
-            .replace("@SETUP@", &checkout.join("scripts/setup.sh").display().to_string())
-            .replace("@TRAINING@", &checkout.join("training").display().to_string())
-            .replace("@HOST@", &host.display().to_string())
-            .replace("@LIBRARY@", &library)
-    };
+    let shown = |path: PathBuf| path.display().to_string();
+    let model = shown(checkout.join("models/kjv-gemma4"));
+    // What only a trainable crate says; empty in the others.
+    let trained = |text: String| if trainable { text } else { String::new() };
+    let train = format!(
+        "# trained/: the table train.py fits to the demo target (see Training below)\n{} train.py --target {model} --out trained\n",
+        checkout.join("training/.venv/bin/python").display()
+    );
+    let placeholders = [
+        ("@TRAIN@", trained(train)),
+        ("@ARTIFACT_FLAG@", trained(" --artifact trained".into())),
+        ("@ARTIFACT_LINE@", trained("# What train.py wrote.\nartifact = \"trained\"\n".into())),
+        ("@SHIP_ARTIFACT@", trained(", with `artifact` naming a copy of `trained/`".into())),
+        ("@NEEDS_ARTIFACT@", trained("            .needs_artifact()\n".into())),
+        ("@NAME@", name.to_owned()),
+        ("@PLUGIN_API@", shown(checkout.join("plugin-api"))),
+        ("@MODEL@", model),
+        ("@SETUP@", shown(checkout.join("scripts/setup.sh"))),
+        ("@TRAINING@", shown(checkout.join("training"))),
+        ("@HOST@", host.display().to_string()),
+        ("@LIBRARY@", library),
+    ];
+    let fill =
+        |template: &str| placeholders.iter().fold(template.to_owned(), |text, (key, value)| text.replace(key, value));
     let mut readme = fill(README);
     let mut files = vec![
         ("Cargo.toml", fill(CARGO_TOML)),

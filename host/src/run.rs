@@ -231,7 +231,7 @@ impl CheckpointDefaults {
         let json: serde_json::Value =
             serde_json::from_str(&text).map_err(|e| format!("{}: not valid JSON: {e}", file.display()))?;
         let refuse = |key: &str, why: String| {
-            let line = text.find(&format!("\"{key}\"")).map_or(1, |at| text[..at].matches('\n').count() + 1);
+            let line = crate::model::config::json_key_line(&text, key).unwrap_or(1);
             format!("{}:{line}: {key}: {why}", file.display())
         };
         let number = |key: &str| -> Result<Option<f64>, String> {

@@ -385,16 +385,14 @@ fn draft_tokens_without_a_drafter_is_refused() {
     assert!(!out.status.success() && err.contains("--draft-tokens: no drafter is set"), "{err}");
 }
 
-/// The error line of `host run --manifest` on a manifest of `body` (the dense fixture's target
-/// first), with the workspace's plugins.
-fn manifest_refusal(body: &str) -> String {
+/// The error line of `host run --manifest` on [`manifest`]'s manifest with `extra`, with the
+/// workspace's plugins.
+fn manifest_refusal(extra: &str) -> String {
     let work = tempfile::tempdir().unwrap();
-    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/gemma4/dense").canonicalize().unwrap();
-    let file = work.path().join("m.toml");
-    fs::write(&file, format!("[target]\nmodel = \"{}\"\n{body}", model.display())).unwrap();
+    let file = manifest(work.path(), extra, 4);
     let plugins = workspace_plugin("ngram").parent().unwrap().to_owned();
     let out = host(&["run", "--manifest", file.to_str().unwrap(), "--plugins-dir", plugins.to_str().unwrap()]);
-    assert!(!out.status.success(), "{body}");
+    assert!(!out.status.success(), "{extra}");
     let err = text(&out.stderr);
     assert_eq!(err.trim().lines().count(), 1, "{err}");
     err.trim().to_owned()
@@ -402,18 +400,14 @@ fn manifest_refusal(body: &str) -> String {
 
 #[test]
 fn manifest_refusals_are_one_line_at_the_key() {
-    let g = "[generation]\nprompt_ids = [2]\n";
-    for (body, says) in [
-        (format!("[drafter]\nkind = \"\"\n{g}"), "m.toml:4: drafter.kind: `` is not a plugin kind"),
-        (format!("[drafter]\nkind = \"../evil\"\n{g}"), "m.toml:4: drafter.kind: `../evil` is not a plugin kind"),
-        (
-            format!("[drafter]\nkind = \"ngram\"\n[drafter.options]\nmax_ngram = 1000\n{g}"),
-            "m.toml:6: drafter.options.max_ngram: ",
-        ),
-        (format!("[target]\nmodel = \"x\"\n{g}"), "m.toml:3: invalid table header: duplicate key `target`"),
+    for (extra, says) in [
+        ("[drafter]\nkind = \"\"\n", "m.toml:4: drafter.kind: `` is not a plugin kind"),
+        ("[drafter]\nkind = \"../evil\"\n", "m.toml:4: drafter.kind: `../evil` is not a plugin kind"),
+        ("[drafter]\nkind = \"ngram\"\n[drafter.options]\nmax_ngram = 1000\n", "m.toml:6: drafter.options.max_ngram: "),
+        ("[target]\nmodel = \"x\"\n", "m.toml:3: invalid table header: duplicate key `target`"),
     ] {
-        let err = manifest_refusal(&body);
-        assert!(err.contains(says), "{body}: {err}");
+        let err = manifest_refusal(extra);
+        assert!(err.contains(says), "{extra}: {err}");
     }
 }
 

@@ -50,6 +50,14 @@ fn scaffold(home: &Path, name: &str, trainable: bool) -> PathBuf {
     krate
 }
 
+/// What `command` said in `dir`, where it must fail.
+fn refused(dir: &Path, command: &mut Command) -> String {
+    let out = command.current_dir(dir).output().unwrap();
+    let said = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(!out.status.success(), "{command:?} passed in {}:\n{said}", dir.display());
+    said
+}
+
 fn library(name: &str) -> String {
     format!("target/release/{}{name}{}", std::env::consts::DLL_PREFIX, std::env::consts::DLL_SUFFIX)
 }
@@ -70,13 +78,8 @@ fn a_new_drafter_builds_outside_the_checkout_passes_its_tests_and_drafts_lossles
     assert!(!report.contains(" 0 drafted"), "{report}");
 
     // The drafter takes no artifact, and says so.
-    let out = Command::new(host)
-        .args(["plugins", "check", &library("bigram"), "--artifact", "."])
-        .current_dir(&krate)
-        .output()
-        .unwrap();
-    let said = String::from_utf8_lossy(&out.stdout);
-    assert!(!out.status.success() && said.contains("drafter `bigram` takes no artifact"), "{said}");
+    let said = refused(&krate, Command::new(host).args(["plugins", "check", &library("bigram"), "--artifact", "."]));
+    assert!(said.contains("drafter `bigram` takes no artifact"), "{said}");
 }
 
 #[test]
@@ -89,9 +92,8 @@ fn a_trainable_drafter_trains_on_the_targets_signal_and_drafts_losslessly_with_i
     assert!(tests.contains("4 passed"), "{tests}");
 
     // Without its artifact the drafter is refused by name, before anything runs.
-    let out = Command::new(host).args(["plugins", "check", &library("learned")]).current_dir(&krate).output().unwrap();
-    let said = String::from_utf8_lossy(&out.stdout);
-    assert!(!out.status.success() && said.contains("drafter `learned` needs an artifact"), "{said}");
+    let said = refused(&krate, Command::new(host).args(["plugins", "check", &library("learned")]));
+    assert!(said.contains("drafter `learned` needs an artifact"), "{said}");
 
     // The README's training command at the tiny preset, the signal cached in the crate.
     let python = repo().join("training/.venv/bin/python");
@@ -109,13 +111,9 @@ fn a_trainable_drafter_trains_on_the_targets_signal_and_drafts_losslessly_with_i
     let small = "import mlx.core as mx; mx.save_safetensors('small/next_tokens.safetensors', {'next_token': mx.array([1, 0, -1])})";
     std::fs::create_dir(krate.join("small")).unwrap();
     run(&krate, Command::new(&python).args(["-c", small]));
-    let out = Command::new(host)
-        .args(["plugins", "check", &library("learned"), "--artifact", "small"])
-        .current_dir(&krate)
-        .output()
-        .unwrap();
-    let said = String::from_utf8_lossy(&out.stdout);
-    assert!(!out.status.success() && said.contains("table has 3 tokens and the target's vocabulary 8192"), "{said}");
+    let said =
+        refused(&krate, Command::new(host).args(["plugins", "check", &library("learned"), "--artifact", "small"]));
+    assert!(said.contains("table has 3 tokens and the target's vocabulary 8192"), "{said}");
 }
 
 #[test]

@@ -19,6 +19,11 @@ pub enum ConfigError {
     Invalid { file: PathBuf, line: Option<u32>, key: String, reason: String },
 }
 
+/// The line of JSON `text` where `"key"` is first written, if it is.
+pub(crate) fn json_key_line(text: &str, key: &str) -> Option<usize> {
+    text.find(&format!("\"{key}\"")).map(|at| text[..at].matches('\n').count() + 1)
+}
+
 /// `file`, or `file:line` where the line is known.
 fn located(file: &Path, line: Option<u32>) -> String {
     match line {
@@ -31,8 +36,7 @@ impl ConfigError {
     /// The error with the line of `text` (the config's) where its key is written, if it is.
     fn at_line_of(mut self, text: &str) -> ConfigError {
         if let ConfigError::Unsupported { key, line, .. } | ConfigError::Invalid { key, line, .. } = &mut self {
-            let name = key.rsplit('.').next().unwrap_or(key);
-            *line = text.find(&format!("\"{name}\"")).map(|at| text[..at].matches('\n').count() as u32 + 1);
+            *line = json_key_line(text, key.rsplit('.').next().unwrap_or(key)).map(|l| l as u32);
         }
         self
     }

@@ -120,10 +120,10 @@ pub fn check(setup: &Setup) -> Report {
     let kind = plugin.descriptor.kind.to_string();
     note("load", Ok(format!("kind `{kind}`, plugin API {}", plugin.api_version)));
     // What a manifest would be refused for, refused here too.
-    let artifact = match (plugin.descriptor.needs_artifact, setup.artifact) {
-        (true, None) => Err(format!("drafter `{kind}` needs an artifact directory: name it with --artifact DIR")),
-        (false, Some(dir)) => Err(format!("drafter `{kind}` takes no artifact, got {}", dir.display())),
-        _ => Ok(setup.artifact.map_or("none".to_owned(), |dir| dir.display().to_string())),
+    let artifact = match crate::plugin::check_artifact(&plugin.descriptor, setup.artifact) {
+        Ok(()) => Ok(setup.artifact.map_or("none".to_owned(), |dir| dir.display().to_string())),
+        Err(why) if setup.artifact.is_none() => Err(format!("{why}: name it with --artifact DIR")),
+        Err(why) => Err(why),
     };
     if !note("artifact", artifact) {
         report.kind = Some(kind);

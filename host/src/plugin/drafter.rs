@@ -24,6 +24,16 @@ pub enum DrafterError {
     Unpaired { kind: String, reason: String },
 }
 
+/// Whether `artifact` is what the plugin `descriptor` describes asks for: a directory when it
+/// needs one, none when it takes none.
+pub fn check_artifact(descriptor: &plugin_api::Descriptor, artifact: Option<&Path>) -> Result<(), String> {
+    match (descriptor.needs_artifact, artifact) {
+        (true, None) => Err(format!("drafter `{}` needs an artifact directory", descriptor.kind)),
+        (false, Some(dir)) => Err(format!("drafter `{}` takes no artifact, got {}", descriptor.kind, dir.display())),
+        _ => Ok(()),
+    }
+}
+
 /// A loaded artifact of a plugin.
 pub struct LoadedDrafter {
     kind: String,

@@ -6,6 +6,6 @@ pub mod load;
 pub mod registry;
 pub mod report;
 
-pub use drafter::{DrafterError, LoadedDrafter};
+pub use drafter::{check_artifact, DrafterError, LoadedDrafter};
 pub use load::{LoadError, Plugin};
 pub use registry::{select, Registry, RegistryEntry, SelectError};
