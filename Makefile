@@ -11,7 +11,7 @@ ORACLE_PY := tests/oracle/.venv/bin/python
 BENCH_MODEL := target/bench-model
 
 .PHONY: help setup build fixtures run serve test doctor oracle bench bench-large demo-model training-smoke \
-	train-drafter demo-drafters drafter-bench replicas check-platforms
+	train-drafter demo-drafters drafter-bench replicas check-platforms oracle-venv llamacpp bench-llamacpp
 .DEFAULT_GOAL := help
 
 help: ## this list
@@ -119,26 +119,64 @@ oracle: setup ## regenerate the oracle fixtures with the reference implementatio
 	bash tests/oracle/setup-venv-hf.sh
 	tests/oracle/.venv-hf/bin/python tests/oracle/assistant_oracle.py
 
-# The host alone on a random Gemma 4 of 1.3B parameters, which no CPU cache holds: decoding
-# bound by memory, as on real checkpoints (made once, not committed: 5 GB in float32, 2.6 GB in
-# bfloat16, 1.4 and 0.7 GB in 8 and 4 bits). mlx-lm's CPU kernels would take minutes per run.
-bench-large: build ## the host on a random 1.3B Gemma 4, bound by memory
+# The bench checkpoints (made once under target/, not committed): random Gemma 4s written by the
+# oracle, and mlx-lm's conversions of them to bfloat16, float32, and 8 and 4 bits (group 64,
+# bfloat16 scales: what users download). target/kjv-gemma4 links the demo target, so that its
+# conversions are made the same way.
+MLX_CONVERT := $(ORACLE_PY) -m mlx_lm convert
+oracle-venv:
 	bash tests/oracle/setup-venv.sh
-	[ -e $(BENCH_MODEL)-large/config.json ] || $(ORACLE_PY) tests/oracle/gemma4_oracle.py --bench $(BENCH_MODEL)-large --bench-large
-	[ -e $(BENCH_MODEL)-large-bf16/config.json ] || $(ORACLE_PY) -m mlx_lm convert --hf-path $(BENCH_MODEL)-large \
-		--mlx-path $(BENCH_MODEL)-large-bf16 --dtype bfloat16
-	for b in 4 8; do [ -e $(BENCH_MODEL)-large-q$$b/config.json ] || $(ORACLE_PY) -m mlx_lm convert --hf-path $(BENCH_MODEL)-large \
-		--mlx-path $(BENCH_MODEL)-large-q$$b -q --q-bits $$b --q-group-size 64 --dtype bfloat16; done
+target/bench-model/config.json: | oracle-venv
+	$(ORACLE_PY) tests/oracle/gemma4_oracle.py --bench $(@D)
+target/bench-model-262k/config.json: | oracle-venv
+	$(ORACLE_PY) tests/oracle/gemma4_oracle.py --bench $(@D) --bench-vocab 262144
+target/bench-model-large/config.json: | oracle-venv
+	$(ORACLE_PY) tests/oracle/gemma4_oracle.py --bench $(@D) --bench-large
+target/kjv-gemma4/config.json:
+	mkdir -p target && ln -sfn ../models/kjv-gemma4 target/kjv-gemma4
+target/%-q4/config.json: target/%/config.json | oracle-venv
+	rm -rf $(@D) && $(MLX_CONVERT) --hf-path target/$* --mlx-path $(@D) -q --q-bits 4 --q-group-size 64 --dtype bfloat16
+target/%-q8/config.json: target/%/config.json | oracle-venv
+	rm -rf $(@D) && $(MLX_CONVERT) --hf-path target/$* --mlx-path $(@D) -q --q-bits 8 --q-group-size 64 --dtype bfloat16
+target/%-bf16/config.json: target/%/config.json | oracle-venv
+	rm -rf $(@D) && $(MLX_CONVERT) --hf-path target/$* --mlx-path $(@D) --dtype bfloat16
+target/%-f32/config.json: target/%/config.json | oracle-venv
+	rm -rf $(@D) && $(MLX_CONVERT) --hf-path target/$* --mlx-path $(@D) --dtype float32
+.PRECIOUS: target/%/config.json
+
+# The host alone on a random Gemma 4 of 1.3B parameters, which no CPU cache holds: decoding
+# bound by memory, as on real checkpoints (5 GB in float32, 2.6 GB in bfloat16, 1.4 and 0.7 GB
+# in 8 and 4 bits). mlx-lm's CPU kernels would take minutes per run.
+LARGE := bench-model-large bench-model-large-bf16 bench-model-large-q8 bench-model-large-q4
+bench-large: build $(LARGE:%=target/%/config.json) ## the host on a random 1.3B Gemma 4, bound by memory
 	for m in bench-large bench-large-bf16 bench-large-q8 bench-large-q4; do \
 		./target/release/host bench --manifest manifests/$$m.toml --pairs 2 --no-mlx-lm; done
 
+# The host against llama.cpp (built from the llama-cpp-python 0.3.36 sdist into target/llamacpp,
+# scripts/llamacpp/build.sh), decode of 128 tokens and prefill of 512 at two threads, on the demo
+# target and the 40M and 1.3B bench models in float32, bfloat16, 8 and 4 bits: GGUFs made by
+# llama.cpp's own converter and llama-quantize, against the matching MLX checkpoints. Writes
+# target/llamacpp/results/results.{md,json} (about 30 minutes on 2 cores, the first run more).
+# HOST_SIMD=avx2 (or HOST_AMX=off) measures a narrower route of the host's on the same machine.
+LLAMACPP := target/llamacpp
+GGUF_CONVERT := $(LLAMACPP)/convert-venv/bin/python $(LLAMACPP)/llama_cpp_python-0.3.36/vendor/llama.cpp/convert_hf_to_gguf.py
+LLAMACPP_MODELS := kjv-gemma4 bench-model bench-model-large
+GGUFS := $(foreach m,$(LLAMACPP_MODELS),$(foreach f,f32 bf16 q8_0 q4_0,$(LLAMACPP)/gguf/$(m)-$(f).gguf))
+MLX_FORMATS := $(foreach m,$(LLAMACPP_MODELS),$(m)-q4 $(m)-q8) kjv-gemma4-f32 bench-model-bf16 bench-model-large-bf16
+llamacpp:
+	bash scripts/llamacpp/build.sh
+$(LLAMACPP)/gguf/%-f32.gguf $(LLAMACPP)/gguf/%-bf16.gguf $(LLAMACPP)/gguf/%-q8_0.gguf: target/%/config.json | llamacpp
+	mkdir -p $(@D)
+	for t in f32 bf16 q8_0; do log=$(@D)/$*-$$t.log; \
+		$(GGUF_CONVERT) target/$* --outtype $$t --outfile $(@D)/$*-$$t.gguf >$$log 2>&1 || { tail -5 $$log; exit 1; }; done
+$(LLAMACPP)/gguf/%-q4_0.gguf: $(LLAMACPP)/gguf/%-f32.gguf | llamacpp
+	$(LLAMACPP)/build/bin/llama-quantize $< $@ q4_0 >/dev/null
+bench-llamacpp: build llamacpp $(MLX_FORMATS:%=target/%/config.json) $(GGUFS) ## the host against llama.cpp, every format
+	python3 scripts/llamacpp/bench.py --out $(LLAMACPP)/results
+
 # Host against mlx-lm on a random Gemma 4 of more than 20M parameters (made once, not committed).
-bench: build ## the host against mlx-lm on random Gemma 4 checkpoints, and the kernels
-	bash tests/oracle/setup-venv.sh
-	[ -e $(BENCH_MODEL)/config.json ] || $(ORACLE_PY) tests/oracle/gemma4_oracle.py --bench $(BENCH_MODEL)
-	[ -e $(BENCH_MODEL)-262k/config.json ] || $(ORACLE_PY) tests/oracle/gemma4_oracle.py --bench $(BENCH_MODEL)-262k --bench-vocab 262144
-	for b in 4 8; do [ -e $(BENCH_MODEL)-q$$b/config.json ] || $(ORACLE_PY) -m mlx_lm convert --hf-path $(BENCH_MODEL) \
-		--mlx-path $(BENCH_MODEL)-q$$b -q --q-bits $$b --q-group-size 64 --dtype bfloat16; done
+bench: build target/bench-model/config.json target/bench-model-262k/config.json target/bench-model-q8/config.json \
+		target/bench-model-q4/config.json ## the host against mlx-lm on random Gemma 4 checkpoints, and the kernels
 	./target/release/host bench --kernels
 	./target/release/host bench --manifest manifests/bench.toml --mlx-lm-python $(ORACLE_PY)
 	./target/release/host bench --manifest manifests/bench-262k.toml --mlx-lm-python $(ORACLE_PY)

@@ -27,6 +27,9 @@ pub struct Report {
     /// own ops, as on Metal and CUDA), and why (`HOST_KERNELS`, the device).
     pub route: String,
     pub route_why: String,
+    /// The widest loops the products take on this CPU: `amx`, `avx512`, `avx2` or `portable`
+    /// (`HOST_SIMD` narrows it).
+    pub vector_loops: String,
 }
 
 impl Report {
@@ -48,6 +51,7 @@ impl Report {
                 Route::Mlx => "mlx".into(),
             },
             route_why: kernels::route::choice().why.clone(),
+            vector_loops: vector_loops(),
         })
     }
 
@@ -64,6 +68,7 @@ impl Report {
             ("plugins dir", self.plugins_dir.display().to_string()),
             ("matmul f32", format!("{:.1} GFLOP/s (512×512×512)", self.matmul_gflops)),
             ("AMX tiles", self.amx_tiles.clone()),
+            ("loops", self.vector_loops.clone()),
         ];
         lines
             .iter()
@@ -84,6 +89,14 @@ fn amx_tiles() -> &'static str {
         (true, _) => "in use for bfloat16 and quantized products (HOST_AMX=off keeps MLX's layout)",
         (false, true) => "on this CPU, not used (HOST_AMX=off)",
         (false, false) => "not on this CPU",
+    }
+}
+
+fn vector_loops() -> String {
+    let route = kernels::simd::product_route();
+    match std::env::var(kernels::simd::SIMD_ENV) {
+        Ok(v) if !v.trim().is_empty() && v.trim() != "auto" => format!("{route} ({}={v})", kernels::simd::SIMD_ENV),
+        _ => format!("{route} (the widest this CPU has; {}=avx2 or portable narrows it)", kernels::simd::SIMD_ENV),
     }
 }
 

@@ -205,6 +205,17 @@ struct BenchArgs {
     /// kernels take seconds per token.
     #[arg(long, conflicts_with = "mlx_lm_python")]
     no_mlx_lm: bool,
+    /// Measure plain decoding against llama.cpp instead of mlx-lm: its `llama-bench` binary, run
+    /// on --gguf at as many threads as the host has cores (`make bench-llamacpp` builds both).
+    #[arg(long, value_name = "PATH", requires = "gguf", conflicts_with_all = ["mlx_lm_python", "no_mlx_lm"])]
+    llama_bench: Option<PathBuf>,
+    /// The GGUF conversion of the manifest's target that --llama-bench runs.
+    #[arg(long, value_name = "FILE", requires = "llama_bench")]
+    gguf: Option<PathBuf>,
+    /// A prompt of this many tokens (the first one the manifest's, then ids stepping through
+    /// the vocabulary) in place of the manifest's: what prefill is timed on.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    prompt_tokens: Option<u32>,
     #[arg(long)]
     json: bool,
     #[command(flatten)]
@@ -371,6 +382,7 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli, silent_rank: bool) -> Result<()> {
     kernels::route::check_env().map_err(anyhow::Error::msg)?;
+    kernels::simd::check_env().map_err(anyhow::Error::msg)?;
     let (verbose, quiet) = (cli.verbose, cli.quiet || silent_rank);
     let ranked = std::env::var_os(host::distributed::HOSTFILE_ENV).is_some();
     let sharded = matches!(
@@ -757,6 +769,8 @@ fn bench(args: BenchArgs, quiet: bool) -> Result<()> {
         max_tokens: args.max_tokens,
         mlx_lm_python: args.mlx_lm_python,
         no_mlx_lm: args.no_mlx_lm,
+        llama_cpp: args.llama_bench.zip(args.gguf),
+        prompt_tokens: args.prompt_tokens.map(|n| n as usize),
         plugins_dir: plugins_dir::resolve(args.dir.plugins_dir),
         serving: args.serving,
         requests: args.requests,

@@ -116,8 +116,8 @@ fn cpu_has_tiles() -> bool {
     let leaf7 = std::arch::x86_64::__cpuid_count(7, 0);
     leaf7.edx & (1 << 22) != 0
         && leaf7.edx & (1 << 24) != 0
-        && std::is_x86_feature_detected!("avx512f")
-        && std::is_x86_feature_detected!("avx512bw")
+        && crate::simd::has!("avx512f")
+        && crate::simd::has!("avx512bw")
 }
 
 #[cfg(not(target_arch = "x86_64"))]

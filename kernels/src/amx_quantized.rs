@@ -189,9 +189,7 @@ fn put_nibbles(tile: &mut [u8], o: usize, from: &[u8]) {
 /// AVX-512 BW and BF16 for the widening.
 pub fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
-    return super::amx_bf16::available()
-        && std::is_x86_feature_detected!("avx512bw")
-        && std::is_x86_feature_detected!("avx512bf16");
+    return super::amx_bf16::available() && crate::simd::has!("avx512bw") && crate::simd::has!("avx512bf16");
     #[cfg(not(target_arch = "x86_64"))]
     false
 }

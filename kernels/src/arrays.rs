@@ -78,16 +78,16 @@ macro_rules! avx2_where_available {
                 body($($arg),*)
             }
             #[cfg(target_arch = "x86_64")]
-            if std::is_x86_feature_detected!("avx512f")
-                && std::is_x86_feature_detected!("avx512bw")
-                && std::is_x86_feature_detected!("avx512vl")
-                && std::is_x86_feature_detected!("avx512dq")
+            if crate::simd::has!("avx512f")
+                && crate::simd::has!("avx512bw")
+                && crate::simd::has!("avx512vl")
+                && crate::simd::has!("avx512dq")
             {
                 // SAFETY: the CPU has AVX-512 F, BW, VL and DQ (checked above).
                 return unsafe { avx512($($arg),*) };
             }
             #[cfg(target_arch = "x86_64")]
-            if std::is_x86_feature_detected!("avx2") {
+            if crate::simd::has!("avx2") {
                 // SAFETY: the CPU has AVX2 (checked above).
                 return unsafe { avx2($($arg),*) };
             }
@@ -212,7 +212,7 @@ avx2_where_available! {
 #[cfg(target_arch = "x86_64")]
 fn bf16_conversion() -> bool {
     static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *HAS.get_or_init(|| std::is_x86_feature_detected!("avx512bf16") && std::is_x86_feature_detected!("avx512dq"))
+    *HAS.get_or_init(|| crate::simd::has!("avx512bf16") && crate::simd::has!("avx512dq"))
 }
 
 /// [`bf16_into`] 32 values per `vcvtne2ps2bf16`, which rounds as [`bf16_bits`] does (to nearest

@@ -59,7 +59,7 @@ pub fn best_token<T: Row>(table: &[T], x: &[f32], candidates: &[i32], to_bf16: b
         }
     };
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") {
+    if crate::simd::has!("avx2") {
         for group in candidates.chunks(SIDE_BY_SIDE) {
             // SAFETY: the CPU has AVX2 (checked above); every candidate's row lies in the table.
             let lanes = unsafe { lanes_avx2(table, x, candidates, group) };

@@ -78,10 +78,13 @@ pub fn product(
                 unsafe { super::quantized_avx512::product(x, rows, k, w, outputs, n, y) };
                 return;
             }
+            if activations_quantized(&w, k) {
+                // SAFETY: the CPU has AVX2 and FMA, and the loops take this format (checked).
+                unsafe { super::quantized_avx2::product(x, rows, k, w, outputs, n, y) };
+                return;
+            }
         }
-        let features = std::is_x86_feature_detected!("avx2")
-            && std::is_x86_feature_detected!("fma")
-            && std::is_x86_feature_detected!("f16c");
+        let features = crate::simd::has!("avx2") && crate::simd::has!("fma") && crate::simd::has!("f16c");
         if features {
             // SAFETY: the CPU has AVX2, FMA and F16C (checked above).
             unsafe { avx2::product(x, rows, k, w, outputs, n, y) };
@@ -89,6 +92,23 @@ pub fn product(
         }
     }
     portable::product(x, rows, k, w, outputs, n, y)
+}
+
+/// Whether quantized products of `w` (rows of `k`) take the AVX2 integer loops, which round
+/// the activations to 8 bits ([`crate::quantized_avx2`]): asked for with
+/// `HOST_QUANTIZED_ACTIVATIONS=int8`, on x86 CPUs without AVX-512 (or with `HOST_SIMD=avx2`).
+/// Other routes sum the float32 products of dequantized weights.
+pub fn activations_quantized(w: &Quantized, k: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let wider = super::quantized_avx512::takes(w.bits, w.group) && super::quantized_avx512::available();
+        !wider && super::quantized_avx2::takes(w, k) && super::quantized_avx2::available()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (w, k);
+        false
+    }
 }
 
 pub(super) mod portable {
@@ -497,9 +517,7 @@ mod avx512_bf16 {
     const W_BLOCK: usize = 4;
 
     pub fn available() -> bool {
-        crate::lanes::available()
-            && std::is_x86_feature_detected!("avx512bw")
-            && std::is_x86_feature_detected!("avx512bf16")
+        crate::lanes::available() && crate::simd::has!("avx512bw") && crate::simd::has!("avx512bf16")
     }
 
     /// [`super::product`] for bfloat16 W (bit patterns) and x holding bfloat16 values. x is

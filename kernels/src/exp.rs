@@ -68,7 +68,7 @@ mod exp_tests {
 
     #[test]
     fn eight_exponentials_at_once_are_the_scalar_ones() {
-        if !(std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")) {
+        if !(crate::simd::has!("avx2") && crate::simd::has!("fma")) {
             return;
         }
         // Every 97th float32 bit pattern: NaNs, infinities, subnormals and both ends of the range.

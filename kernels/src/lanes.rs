@@ -6,9 +6,7 @@ use std::arch::x86_64::*;
 /// Whether the CPU has what these sums need (AVX-512 F, VL and DQ): the base of every AVX-512
 /// route.
 pub fn available() -> bool {
-    std::is_x86_feature_detected!("avx512f")
-        && std::is_x86_feature_detected!("avx512vl")
-        && std::is_x86_feature_detected!("avx512dq")
+    crate::simd::has!("avx512f") && crate::simd::has!("avx512vl") && crate::simd::has!("avx512dq")
 }
 
 /// Writes the sums of a register tile's accumulators: `acc[j][b]` is output o + j of x row

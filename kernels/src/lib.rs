@@ -22,6 +22,7 @@
 // Routing and the host arrays the loops read.
 pub mod arrays;
 pub mod route;
+pub mod simd;
 pub mod wide;
 
 // Products and their weight formats.
@@ -34,6 +35,8 @@ mod lanes;
 pub mod narrow_avx2;
 pub mod packed;
 pub mod product;
+#[cfg(target_arch = "x86_64")]
+pub mod quantized_avx2;
 #[cfg(target_arch = "x86_64")]
 pub mod quantized_avx512;
 pub mod weight;

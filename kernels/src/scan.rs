@@ -10,7 +10,7 @@ pub const CHUNK: usize = 64;
 /// The largest value of each `CHUNK` of `values` (-inf for a chunk of removed tokens).
 pub fn chunk_maxima(values: &[f32]) -> Vec<f32> {
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") {
+    if crate::simd::has!("avx2") {
         // SAFETY: the CPU has AVX2 (checked above).
         return unsafe { chunk_maxima_avx2(values) };
     }
@@ -20,7 +20,7 @@ pub fn chunk_maxima(values: &[f32]) -> Vec<f32> {
 /// The finite tokens of `values` at or above `cut`, in token order.
 pub fn at_or_above(values: &[f32], cut: f32) -> Vec<u32> {
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") {
+    if crate::simd::has!("avx2") {
         // SAFETY: the CPU has AVX2 (checked above).
         return unsafe { at_or_above_avx2(values, cut) };
     }
@@ -106,11 +106,11 @@ pub fn set_flags(flags: &[u8]) -> impl Iterator<Item = usize> + '_ {
 pub fn flags_where<F: Fn(u64) -> bool + Copy>(first: u64, flags: &mut [u8], reaches: F) {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512dq") {
+        if crate::simd::has!("avx512f") && crate::simd::has!("avx512dq") {
             // SAFETY: the CPU has AVX-512 F and DQ (checked above).
             return unsafe { flags_where_avx512(first, flags, reaches) };
         }
-        if std::is_x86_feature_detected!("avx2") {
+        if crate::simd::has!("avx2") {
             // SAFETY: the CPU has AVX2 (checked above).
             return unsafe { flags_where_avx2(first, flags, reaches) };
         }
@@ -143,7 +143,7 @@ pub fn exponentials(values: &[f32], out: &mut [f32]) {
     #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+    if crate::simd::has!("avx2") && crate::simd::has!("fma") {
         // SAFETY: the CPU has AVX2 and FMA (checked above).
         done = unsafe { exponentials_avx2(values, out) };
     }
@@ -173,7 +173,7 @@ unsafe fn exponentials_avx2(values: &[f32], out: &mut [f32]) -> usize {
 /// a third of sampling from a 262,144-token vocabulary.
 pub fn exp_sum(values: &[f32], max: f32) -> f64 {
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+    if crate::simd::has!("avx2") && crate::simd::has!("fma") {
         // SAFETY: the CPU has AVX2 and FMA (checked above).
         return unsafe { exp_sum_avx2(values, max) };
     }
@@ -247,7 +247,7 @@ mod tests {
     #[test]
     fn the_vector_exponential_sum_is_the_scalar_one() {
         #[cfg(target_arch = "x86_64")]
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        if crate::simd::has!("avx2") && crate::simd::has!("fma") {
             for n in [0, 5, 8, 13, 1000, 4099] {
                 let values: Vec<f32> = (0..n).map(|i| ((i * 7919 % 2000) as f32 - 1000.0) / 10.0).collect();
                 let max = values.iter().copied().fold(0f32, f32::max);

@@ -26,7 +26,7 @@ pub fn tempered_softmax_rows(values: &mut [f32], width: usize, temperature: f32)
 /// Bit for bit MLX's op (tested), without its round trip.
 pub(crate) fn softmax_row(dtype: Dtype, row: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+    if crate::simd::has!("avx2") && crate::simd::has!("fma") {
         // SAFETY: the CPU has AVX2 and FMA (checked above).
         return unsafe { softmax_row_avx2(dtype, row) };
     }

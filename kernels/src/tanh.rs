@@ -56,7 +56,7 @@ fn exp_in_range(x: f32) -> f32 {
 /// results either way: `mul_add` is fused in both).
 pub fn map(values: &[f32], f: impl Fn(f32) -> f32 + Copy) -> Vec<f32> {
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+    if crate::simd::has!("avx2") && crate::simd::has!("fma") {
         // SAFETY: the CPU has AVX2 and FMA (checked above).
         return unsafe { map_avx2(values, f) };
     }

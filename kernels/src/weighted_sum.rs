@@ -28,10 +28,7 @@ pub fn weighted_sum(p: &[f32], rows: usize, s: usize, v: &[u16], dtype: Dtype, d
         if super::lanes::available() {
             // SAFETY: the CPU has AVX-512 F (checked by `available`); the sizes are checked above.
             done = unsafe { avx512::columns(p, rows, s, v, bf16, d, out) };
-        } else if std::is_x86_feature_detected!("avx2")
-            && std::is_x86_feature_detected!("fma")
-            && std::is_x86_feature_detected!("f16c")
-        {
+        } else if crate::simd::has!("avx2") && crate::simd::has!("fma") && crate::simd::has!("f16c") {
             // SAFETY: the CPU has AVX2, FMA and F16C (checked above); the sizes are checked above.
             done = unsafe { avx2::columns(p, rows, s, v, bf16, d, out) };
         }
@@ -315,10 +312,7 @@ mod tests {
                 routes.push(("chosen", chosen));
                 #[cfg(target_arch = "x86_64")]
                 {
-                    if std::is_x86_feature_detected!("avx2")
-                        && std::is_x86_feature_detected!("fma")
-                        && std::is_x86_feature_detected!("f16c")
-                    {
+                    if crate::simd::has!("avx2") && crate::simd::has!("fma") && crate::simd::has!("f16c") {
                         let mut out = slow.clone();
                         // SAFETY: the CPU has the features (checked above); the sizes match.
                         let done = unsafe { avx2::columns(&p, rows, s, &v, bf16, d, &mut out) };

@@ -1,5 +1,5 @@
-//! `host bench`: the host's plain decoding against mlx-lm's own generation on the same
-//! checkpoint, paired and interleaved (ABBA order, so drift hits both sides alike), with the
+//! `host bench`: the host's plain decoding against mlx-lm's own generation (or llama.cpp's
+//! `llama-bench` on a GGUF of it) on the same checkpoint, paired and interleaved (ABBA order, so drift hits both sides alike), with the
 //! ratio per pair and its spread, and the memory-bandwidth bound for the checkpoint.
 
 use std::path::PathBuf;
@@ -25,16 +25,54 @@ const MLX_LM_DECODE: &str = include_str!("mlx_lm_decode.py");
 #[derive(Debug, Clone)]
 pub struct BenchConfig {
     pub pairs: usize,
-    /// The Python that has mlx-lm installed; none to time the host alone.
-    pub mlx_lm_python: Option<PathBuf>,
+    /// What the host is measured against; none to time the host alone.
+    pub reference: Option<Reference>,
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum BenchError {
     #[error(transparent)]
     Generate(#[from] GenerateError),
-    #[error("running mlx-lm ({command}): {reason}")]
+    #[error("running the reference ({command}): {reason}")]
     Reference { command: String, reason: String },
+}
+
+/// The other program plain decoding is measured against, on the same checkpoint.
+#[derive(Debug, Clone)]
+pub enum Reference {
+    /// mlx-lm's own generation, run by this Python (which has mlx-lm installed).
+    MlxLm(PathBuf),
+    /// llama.cpp's `llama-bench` on a GGUF conversion of the checkpoint, at `threads` threads:
+    /// prefill of the prompt's length and decoding of `max_tokens`, timed apart, as llama.cpp
+    /// times them.
+    LlamaCpp { llama_bench: PathBuf, gguf: PathBuf, threads: usize },
+}
+
+impl Reference {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Reference::MlxLm(_) => "mlx-lm",
+            Reference::LlamaCpp { .. } => "llama.cpp",
+        }
+    }
+
+    /// Bytes one decode step reads, where known: a GGUF's file (weights and their scales, the
+    /// tied head read once per token).
+    fn bytes_per_token(&self) -> Option<usize> {
+        match self {
+            Reference::MlxLm(_) => None,
+            Reference::LlamaCpp { gguf, .. } => std::fs::metadata(gguf).ok().map(|m| m.len() as usize),
+        }
+    }
+
+    fn run(&self, model_dir: &std::path::Path, request: &Request) -> Result<Throughput, BenchError> {
+        match self {
+            Reference::MlxLm(python) => run_mlx_lm(python, model_dir, request),
+            Reference::LlamaCpp { llama_bench, gguf, threads } => {
+                run_llama_bench(llama_bench, gguf, *threads, request.prompt.len(), request.max_tokens)
+            }
+        }
+    }
 }
 
 /// Throughput of one run.
@@ -46,9 +84,14 @@ pub struct Throughput {
 
 #[derive(Debug, serde::Serialize)]
 pub struct PlainBench {
+    /// Which x86 loops the host's products took (`amx`, `avx512`, `avx2`, `portable`), or
+    /// `mlx` where MLX's ops computed.
+    pub host_route: String,
     pub host: Vec<Throughput>,
-    pub mlx_lm: Vec<Throughput>,
-    /// host / mlx-lm per pair.
+    /// `mlx-lm` or `llama.cpp`; none when the host ran alone.
+    pub reference_name: Option<String>,
+    pub reference: Vec<Throughput>,
+    /// host / reference per pair.
     pub decode_ratios: Vec<f64>,
     pub prefill_ratios: Vec<f64>,
     pub weight_bytes_per_token: usize,
@@ -56,6 +99,11 @@ pub struct PlainBench {
     /// device, whose memory this does not measure.
     pub memory_gb_per_s: Option<f64>,
     pub bandwidth_bound_tokens_per_s: Option<f64>,
+    /// The read bandwidth of two threads on two cores, and the share of it each program's
+    /// median decode reads (the reference's where its bytes per token are known).
+    pub memory_gb_per_s_two_threads: Option<f64>,
+    pub host_share_of_two_threads: Option<f64>,
+    pub reference_share_of_two_threads: Option<f64>,
     /// A verify window of [`WINDOW`] tokens over a one-token step, both after the prompt:
     /// medians of interleaved forwards (logits included), and their ratio.
     pub step_ms: f64,
@@ -109,38 +157,54 @@ pub fn plain(
     config: &BenchConfig,
 ) -> Result<PlainBench, BenchError> {
     // One unmeasured run of each, so that neither side pays first-touch costs in the sample.
-    let reference = |python: &std::path::Path| run_mlx_lm(python, model_dir, request);
+    let reference = |r: &Reference| r.run(model_dir, request);
     run_host(model, request)?;
-    if let Some(python) = &config.mlx_lm_python {
-        reference(python)?;
+    if let Some(r) = &config.reference {
+        reference(r)?;
     }
-    let (mut host, mut mlx_lm) = (Vec::new(), Vec::new());
+    let (mut host, mut other) = (Vec::new(), Vec::new());
     for pair in 0..config.pairs {
-        match &config.mlx_lm_python {
+        match &config.reference {
             None => host.push(run_host(model, request)?),
-            Some(python) if pair % 2 == 0 => {
+            Some(r) if pair % 2 == 0 => {
                 host.push(run_host(model, request)?);
-                mlx_lm.push(reference(python)?);
+                other.push(reference(r)?);
             }
-            Some(python) => {
-                mlx_lm.push(reference(python)?);
+            Some(r) => {
+                other.push(reference(r)?);
                 host.push(run_host(model, request)?);
             }
         }
     }
     let (step_ms, window_ms, logits) = window_cost(model, &request.prompt, 4 * config.pairs.max(1))?;
     let sampling = sampling_cost(&logits, 20).map_err(|e| GenerateError::Internal(e.to_string()))?;
-    let ratios = |f: fn(&Throughput) -> f64| host.iter().zip(&mlx_lm).map(|(h, m)| f(h) / f(m)).collect::<Vec<_>>();
+    let ratios = |f: fn(&Throughput) -> f64| host.iter().zip(&other).map(|(h, m)| f(h) / f(m)).collect::<Vec<_>>();
     let weight_bytes_per_token = model.weight_bytes_per_token();
-    let memory_gb_per_s = ::kernels::route::on_cpu().then(memory_bandwidth_gb_per_s);
+    let on_cpu = ::kernels::route::on_cpu();
+    let memory_gb_per_s = on_cpu.then(memory_bandwidth_gb_per_s);
+    let two_threads = on_cpu.then(|| crate::runtime::starting_children(|| memory_bandwidth_gb_per_s_threads(2)));
+    let median_decode =
+        |runs: &[Throughput]| summary(&runs.iter().map(|t| t.decode_tokens_per_s).collect::<Vec<_>>()).0;
+    let share = |bytes: usize, rate: f64| two_threads.map(|bw| bytes as f64 * rate / (bw * 1e9));
+    let reference_bytes = config.reference.as_ref().and_then(Reference::bytes_per_token);
     Ok(PlainBench {
+        host_route: match on_cpu {
+            true => ::kernels::simd::product_route().into(),
+            false => "mlx".into(),
+        },
         decode_ratios: ratios(|t| t.decode_tokens_per_s),
         prefill_ratios: ratios(|t| t.prefill_tokens_per_s),
+        host_share_of_two_threads: share(weight_bytes_per_token, median_decode(&host)),
+        reference_share_of_two_threads: reference_bytes
+            .filter(|_| !other.is_empty())
+            .and_then(|bytes| share(bytes, median_decode(&other))),
         host,
-        mlx_lm,
+        reference_name: config.reference.as_ref().map(|r| r.name().to_owned()),
+        reference: other,
         weight_bytes_per_token,
         memory_gb_per_s,
         bandwidth_bound_tokens_per_s: memory_gb_per_s.map(|m| m * 1e9 / weight_bytes_per_token as f64),
+        memory_gb_per_s_two_threads: two_threads,
         step_ms,
         window_ms,
         window_over_step: window_ms / step_ms,
@@ -228,6 +292,69 @@ fn run_mlx_lm(
     })
 }
 
+/// llama.cpp's `llama-bench` on `gguf`: prefill of `prompt_tokens` and decoding of
+/// `max_tokens`, each timed by llama-bench once (after its own warm-up run), as one JSON array.
+fn run_llama_bench(
+    llama_bench: &std::path::Path,
+    gguf: &std::path::Path,
+    threads: usize,
+    prompt_tokens: usize,
+    max_tokens: usize,
+) -> Result<Throughput, BenchError> {
+    let mut command = std::process::Command::new(llama_bench);
+    command.arg("-m").arg(gguf).args(["-t", &threads.to_string(), "-r", "1", "-o", "json"]);
+    command.args(["-p", &prompt_tokens.to_string(), "-n", &max_tokens.to_string()]);
+    let shown = format!("{} -m {}", llama_bench.display(), gguf.display());
+    let failed = |reason: String| BenchError::Reference { command: shown.clone(), reason };
+    let out = crate::runtime::starting_children(|| command.output()).map_err(|e| failed(e.to_string()))?;
+    if !out.status.success() {
+        return Err(failed(String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or("failed").to_owned()));
+    }
+    let tests: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout)
+        .map_err(|e| failed(format!("its output is not llama-bench's JSON array ({e})")))?;
+    let rate = |prefill: bool| {
+        tests
+            .iter()
+            .find(|t| (t["n_prompt"].as_u64().unwrap_or(0) > 0) == prefill)
+            .and_then(|t| t["avg_ts"].as_f64())
+            .ok_or_else(|| {
+                failed(format!("no {} test with `avg_ts` in its output", ["decode", "prefill"][prefill as usize]))
+            })
+    };
+    Ok(Throughput { prefill_tokens_per_s: rate(true)?, decode_tokens_per_s: rate(false)? })
+}
+
+/// Read bandwidth of `threads` threads, each summing its share of one buffer at once (the
+/// best of three), over a buffer as [`memory_bandwidth_gb_per_s`]'s. Start it where the
+/// threads may run on every core ([`crate::runtime::starting_children`]).
+pub fn memory_bandwidth_gb_per_s_threads(threads: usize) -> f64 {
+    let words = (2 * largest_cache_bytes().unwrap_or(0)).max(256 << 20) / 8;
+    let data: Vec<u64> = (0..words as u64).collect();
+    let share = words.div_ceil(threads.max(1));
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        let start = Instant::now();
+        std::thread::scope(|scope| {
+            for part in data.chunks(share) {
+                scope.spawn(move || std::hint::black_box(sum_words(part)));
+            }
+        });
+        best = best.min(start.elapsed().as_secs_f64());
+    }
+    (words * 8) as f64 / best / 1e9
+}
+
+/// The words' sum in four independent chains, so that the loads, not the adds, are the limit.
+fn sum_words(data: &[u64]) -> [u64; 4] {
+    let mut acc = [0u64; 4];
+    for chunk in data.chunks_exact(4) {
+        for (a, x) in acc.iter_mut().zip(chunk) {
+            *a = a.wrapping_add(*x);
+        }
+    }
+    acc
+}
+
 /// Single-thread read bandwidth of this machine's memory: the best of three sums over a buffer
 /// twice its largest cache (at least 256 MiB). A server's last-level cache can hold 256 MiB, and
 /// a sum over that read the cache, not memory.
@@ -237,13 +364,7 @@ pub fn memory_bandwidth_gb_per_s() -> f64 {
     let mut best = f64::MAX;
     for _ in 0..3 {
         let start = Instant::now();
-        let mut acc = [0u64; 4];
-        for chunk in data.chunks_exact(4) {
-            for (a, x) in acc.iter_mut().zip(chunk) {
-                *a = a.wrapping_add(*x);
-            }
-        }
-        std::hint::black_box(acc);
+        std::hint::black_box(sum_words(&data));
         best = best.min(start.elapsed().as_secs_f64());
     }
     (words * 8) as f64 / best / 1e9

@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::rc::Rc;
 
-use super::{plain, speculative, summary, BenchConfig, BenchError, PlainBench, SpeculativeBench};
+use super::{plain, speculative, summary, BenchConfig, BenchError, PlainBench, Reference, SpeculativeBench};
 use crate::generate::Request;
 use crate::manifest::Manifest;
 use crate::model::Gemma4;
@@ -26,6 +26,10 @@ pub struct BenchOptions {
     pub mlx_lm_python: Option<PathBuf>,
     /// Time the host alone (`--no-mlx-lm`).
     pub no_mlx_lm: bool,
+    /// Measure against llama.cpp instead: its `llama-bench` and a GGUF of the same checkpoint.
+    pub llama_cpp: Option<(PathBuf, PathBuf)>,
+    /// A prompt of this many tokens instead of the manifest's (what prefill is timed on).
+    pub prompt_tokens: Option<usize>,
     pub plugins_dir: PluginsDir,
     /// Measure the serving engine at these concurrencies instead (`--serving`).
     pub serving: Option<Vec<usize>>,
@@ -110,17 +114,22 @@ pub fn bench(options: &BenchOptions) -> Result<BenchReport, BenchRunError> {
             result,
         });
     }
-    let python = match options.no_mlx_lm {
-        true => None,
-        false => Some(
+    let reference = match (&options.llama_cpp, options.no_mlx_lm) {
+        (Some((llama_bench, gguf)), _) => Some(Reference::LlamaCpp {
+            llama_bench: llama_bench.clone(),
+            gguf: gguf.clone(),
+            threads: crate::runtime::process_cpus().len().max(1),
+        }),
+        (None, true) => None,
+        (None, false) => Some(Reference::MlxLm(
             options
                 .mlx_lm_python
                 .clone()
                 .or_else(|| std::env::var_os(MLX_LM_PYTHON_ENV).map(PathBuf::from))
                 .ok_or(BenchRunError::NoMlxLm)?,
-        ),
+        )),
     };
-    let config = BenchConfig { pairs: options.pairs, mlx_lm_python: python };
+    let config = BenchConfig { pairs: options.pairs, reference };
     let result = plain(&model, &manifest.target_model, &request, &config)?;
     Ok(BenchReport::Plain { prompt_tokens, max_tokens, result })
 }
@@ -137,6 +146,15 @@ fn distinct_requests(request: &Request, n: usize) -> Vec<Request> {
         .collect()
 }
 
+/// A prompt of `n` tokens: the manifest's first token (BOS), then ids stepping through the
+/// vocabulary, as mlx_lm_decode.py builds its fixed prompt.
+fn synthetic_prompt(n: usize, vocab: usize, first: Option<u32>) -> Vec<u32> {
+    const FROM: usize = 10;
+    let span = vocab.saturating_sub(FROM).max(1);
+    let tail = (0..n.saturating_sub(1)).map(|i| (FROM + (i * 7919) % span) as u32);
+    first.into_iter().chain(tail).take(n).collect()
+}
+
 type Setup = (Manifest, Rc<Gemma4>, Request, Option<(LoadedDrafter, SpecConfig)>);
 
 /// The manifest's target, its greedy request of exactly `max_tokens` (no EOS stop, so both
@@ -148,6 +166,9 @@ fn setup(options: &BenchOptions) -> Result<Setup, RunError> {
     let overrides = Overrides { max_tokens: Some(options.max_tokens), temperature: Some(0.0), ..Overrides::default() };
     let mut request = resolve_request(&manifest, &overrides, &model, &tokenizer, &CheckpointDefaults::default())?;
     request.eos.clear();
+    if let Some(n) = options.prompt_tokens {
+        request.prompt = synthetic_prompt(n, model.config.vocab_size as usize, request.prompt.first().copied());
+    }
     let mut drafter = load_drafter(&manifest, &options.plugins_dir)?;
     if let Some((d, config)) = &mut drafter {
         probe_open(&model, d)?;
@@ -175,28 +196,40 @@ impl BenchReport {
 fn plain_text(prompt_tokens: usize, max_tokens: usize, r: &PlainBench) -> String {
     let stat = |v: Vec<f64>| summary(&v);
     let (hd, _, _) = stat(r.host.iter().map(|t| t.decode_tokens_per_s).collect());
-    let (md, _, _) = stat(r.mlx_lm.iter().map(|t| t.decode_tokens_per_s).collect());
+    let (md, _, _) = stat(r.reference.iter().map(|t| t.decode_tokens_per_s).collect());
     let (hp, _, _) = stat(r.host.iter().map(|t| t.prefill_tokens_per_s).collect());
-    let (mp, _, _) = stat(r.mlx_lm.iter().map(|t| t.prefill_tokens_per_s).collect());
+    let (mp, _, _) = stat(r.reference.iter().map(|t| t.prefill_tokens_per_s).collect());
     let (dr, dr_lo, dr_hi) = summary(&r.decode_ratios);
     let (pr, pr_lo, pr_hi) = summary(&r.prefill_ratios);
-    let rates = match r.mlx_lm.is_empty() {
-        true => format!(
-            "plain decoding, {prompt_tokens} prompt tokens, {max_tokens} generated, {} runs (median; mlx-lm not run)\n\
+    let route = &r.host_route;
+    let rates = match &r.reference_name {
+        None => format!(
+            "plain decoding, {prompt_tokens} prompt tokens, {max_tokens} generated, {} runs (median; host alone; {route} loops)\n\
              \x20 decode   host {hd:8.1} tok/s\n\
              \x20 prefill  host {hp:8.1} tok/s\n",
             r.host.len()
         ),
-        false => format!(
-            "plain decoding, {prompt_tokens} prompt tokens, {max_tokens} generated, {} pairs (median; ratio range)\n\
-             \x20 decode   host {hd:8.1} tok/s   mlx-lm {md:8.1} tok/s   ratio {dr:.3}x  [{dr_lo:.3}, {dr_hi:.3}]\n\
-             \x20 prefill  host {hp:8.1} tok/s   mlx-lm {mp:8.1} tok/s   ratio {pr:.3}x  [{pr_lo:.3}, {pr_hi:.3}]\n",
+        Some(name) => format!(
+            "plain decoding, {prompt_tokens} prompt tokens, {max_tokens} generated, {} pairs (median; ratio range; host on {route} loops)\n\
+             \x20 decode   host {hd:8.1} tok/s   {name} {md:8.1} tok/s   ratio {dr:.3}x  [{dr_lo:.3}, {dr_hi:.3}]\n\
+             \x20 prefill  host {hp:8.1} tok/s   {name} {mp:8.1} tok/s   ratio {pr:.3}x  [{pr_lo:.3}, {pr_hi:.3}]\n",
             r.host.len()
         ),
+    };
+    let two_threads = match (r.memory_gb_per_s_two_threads, r.host_share_of_two_threads) {
+        (Some(bw), Some(host)) => {
+            let reference = match (&r.reference_name, r.reference_share_of_two_threads) {
+                (Some(name), Some(share)) => format!(", {name} {:.0}%", 100.0 * share),
+                _ => String::new(),
+            };
+            format!("  two threads read {bw:.1} GB/s; decode reads at host {:.0}%{reference} of it\n", 100.0 * host)
+        }
+        _ => String::new(),
     };
     format!(
         "{rates}\
          \x20 {}\n\
+         {two_threads}\
          \x20 verify window of {} tokens {:.2} ms, one-token step {:.2} ms: {:.2}x a step (median)\n\
          {}",
         match (r.bandwidth_bound_tokens_per_s, r.memory_gb_per_s) {
@@ -266,13 +299,18 @@ mod tests {
     fn bench(memory_gb_per_s: Option<f64>) -> PlainBench {
         let run = Throughput { prefill_tokens_per_s: 400.0, decode_tokens_per_s: 100.0 };
         PlainBench {
+            host_route: "avx2".into(),
             host: vec![run; 2],
-            mlx_lm: vec![run; 2],
+            reference_name: Some("mlx-lm".into()),
+            reference: vec![run; 2],
             decode_ratios: vec![1.0; 2],
             prefill_ratios: vec![1.0; 2],
             weight_bytes_per_token: 20_000_000,
             memory_gb_per_s,
             bandwidth_bound_tokens_per_s: memory_gb_per_s.map(|m| m * 1e9 / 20e6),
+            memory_gb_per_s_two_threads: memory_gb_per_s.map(|m| 2.0 * m),
+            host_share_of_two_threads: memory_gb_per_s.map(|m| 20e6 * 100.0 / (2.0 * m * 1e9)),
+            reference_share_of_two_threads: None,
             step_ms: 10.0,
             window_ms: 15.0,
             window_over_step: 1.5,
@@ -289,17 +327,37 @@ mod tests {
     }
 
     #[test]
+    fn the_share_of_two_threads_names_each_program_measured() {
+        let mut paired = bench(Some(10.0));
+        paired.reference_name = Some("llama.cpp".into());
+        paired.reference_share_of_two_threads = Some(0.5);
+        let text = super::plain_text(512, 128, &paired);
+        assert!(text.contains("two threads read 20.0 GB/s; decode reads at host 10%, llama.cpp 50% of it"), "{text}");
+        assert!(text.contains("llama.cpp    100.0 tok/s   ratio 1.000x"), "{text}");
+    }
+
+    #[test]
+    fn a_synthetic_prompt_keeps_the_first_token_and_stays_in_the_vocabulary() {
+        let prompt = super::synthetic_prompt(512, 300, Some(2));
+        assert_eq!(prompt.len(), 512);
+        assert_eq!(prompt[0], 2);
+        assert!(prompt[1..].iter().all(|&t| (10..300).contains(&t)), "{prompt:?}");
+        assert_eq!(super::synthetic_prompt(1, 300, Some(2)), vec![2]);
+    }
+
+    #[test]
     fn without_mlx_lm_only_the_hosts_rates_are_shown() {
         let paired = super::plain_text(8, 32, &bench(Some(10.0)));
         assert!(paired.contains("decode   host    100.0 tok/s   mlx-lm    100.0 tok/s   ratio 1.000x"), "{paired}");
         let alone = PlainBench {
-            mlx_lm: Vec::new(),
+            reference_name: None,
+            reference: Vec::new(),
             decode_ratios: Vec::new(),
             prefill_ratios: Vec::new(),
             ..bench(Some(10.0))
         };
         let text = super::plain_text(8, 32, &alone);
-        assert!(text.contains("2 runs (median; mlx-lm not run)\n  decode   host    100.0 tok/s\n"), "{text}");
+        assert!(text.contains("2 runs (median; host alone; avx2 loops)\n  decode   host    100.0 tok/s\n"), "{text}");
         assert!(!text.contains("ratio"), "{text}");
         assert!(text.contains("verify window of 5 tokens 15.00 ms, one-token step 10.00 ms: 1.50x a step"), "{text}");
     }
