@@ -45,7 +45,8 @@ replicas: build ## two `host serve` replicas behind nginx on loopback
 # (HOST_KERNELS=mlx), on this machine's CPU: the target's and the drafters' parity with their
 # references, and speculative output equal to plain. The 4-bit fixture sits that run out: its
 # oracle sums quantized products in float32 as Metal, CUDA and the host's kernels do, where
-# MLX's CPU kernel rounds to bfloat16 at every step (tests/oracle/README.md).
+# MLX's CPU kernel rounds to bfloat16 at every step (tests/oracle/README.md). The kernels' own
+# tests run again on the portable loops and with 8-bit activations for quantized products.
 MLX_ROUTE_TESTS := --test gemma4_parity --test speculative --test assistant --test dflash --test dspark \
 	--test deepspec --test trained_drafters
 test: setup fixtures training-smoke check-platforms ## every test: Rust (both kernel routes), training smoke, platforms, docs
@@ -53,6 +54,8 @@ test: setup fixtures training-smoke check-platforms ## every test: Rust (both ke
 	cargo build --workspace
 	cargo test --workspace
 	HOST_KERNELS=mlx cargo test -p host $(MLX_ROUTE_TESTS) -- --skip quantized_4_bit
+	HOST_SIMD=portable cargo test -p kernels
+	HOST_QUANTIZED_ACTIVATIONS=int8 cargo test -p kernels
 
 # The workspace type-checked for macOS on Apple silicon and for Windows, which CI cannot run:
 # every platform path compiles there (nothing is linked or run).
@@ -121,8 +124,9 @@ oracle: setup ## regenerate the oracle fixtures with the reference implementatio
 
 # The bench checkpoints (made once under target/, not committed): random Gemma 4s written by the
 # oracle, and mlx-lm's conversions of them to bfloat16, float32, and 8 and 4 bits (group 64,
-# bfloat16 scales: what users download). target/kjv-gemma4 links the demo target, so that its
-# conversions are made the same way.
+# bfloat16 scales: what users download). target/kjv-gemma4 links the demo target's files, so
+# that its conversions are made the same way; its config names `expert_intermediate_size` (none),
+# which llama.cpp's converter requires of every Gemma 4.
 MLX_CONVERT := $(ORACLE_PY) -m mlx_lm convert
 oracle-venv:
 	bash tests/oracle/setup-venv.sh
@@ -132,8 +136,11 @@ target/bench-model-262k/config.json: | oracle-venv
 	$(ORACLE_PY) tests/oracle/gemma4_oracle.py --bench $(@D) --bench-vocab 262144
 target/bench-model-large/config.json: | oracle-venv
 	$(ORACLE_PY) tests/oracle/gemma4_oracle.py --bench $(@D) --bench-large
-target/kjv-gemma4/config.json:
-	mkdir -p target && ln -sfn ../models/kjv-gemma4 target/kjv-gemma4
+target/kjv-gemma4/config.json: models/kjv-gemma4/config.json
+	mkdir -p $(@D) && for f in model.safetensors tokenizer.json tokenizer_config.json generation_config.json; do \
+		ln -sfn ../../models/kjv-gemma4/$$f $(@D)/$$f; done
+	python3 -c 'import json,sys; c=json.load(open(sys.argv[1])); c.setdefault("expert_intermediate_size", None); \
+		json.dump(c, open(sys.argv[2], "w"), indent=2)' $< $@
 target/%-q4/config.json: target/%/config.json | oracle-venv
 	rm -rf $(@D) && $(MLX_CONVERT) --hf-path target/$* --mlx-path $(@D) -q --q-bits 4 --q-group-size 64 --dtype bfloat16
 target/%-q8/config.json: target/%/config.json | oracle-venv
@@ -171,8 +178,9 @@ $(LLAMACPP)/gguf/%-f32.gguf $(LLAMACPP)/gguf/%-bf16.gguf $(LLAMACPP)/gguf/%-q8_0
 		$(GGUF_CONVERT) target/$* --outtype $$t --outfile $(@D)/$*-$$t.gguf >$$log 2>&1 || { tail -5 $$log; exit 1; }; done
 $(LLAMACPP)/gguf/%-q4_0.gguf: $(LLAMACPP)/gguf/%-f32.gguf | llamacpp
 	$(LLAMACPP)/build/bin/llama-quantize $< $@ q4_0 >/dev/null
+PAIRS ?= 3
 bench-llamacpp: build llamacpp $(MLX_FORMATS:%=target/%/config.json) $(GGUFS) ## the host against llama.cpp, every format
-	python3 scripts/llamacpp/bench.py --out $(LLAMACPP)/results
+	python3 scripts/llamacpp/bench.py --out $(LLAMACPP)/results --pairs $(PAIRS)
 
 # Host against mlx-lm on a random Gemma 4 of more than 20M parameters (made once, not committed).
 bench: build target/bench-model/config.json target/bench-model-262k/config.json target/bench-model-q8/config.json \

@@ -301,6 +301,41 @@ fn plain_bench_without_mlx_lm_names_the_option_and_the_variable() {
 }
 
 #[test]
+fn plain_bench_against_llama_cpp_needs_both_its_binary_and_a_gguf_and_names_a_failing_one() {
+    let work = tempfile::tempdir().unwrap();
+    let file = dense_manifest(work.path(), "");
+    let manifest = file.to_str().unwrap();
+    let out = host(&["bench", "--manifest", manifest, "--llama-bench", "/bin/true"]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("--gguf"), "{}", stderr(&out));
+    // A llama-bench that prints no JSON array: refused, naming the command and what was wrong.
+    let gguf = work.path().join("m.gguf");
+    fs::write(&gguf, b"GGUF").unwrap();
+    let args = ["bench", "--manifest", manifest, "--pairs", "1", "--max-tokens", "4", "--prompt-tokens", "8"];
+    let out = host(&[&args[..], &["--llama-bench", "/bin/true", "--gguf", gguf.to_str().unwrap()]].concat());
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(err.contains("/bin/true -m") && err.contains("not llama-bench's JSON array"), "{err}");
+    let out = host(&[&args[..], &["--llama-bench", "/nonexistent/llama-bench", "--gguf", gguf.to_str().unwrap()]].concat());
+    assert!(stderr(&out).contains("/nonexistent/llama-bench"), "{}", stderr(&out));
+}
+
+#[test]
+fn loop_choices_that_name_nothing_are_refused_at_start() {
+    for (variable, value, expected) in [
+        ("HOST_SIMD", "sse4", "HOST_SIMD=\"sse4\" is not a route; use auto, avx512, avx2 or portable"),
+        ("HOST_QUANTIZED_ACTIVATIONS", "int4", "HOST_QUANTIZED_ACTIVATIONS=\"int4\" is not a choice; use float or int8"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_host")).args(["plugins", "list"]).env(variable, value).output().unwrap();
+        assert_eq!(out.status.code(), Some(1), "{variable}");
+        assert!(stderr(&out).contains(expected), "{}", stderr(&out));
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_host")).args(["doctor"]).env("HOST_SIMD", "portable").output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).contains("loops:       portable (HOST_SIMD=portable)"), "{}", stdout(&out));
+}
+
+#[test]
 fn a_draft_length_beyond_the_drafters_limit_is_warned_about() {
     let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/deepspec/gemma4-dense");
     let work = tempfile::tempdir().unwrap();

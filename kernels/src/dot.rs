@@ -73,14 +73,14 @@ pub fn product(
             }
         }
         if let Weight::Quantized(w) = w {
+            if activations_quantized(&w, k) {
+                // SAFETY: the CPU has AVX2, FMA and F16C, and the loops take this format (checked).
+                unsafe { super::quantized_avx2::product(x, rows, k, w, outputs, n, y) };
+                return;
+            }
             if super::quantized_avx512::takes(w.bits, w.group) && super::quantized_avx512::available() {
                 // SAFETY: the CPU has the features and the loops take this format (checked).
                 unsafe { super::quantized_avx512::product(x, rows, k, w, outputs, n, y) };
-                return;
-            }
-            if activations_quantized(&w, k) {
-                // SAFETY: the CPU has AVX2 and FMA, and the loops take this format (checked).
-                unsafe { super::quantized_avx2::product(x, rows, k, w, outputs, n, y) };
                 return;
             }
         }
@@ -94,15 +94,15 @@ pub fn product(
     portable::product(x, rows, k, w, outputs, n, y)
 }
 
-/// Whether quantized products of `w` (rows of `k`) take the AVX2 integer loops, which round
-/// the activations to 8 bits ([`crate::quantized_avx2`]): asked for with
-/// `HOST_QUANTIZED_ACTIVATIONS=int8`, on x86 CPUs without AVX-512 (or with `HOST_SIMD=avx2`).
-/// Other routes sum the float32 products of dequantized weights.
+/// Whether quantized products of `w` (rows of `k`) take the integer loops, which round the
+/// activations to 8 bits ([`crate::quantized_avx2`]): asked for with
+/// `HOST_QUANTIZED_ACTIVATIONS=int8`, on any x86 CPU with AVX2 (with AVX-512 too: the user
+/// asked; weights repacked for AMX keep the tile unit). Otherwise quantized products sum the
+/// float32 products of dequantized weights.
 pub fn activations_quantized(w: &Quantized, k: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        let wider = super::quantized_avx512::takes(w.bits, w.group) && super::quantized_avx512::available();
-        !wider && super::quantized_avx2::takes(w, k) && super::quantized_avx2::available()
+        super::quantized_avx2::takes(w, k) && super::quantized_avx2::available()
     }
     #[cfg(not(target_arch = "x86_64"))]
     {

@@ -1,11 +1,12 @@
 //! MLX affine-quantized weights (4 and 8 bits) on AVX2 with activations rounded to 8-bit
 //! integers, as llama.cpp computes its quantized formats: the route of
-//! [`super::dot::product`] for quantized weights on CPUs without AVX-512 when
-//! `HOST_QUANTIZED_ACTIVATIONS=int8` asks for it ([`crate::simd::ACTIVATIONS_ENV`]), at every row count.
+//! [`super::dot::product`] for quantized weights on x86 CPUs with AVX2 (AVX-512 ones too) when
+//! `HOST_QUANTIZED_ACTIVATIONS=int8` asks for it ([`crate::simd::ACTIVATIONS_ENV`]), at every
+//! row count. Weights repacked for AMX tiles keep the tile unit (`HOST_AMX=off` to use these).
 //!
 //! Why: dequantizing each weight to float32 (w = scale · q + bias) and multiplying it in takes
-//! five or six vector operations per eight weights, which bounds a 4-bit product at about half
-//! of what memory delivers on such a CPU. Here each row of x is rounded once per call to 8-bit
+//! five or six AVX2 operations per eight weights, which bounds a 4-bit product at about half of
+//! what memory delivers. Here each row of x is rounded once per call to 8-bit
 //! integers, a scale per block of 32, and `vpmaddubsw` multiplies 32 weight bytes by 32
 //! activation bytes and adds them in pairs in one operation. For one weight group,
 //!

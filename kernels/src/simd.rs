@@ -31,10 +31,10 @@ fn parse(value: Option<&str>) -> Result<Level, String> {
     }
 }
 
-/// The variable that picks how quantized products treat activations on the AVX2 route:
+/// The variable that picks how quantized products treat activations on x86 CPUs with AVX2:
 /// `float` (the default: float32 sums of dequantized weights, MLX's result up to summation
 /// order) or `int8` (rounded to 8-bit integers, as llama.cpp does: faster, less exact;
-/// [`crate::quantized_avx2`]). Other routes ignore it.
+/// [`crate::quantized_avx2`]). Weights repacked for AMX, and other CPUs, ignore it.
 pub const ACTIVATIONS_ENV: &str = "HOST_QUANTIZED_ACTIVATIONS";
 
 /// Whether a value of [`ACTIVATIONS_ENV`] asks for 8-bit activations.
@@ -91,16 +91,17 @@ macro_rules! has {
 pub(crate) use has;
 
 /// The widest product route this process takes on x86, in words (`amx`, `avx512`, `avx2`,
-/// `avx2-int8` where quantized products round activations to 8 bits, `portable`), for the
-/// bench and `host doctor`.
+/// `portable`; `+int8` where quantized products round activations to 8 bits), for the bench
+/// and `host doctor`.
 #[cfg(target_arch = "x86_64")]
 pub fn product_route() -> &'static str {
+    let int8 = crate::quantized_avx2::available();
     if crate::amx_bf16::available() {
         "amx"
     } else if has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512dq") {
-        "avx512"
-    } else if crate::quantized_avx2::available() {
-        "avx2-int8"
+        if int8 { "avx512+int8" } else { "avx512" }
+    } else if int8 {
+        "avx2+int8"
     } else if has!("avx2") && has!("fma") && has!("f16c") {
         "avx2"
     } else {

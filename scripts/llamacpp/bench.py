@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -58,13 +59,14 @@ def run(name: str, fmt: str, pairs: int, out: Path) -> dict:
 
 
 def median_range(values: list) -> tuple:
-    v = sorted(values)
-    return v[len(v) // 2], v[0], v[-1]
+    return statistics.median(values), min(values), max(values)
 
 
 def cell(r: dict, what: str) -> str:
     if "error" in r:
-        return "not run: " + r["error"].replace("|", "/")[:80]
+        # "running the reference (COMMAND): WHAT": what went wrong, without the command.
+        said = re.sub(r"\S*/", "", r["error"].split("): ")[-1])
+        return "not run: " + said.replace("|", "/")[:100]
     ratio, lo, hi = median_range(r[f"{what}_ratios"])
     key = f"{what}_tokens_per_s"
     host = median_range([t[key] for t in r["host"]])[0]

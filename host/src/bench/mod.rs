@@ -308,7 +308,11 @@ fn run_llama_bench(
     let failed = |reason: String| BenchError::Reference { command: shown.clone(), reason };
     let out = crate::runtime::starting_children(|| command.output()).map_err(|e| failed(e.to_string()))?;
     if !out.status.success() {
-        return Err(failed(String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or("failed").to_owned()));
+        // A failed assertion is followed by a backtrace: the assertion says what went wrong.
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let said = |l: &&str| ["error", "failed", "abort"].iter().any(|w| l.to_lowercase().contains(w));
+        let line = stderr.lines().find(said).or_else(|| stderr.lines().last()).unwrap_or("failed");
+        return Err(failed(line.trim().to_owned()));
     }
     let tests: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout)
         .map_err(|e| failed(format!("its output is not llama-bench's JSON array ({e})")))?;
