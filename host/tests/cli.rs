@@ -316,7 +316,8 @@ fn plain_bench_against_llama_cpp_needs_both_its_binary_and_a_gguf_and_names_a_fa
     assert!(!out.status.success());
     let err = stderr(&out);
     assert!(err.contains("/bin/true -m") && err.contains("not llama-bench's JSON array"), "{err}");
-    let out = host(&[&args[..], &["--llama-bench", "/nonexistent/llama-bench", "--gguf", gguf.to_str().unwrap()]].concat());
+    let out =
+        host(&[&args[..], &["--llama-bench", "/nonexistent/llama-bench", "--gguf", gguf.to_str().unwrap()]].concat());
     assert!(stderr(&out).contains("/nonexistent/llama-bench"), "{}", stderr(&out));
 }
 
@@ -324,9 +325,14 @@ fn plain_bench_against_llama_cpp_needs_both_its_binary_and_a_gguf_and_names_a_fa
 fn loop_choices_that_name_nothing_are_refused_at_start() {
     for (variable, value, expected) in [
         ("HOST_SIMD", "sse4", "HOST_SIMD=\"sse4\" is not a route; use auto, avx512, avx2 or portable"),
-        ("HOST_QUANTIZED_ACTIVATIONS", "int4", "HOST_QUANTIZED_ACTIVATIONS=\"int4\" is not a choice; use float or int8"),
+        (
+            "HOST_QUANTIZED_ACTIVATIONS",
+            "int4",
+            "HOST_QUANTIZED_ACTIVATIONS=\"int4\" is not a choice; use float or int8",
+        ),
     ] {
-        let out = Command::new(env!("CARGO_BIN_EXE_host")).args(["plugins", "list"]).env(variable, value).output().unwrap();
+        let out =
+            Command::new(env!("CARGO_BIN_EXE_host")).args(["plugins", "list"]).env(variable, value).output().unwrap();
         assert_eq!(out.status.code(), Some(1), "{variable}");
         assert!(stderr(&out).contains(expected), "{}", stderr(&out));
     }

@@ -99,7 +99,11 @@ pub fn product_route() -> &'static str {
     if crate::amx_bf16::available() {
         "amx"
     } else if has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512dq") {
-        if int8 { "avx512+int8" } else { "avx512" }
+        if int8 {
+            "avx512+int8"
+        } else {
+            "avx512"
+        }
     } else if int8 {
         "avx2+int8"
     } else if has!("avx2") && has!("fma") && has!("f16c") {

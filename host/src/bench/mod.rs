@@ -329,8 +329,9 @@ fn run_llama_bench(
 }
 
 /// Read bandwidth of `threads` threads, each summing its share of one buffer at once (the
-/// best of three), over a buffer as [`memory_bandwidth_gb_per_s`]'s. Start it where the
-/// threads may run on every core ([`crate::runtime::starting_children`]).
+/// best of three), over a buffer as [`memory_bandwidth_gb_per_s`]'s. The threads inherit the
+/// caller's cores: for more than one, start it where they may run on every core
+/// ([`crate::runtime::starting_children`]).
 pub fn memory_bandwidth_gb_per_s_threads(threads: usize) -> f64 {
     let words = (2 * largest_cache_bytes().unwrap_or(0)).max(256 << 20) / 8;
     let data: Vec<u64> = (0..words as u64).collect();
@@ -363,15 +364,7 @@ fn sum_words(data: &[u64]) -> [u64; 4] {
 /// twice its largest cache (at least 256 MiB). A server's last-level cache can hold 256 MiB, and
 /// a sum over that read the cache, not memory.
 pub fn memory_bandwidth_gb_per_s() -> f64 {
-    let words = (2 * largest_cache_bytes().unwrap_or(0)).max(256 << 20) / 8;
-    let data: Vec<u64> = (0..words as u64).collect();
-    let mut best = f64::MAX;
-    for _ in 0..3 {
-        let start = Instant::now();
-        std::hint::black_box(sum_words(&data));
-        best = best.min(start.elapsed().as_secs_f64());
-    }
-    (words * 8) as f64 / best / 1e9
+    memory_bandwidth_gb_per_s_threads(1)
 }
 
 /// The largest cache Linux reports for the first CPU (`/sys/devices/system/cpu/cpu0/cache`).
