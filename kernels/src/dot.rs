@@ -7,7 +7,9 @@
 //! row of W once into a buffer that stays in L1 and use it for every row of x. Each row of x is
 //! summed in the same order whatever the number of rows.
 //!
-//! Four routes, chosen at run time by the CPU's features:
+//! Routes, chosen at run time by the CPU's features (narrowed by `HOST_SIMD`, [`crate::simd`]):
+//! - quantized weights with `HOST_QUANTIZED_ACTIVATIONS=int8`, on any CPU with AVX2
+//!   ([`crate::quantized_avx2`]): integer products on activations rounded to 8 bits;
 //! - bfloat16 weights times bfloat16 activations, where the CPU has AVX-512 BF16 (Zen 4,
 //!   Cooper Lake, Sapphire Rapids): `vdpbf16ps` multiplies pairs of bfloat16 values straight
 //!   from memory into float32 sums. The AVX2 loops spend several instructions per eight weights
