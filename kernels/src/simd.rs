@@ -1,6 +1,6 @@
 //! Which x86 vector instructions the loops may use: those the CPU has, narrowed by `HOST_SIMD`.
 //!
-//! Every feature check in this crate goes through [`has!`], so one variable moves every loop to
+//! Every feature check in this crate goes through `has!`, so one variable moves every loop to
 //! a narrower route at once: a machine with AVX-512 (or AMX, which needs AVX-512 here) then
 //! measures the AVX2 route, or the portable one, as a CPU without them would run it. Each copy
 //! of the crate in the process (the host's and each plugin's) reads the same variable.
