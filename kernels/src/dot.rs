@@ -19,9 +19,10 @@
 //!   in another order.
 //! - quantized weights where the CPU has AVX-512 ([`crate::quantized_avx512`]): dequantized in
 //!   registers straight from their packed bytes;
+//! - quantized weights on other CPUs with AVX2 ([`crate::quantized_f32_avx2`]): per group,
+//!   scale · Σ q·x + bias · Σ x;
 //! - AVX2 with FMA for everything else where the CPU has it; up to six rows of half-precision
-//!   or quantized weights widened in registers ([`crate::narrow_avx2`]), summed as these loops
-//!   sum.
+//!   weights widened in registers ([`crate::narrow_avx2`]), summed as these loops sum.
 //! - a portable loop elsewhere.
 //!
 //! A route depends only on the CPU, the weight's format and the dtype x was widened from, never
@@ -83,6 +84,11 @@ pub fn product(
             if super::quantized_avx512::takes(w.bits, w.group) && super::quantized_avx512::available() {
                 // SAFETY: the CPU has the features and the loops take this format (checked).
                 unsafe { super::quantized_avx512::product(x, rows, k, w, outputs, n, y) };
+                return;
+            }
+            if super::quantized_f32_avx2::takes(&w) && super::quantized_f32_avx2::available() {
+                // SAFETY: the CPU has AVX2, FMA and F16C, and the loops take this format (checked).
+                unsafe { super::quantized_f32_avx2::product(x, rows, k, w, outputs, n, y) };
                 return;
             }
         }

@@ -30,8 +30,8 @@
 
 use std::arch::x86_64::*;
 
-use crate::weight::{Params, Quantized};
-use crate::widen_avx2::{bf16x8, f16x8};
+use crate::weight::Quantized;
+use crate::widen_avx2::{bias_terms, widen_params};
 
 /// Activations share one scale per this many elements.
 const BLOCK: usize = 32;
@@ -138,8 +138,8 @@ pub unsafe fn product(
         for r in outputs.clone() {
             prefetch(&w, row_bytes, r + 1);
             // The row's scales and biases as floats, once for all its loads.
-            widen(w.scales, r * groups, &mut scales);
-            widen(w.biases, r * groups, &mut biases);
+            widen_params(w.scales, r * groups, &mut scales);
+            widen_params(w.biases, r * groups, &mut biases);
             if w.bits == 8 {
                 // q − 128 in the products, so 128 · scale goes to the bias.
                 for (b, s) in biases.iter_mut().zip(&scales) {
@@ -172,28 +172,6 @@ pub unsafe fn product(
                     _ => at.run::<4, 8, false>(row, out, n),
                 }
                 m0 += block;
-            }
-        }
-    }
-}
-
-/// `out.len()` parameters from `first` as floats, eight at a time where they are half precision.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn widen(params: Params, first: usize, out: &mut [f32]) {
-    let whole = out.len() / 8 * 8;
-    match params {
-        Params::F32(p) => out.copy_from_slice(&p[first..first + out.len()]),
-        Params::Bf16(p) | Params::F16(p) => {
-            let p = &p[first..first + out.len()];
-            for i in (0..whole).step_by(8) {
-                let v = match params {
-                    Params::Bf16(_) => bf16x8(p.as_ptr().add(i)),
-                    _ => f16x8(p.as_ptr().add(i)),
-                };
-                _mm256_storeu_ps(out.as_mut_ptr().add(i), v);
-            }
-            for (i, o) in out.iter_mut().enumerate().skip(whole) {
-                *o = params.get(first + i);
             }
         }
     }
@@ -291,21 +269,6 @@ impl Tile<'_> {
             *out.add(b * n) = crate::widen_avx2::horizontal_sum(acc[b]) + bias_terms(biases, sums);
         }
     }
-}
-
-/// Σ_g biases[g] · sums[g], eight lanes at a time and the lanes added last, then the tail.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn bias_terms(biases: &[f32], sums: &[f32]) -> f32 {
-    let whole = biases.len() / 8 * 8;
-    let mut acc = _mm256_setzero_ps();
-    for g in (0..whole).step_by(8) {
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(biases.as_ptr().add(g)), _mm256_loadu_ps(sums.as_ptr().add(g)), acc);
-    }
-    let mut total = crate::widen_avx2::horizontal_sum(acc);
-    for g in whole..biases.len() {
-        total = biases[g].mul_add(sums[g], total);
-    }
-    total
 }
 
 #[cfg(test)]

@@ -3,7 +3,7 @@
 
 use std::arch::x86_64::*;
 
-use crate::weight::Weight;
+use crate::weight::{Params, Weight};
 
 /// Asks for W's rows `rows` (the next block) to be brought into cache while the current
 /// block is multiplied: each weight is read once per product, so it comes from memory, and
@@ -54,4 +54,41 @@ pub unsafe fn horizontal_sum(v: __m256) -> f32 {
     let quad = _mm_add_ps(pair, _mm_movehl_ps(pair, pair));
     let one = _mm_add_ss(quad, _mm_shuffle_ps(quad, quad, 1));
     _mm_cvtss_f32(one)
+}
+
+/// `out.len()` parameters from `first` as floats, eight at a time where they are half precision.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn widen_params(params: Params, first: usize, out: &mut [f32]) {
+    let whole = out.len() / 8 * 8;
+    match params {
+        Params::F32(p) => out.copy_from_slice(&p[first..first + out.len()]),
+        Params::Bf16(p) | Params::F16(p) => {
+            let p = &p[first..first + out.len()];
+            for i in (0..whole).step_by(8) {
+                let v = match params {
+                    Params::Bf16(_) => bf16x8(p.as_ptr().add(i)),
+                    _ => f16x8(p.as_ptr().add(i)),
+                };
+                _mm256_storeu_ps(out.as_mut_ptr().add(i), v);
+            }
+            for (i, o) in out.iter_mut().enumerate().skip(whole) {
+                *o = params.get(first + i);
+            }
+        }
+    }
+}
+
+/// Σ_g biases[g] · sums[g], eight lanes at a time and the lanes added last, then the tail.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn bias_terms(biases: &[f32], sums: &[f32]) -> f32 {
+    let whole = biases.len() / 8 * 8;
+    let mut acc = _mm256_setzero_ps();
+    for g in (0..whole).step_by(8) {
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(biases.as_ptr().add(g)), _mm256_loadu_ps(sums.as_ptr().add(g)), acc);
+    }
+    let mut total = horizontal_sum(acc);
+    for g in whole..biases.len() {
+        total = biases[g].mul_add(sums[g], total);
+    }
+    total
 }
