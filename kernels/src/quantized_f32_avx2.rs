@@ -28,7 +28,7 @@
 
 use std::arch::x86_64::*;
 
-use crate::weight::Quantized;
+use crate::weight::{Params, Quantized};
 use crate::widen_avx2::{bias_terms, horizontal_sum, widen_params};
 
 /// Weights per step of the loops: two vectors of eight.
@@ -100,7 +100,7 @@ pub unsafe fn product(
         let mut o = outputs.start;
         while o < outputs.end {
             let width = w_block.min(outputs.end - o);
-            prefetch(&w, row_bytes, o + width..(o + 2 * width).min(outputs.end));
+            prefetch(&w, k, o + width..(o + 2 * width).min(outputs.end));
             // The rows' scales and biases as floats, once for all their loads.
             let (scales, biases) = params.split_at_mut(w_block * groups);
             for j in 0..width {
@@ -138,12 +138,27 @@ pub unsafe fn product(
     }
 }
 
-/// Asks for W's rows `rows` while the ones before them are multiplied (a prefetch never faults).
+/// Asks for W's rows `rows` (of `k`), their scales and their biases while the rows before them
+/// are multiplied: each is read once per product, so it comes from memory (a prefetch never
+/// faults).
 #[inline(always)]
-unsafe fn prefetch(w: &Quantized, row_bytes: usize, rows: std::ops::Range<usize>) {
-    let base = w.packed.as_ptr() as *const u8;
+unsafe fn prefetch(w: &Quantized, k: usize, rows: std::ops::Range<usize>) {
+    // Scales and biases first: they are read first, and a prefetch may be dropped when many
+    // are in flight.
+    let groups = k / w.group;
+    for params in [w.scales, w.biases] {
+        let (base, size) = match params {
+            Params::F32(p) => (p.as_ptr() as *const u8, 4),
+            Params::Bf16(p) | Params::F16(p) => (p.as_ptr() as *const u8, 2),
+        };
+        for at in (rows.start * groups * size..rows.end * groups * size).step_by(64) {
+            _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(at) as *const i8);
+        }
+    }
+    let row_bytes = k * w.bits as usize / 8;
+    let packed = w.packed.as_ptr() as *const u8;
     for at in (rows.start * row_bytes..rows.end * row_bytes).step_by(64) {
-        _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(at) as *const i8);
+        _mm_prefetch::<_MM_HINT_T0>(packed.wrapping_add(at) as *const i8);
     }
 }
 
