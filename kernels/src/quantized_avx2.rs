@@ -15,7 +15,7 @@
 //! with Σ x summed from the float32 values. The approximation is xq = round(x / d), d the
 //! block's largest |x| / 127: up to 1/254 of that value per activation. It is not the default:
 //! on the small random checkpoints of the parity tests it moves logits by up to 2.9 from
-//! mlx-lm's, where the float32 loops stay within 0.002 (host/tests/gemma4_parity.rs). Users
+//! mlx-lm's, where the float32 loops stay within 0.004 (host/tests/gemma4_parity.rs). Users
 //! who accept llama.cpp's trade for its speed ask for it.
 //!
 //! 4-bit weights are read 64 at a time (32 bytes): the low nibbles are the even elements and
