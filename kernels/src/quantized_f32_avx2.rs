@@ -35,6 +35,12 @@ use crate::widen_avx2::{bias_terms, horizontal_sum, widen_params};
 const STEP: usize = 16;
 /// Rows of x that stay in L2 while every row of W passes over them.
 const PANEL: usize = 64;
+/// From this many rows of x on, each block of W rows is widened to floats once per panel, into
+/// a buffer the tiles read, rather than once per tile of x rows: the same floats, summed the
+/// same way, so a row's result does not depend on it.
+const BUFFERED_FROM: usize = 8;
+/// [`Tile::run`]'s `FORM` for rows read from that buffer (otherwise the weights' bits).
+const WIDENED: u32 = 0;
 
 /// Whether these loops serve: the CPU has AVX2, FMA and F16C.
 pub fn available() -> bool {
@@ -95,6 +101,7 @@ pub unsafe fn product(
         _ => (2, 3),
     };
     let mut params = vec![0f32; 2 * w_block * groups];
+    let mut widened = vec![0f32; if rows >= BUFFERED_FROM { w_block * k } else { 0 }];
     for first in (0..rows).step_by(PANEL) {
         let panel = PANEL.min(rows - first);
         let mut o = outputs.start;
@@ -107,11 +114,18 @@ pub unsafe fn product(
                 widen_params(w.scales, (o + j) * groups, &mut scales[j * groups..(j + 1) * groups]);
                 widen_params(w.biases, (o + j) * groups, &mut biases[j * groups..(j + 1) * groups]);
             }
+            let bytes = (w.packed.as_ptr() as *const u8).add(o * row_bytes);
+            if !widened.is_empty() {
+                for j in 0..width {
+                    widen_row(w.bits, bytes.add(j * row_bytes), &mut widened[j * k..(j + 1) * k]);
+                }
+            }
             let at = Tile {
                 xs,
                 sums: &sums,
-                bytes: (w.packed.as_ptr() as *const u8).add(o * row_bytes),
+                bytes,
                 row_bytes,
+                widened: widened.as_ptr(),
                 scales,
                 biases,
                 k,
@@ -123,9 +137,10 @@ pub unsafe fn product(
                 let out = y.as_mut_ptr().add(m0 * n + o);
                 macro_rules! shapes {
                     ($(($j:literal, $b:literal)),*) => {
-                        match (width, block, w.bits) {
+                        match (width, block, if widened.is_empty() { w.bits } else { WIDENED }) {
                             $(($j, $b, 4) => at.run::<$j, $b, 4>(m0, out, n),
-                              ($j, $b, _) => at.run::<$j, $b, 8>(m0, out, n),)*
+                              ($j, $b, 8) => at.run::<$j, $b, 8>(m0, out, n),
+                              ($j, $b, _) => at.run::<$j, $b, WIDENED>(m0, out, n),)*
                             _ => unreachable!("tiles of at most 4 rows of W or of x"),
                         }
                     };
@@ -162,13 +177,43 @@ unsafe fn prefetch(w: &Quantized, k: usize, rows: std::ops::Range<usize>) {
     }
 }
 
+/// Eight weights of a packed row as floats: elements `i..i + 8` for 8 bits; for 4 bits the low
+/// (`half` 0) or high nibbles of bytes `i / 2..i / 2 + 8`, elements i, i + 2, … or i + 1, i + 3, ….
+#[inline(always)]
+unsafe fn widen<const BITS: u32>(row: *const u8, i: usize, half: usize) -> __m256 {
+    _mm256_cvtepi32_ps(if BITS == 4 {
+        let pairs = _mm256_cvtepu8_epi32(_mm_loadl_epi64(row.add(i / 2) as *const __m128i));
+        if half == 0 {
+            _mm256_and_si256(pairs, _mm256_set1_epi32(0x0F))
+        } else {
+            _mm256_srli_epi32::<4>(pairs)
+        }
+    } else {
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(row.add(i + 8 * half) as *const __m128i))
+    })
+}
+
+/// A packed row of `out.len()` weights as floats, in the order the tiles take them: per step,
+/// [`widen`]'s two halves.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn widen_row(bits: u32, row: *const u8, out: &mut [f32]) {
+    for i in (0..out.len()).step_by(STEP) {
+        for half in 0..2 {
+            let v = if bits == 4 { widen::<4>(row, i, half) } else { widen::<8>(row, i, half) };
+            _mm256_storeu_ps(out.as_mut_ptr().add(i + 8 * half), v);
+        }
+    }
+}
+
 /// Where a register tile works: x's rows (in the weights' element order) and their group sums;
-/// W's rows from `bytes`, with their scales and biases as floats, `groups` per row.
+/// W's rows from `bytes` (or widened, `k` floats apart, from `widened`), with their scales and
+/// biases as floats, `groups` per row.
 struct Tile<'a> {
     xs: &'a [f32],
     sums: &'a [f32],
     bytes: *const u8,
     row_bytes: usize,
+    widened: *const f32,
     scales: &'a [f32],
     biases: &'a [f32],
     k: usize,
@@ -176,13 +221,13 @@ struct Tile<'a> {
 }
 
 impl Tile<'_> {
-    /// y[m0 + b, o + j] for j < WB, b < XB, written from `out` (rows `n` apart).
+    /// y[m0 + b, o + j] for j < WB, b < XB, written from `out` (rows `n` apart); `FORM` is the
+    /// weights' bits, or [`WIDENED`].
     #[allow(clippy::needless_range_loop, reason = "register tiles read best by index")]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn run<const WB: usize, const XB: usize, const BITS: u32>(&self, m0: usize, out: *mut f32, n: usize) {
-        let Tile { xs, sums, bytes, row_bytes, scales, biases, k, group } = *self;
+    unsafe fn run<const WB: usize, const XB: usize, const FORM: u32>(&self, m0: usize, out: *mut f32, n: usize) {
+        let Tile { xs, sums, bytes, row_bytes, widened, scales, biases, k, group } = *self;
         let groups = k / group;
-        let nibble = _mm256_set1_epi32(0x0F);
         let x: [*const f32; XB] = std::array::from_fn(|b| xs.as_ptr().add((m0 + b) * k));
         let mut total = [[_mm256_setzero_ps(); XB]; WB];
         for g in 0..groups {
@@ -194,17 +239,11 @@ impl Tile<'_> {
                 for half in 0..2 {
                     let mut q = [_mm256_setzero_ps(); WB];
                     for j in 0..WB {
-                        let row = bytes.add(j * row_bytes);
-                        q[j] = _mm256_cvtepi32_ps(if BITS == 4 {
-                            let pairs = _mm256_cvtepu8_epi32(_mm_loadl_epi64(row.add(i / 2) as *const __m128i));
-                            if half == 0 {
-                                _mm256_and_si256(pairs, nibble)
-                            } else {
-                                _mm256_srli_epi32::<4>(pairs)
-                            }
-                        } else {
-                            _mm256_cvtepu8_epi32(_mm_loadl_epi64(row.add(i + 8 * half) as *const __m128i))
-                        });
+                        q[j] = match FORM {
+                            WIDENED => _mm256_loadu_ps(widened.add(j * k + i + 8 * half)),
+                            4 => widen::<4>(bytes.add(j * row_bytes), i, half),
+                            _ => widen::<8>(bytes.add(j * row_bytes), i, half),
+                        };
                     }
                     for b in 0..XB {
                         let xv = _mm256_loadu_ps(x[b].add(i + 8 * half));
