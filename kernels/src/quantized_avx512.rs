@@ -59,7 +59,7 @@ pub unsafe fn product(
     // 4-bit: x's elements in the order the nibbles come out of sixteen bytes.
     let split;
     let x = if w.bits == 4 {
-        split = even_then_odd(x);
+        split = crate::weight::even_then_odd(x, 32);
         &split[..]
     } else {
         x
@@ -88,17 +88,6 @@ pub unsafe fn product(
         }
         o += width;
     }
-}
-
-/// Each run of 32 elements of x as its 16 even elements, then its 16 odd ones (k is a whole
-/// number of groups, so of runs).
-fn even_then_odd(x: &[f32]) -> Vec<f32> {
-    let mut out = Vec::with_capacity(x.len());
-    for run in x.chunks_exact(32) {
-        out.extend(run.iter().step_by(2));
-        out.extend(run.iter().skip(1).step_by(2));
-    }
-    out
 }
 
 /// Where a register tile works: x (as [`product`] arranged it), W's rows `o..`, from x row m0.

@@ -52,18 +52,6 @@ pub fn takes(w: &Quantized) -> bool {
     (w.bits == 4 || w.bits == 8) && w.group.is_multiple_of(STEP)
 }
 
-/// x [rows, k] in the element order of 4-bit weights (see the module's notes).
-fn even_then_odd(x: &[f32]) -> Vec<f32> {
-    let mut out = vec![0f32; x.len()];
-    for (from, to) in x.chunks_exact(STEP).zip(out.chunks_exact_mut(STEP)) {
-        for i in 0..STEP / 2 {
-            to[i] = from[2 * i];
-            to[STEP / 2 + i] = from[2 * i + 1];
-        }
-    }
-    out
-}
-
 /// Σ x per row of x [rows, k] and group of `group` elements, summed in element order.
 fn group_sums(x: &[f32], group: usize) -> Vec<f32> {
     x.chunks_exact(group).map(|g| g.iter().sum()).collect()
@@ -85,7 +73,7 @@ pub unsafe fn product(
 ) {
     let reordered;
     let xs = if w.bits == 4 {
-        reordered = even_then_odd(x);
+        reordered = crate::weight::even_then_odd(x, STEP);
         &reordered[..]
     } else {
         x

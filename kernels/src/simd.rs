@@ -82,12 +82,14 @@ pub fn allows(feature: &str) -> bool {
 }
 
 /// Whether the CPU has an x86 feature and [`SIMD_ENV`] allows it: what every loop checks in
-/// place of `is_x86_feature_detected!`.
+/// place of `is_x86_feature_detected!`. (Only x86 code uses it.)
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_macros))]
 macro_rules! has {
     ($feature:tt) => {
         $crate::simd::allows($feature) && std::is_x86_feature_detected!($feature)
     };
 }
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_imports))]
 pub(crate) use has;
 
 /// The widest product route this process takes on x86, in words (`amx`, `avx512`, `avx2`,

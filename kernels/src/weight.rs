@@ -51,3 +51,15 @@ impl Quantized<'_> {
         (word >> (self.bits as usize * (i % per_word))) & ((1u32 << self.bits) - 1)
     }
 }
+
+/// x's rows [.., k] with each run of `run` elements as its even elements, then its odd ones:
+/// the order in which the low and then the high nibbles of `run / 2` bytes of 4-bit weights
+/// come out, so that loops reading them multiply like with like.
+pub fn even_then_odd(x: &[f32], run: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(x.len());
+    for elements in x.chunks_exact(run) {
+        out.extend(elements.iter().step_by(2));
+        out.extend(elements.iter().skip(1).step_by(2));
+    }
+    out
+}
