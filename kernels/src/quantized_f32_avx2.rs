@@ -81,7 +81,7 @@ pub unsafe fn product(
     let sums = group_sums(x, w.group);
     let groups = k / w.group;
     let row_bytes = k * w.bits as usize / 8;
-    // Tiles of W_BLOCK rows of W by X_BLOCK rows of x: at least eight accumulator chains, so
+    // Tiles of `w_block` rows of W by `x_block` rows of x: at least eight accumulator chains, so
     // the multiply-adds' latency hides behind each other.
     let (w_block, x_block) = match rows {
         1 => (4, 1),
