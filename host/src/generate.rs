@@ -7,8 +7,8 @@ use mlx_rs::Array;
 use plugin_api::nn::layout;
 use serde::Serialize;
 
-use crate::model::{Gemma4, ModelError};
-use crate::sampling::{sample, SampleError, SamplingParams};
+use crate::model::{Gemma4, LayerCache, ModelError};
+use crate::sampling::{draw_token, Drawn, SampleError, SamplingParams};
 
 /// Prompt tokens per prefill forward.
 pub const PREFILL_CHUNK: usize = 512;
@@ -190,12 +190,23 @@ pub fn generate<R: Into<Flow>>(
             return Ok(Generation { tokens, stop: StopReason::Interrupted, stats });
         }
     }
-    let mut logits = logits.expect("a non-empty prompt has a chunk");
+    let logits = logits.expect("a non-empty prompt has a chunk");
     stats.prefill_ms = ms(started);
 
     let decoding = Instant::now();
-    let mut next = sample(&logits, &request.sampling, 0).map_err(|e| GenerateError::sampling_at(0, e))?;
+    let params = &request.sampling;
+    let mut drawn = draw_token(&logits, params, 0).map_err(|e| GenerateError::sampling_at(0, e))?;
+    drawn.queue()?;
     let stop = loop {
+        let step = tokens.len();
+        // On a device, the next step is built from this token while it is still being computed
+        // and queued before the host reads it, as mlx-lm does: the device never waits for the
+        // host between steps. Past an end it computes one step that is dropped.
+        let ahead = match drawn.on_device() && step + 1 < request.max_tokens {
+            true => Some(decode_step(model, &drawn, &mut caches, params, step + 1, &mut stats)?),
+            false => None,
+        };
+        let next = drawn.read().map_err(|e| GenerateError::sampling_at(step, e))?;
         if request.eos.contains(&next) {
             break StopReason::Eos;
         }
@@ -210,12 +221,10 @@ pub fn generate<R: Into<Flow>>(
         if flow == Flow::Stop {
             break StopReason::Interrupted;
         }
-        let ids = token_ids(&[next]);
-        let hidden = model.forward_hidden(&ids, &mut caches, None)?;
-        stats.target_forwards += 1;
-        logits = last_logits(model, &hidden)?;
-        let step = tokens.len();
-        next = sample(&logits, &request.sampling, step as u64).map_err(|e| GenerateError::sampling_at(step, e))?;
+        drawn = match ahead {
+            Some(ahead) => ahead,
+            None => decode_step(model, &drawn, &mut caches, params, step + 1, &mut stats)?,
+        };
     };
     stats.decode_ms = ms(decoding);
     stats.generated_tokens = tokens.len();
@@ -225,6 +234,24 @@ pub fn generate<R: Into<Flow>>(
     // The first token comes from the prefill; decode time covers the rest.
     stats.decode_tokens_per_s = per_second(tokens.len().saturating_sub(1), stats.decode_ms);
     Ok(Generation { tokens, stop, stats })
+}
+
+/// One decode step: the target over `input`'s token, and the token of output position `step`
+/// drawn from its logits, queued.
+fn decode_step(
+    model: &Gemma4,
+    input: &Drawn,
+    caches: &mut [LayerCache],
+    params: &SamplingParams,
+    step: usize,
+    stats: &mut Stats,
+) -> Result<Drawn, GenerateError> {
+    let hidden = model.forward_hidden(&input.ids()?, caches, None)?;
+    stats.target_forwards += 1;
+    let logits = last_logits(model, &hidden)?;
+    let drawn = draw_token(&logits, params, step as u64).map_err(|e| GenerateError::sampling_at(step, e))?;
+    drawn.queue()?;
+    Ok(drawn)
 }
 
 /// Logits [1, V] of the last position of hidden [1, L, H], cut on the host (an MLX op would

@@ -10,18 +10,23 @@ use kernels::os::libraries;
 ///
 /// Compilation is disabled because mlx-rs numbers compiled functions per copy of mlx-rs while
 /// the compile cache lives in the one shared libmlx: with host and plugins each holding a copy,
-/// a plugin's compiled function could hit the host's cache entry and return its result.
+/// a plugin's compiled function could hit the host's cache entry and return its result. The
+/// toolkit's fused op chains (`nn`'s `fused`) compile under ids of their own and switch it on
+/// for their own calls only.
 pub fn init() {
     static INIT: Once = Once::new();
     INIT.call_once(mlx_rs::transforms::compile::disable_compile);
 }
 
 /// [`init`] for the `host` process, called first thing in `main` while it is the only thread:
-/// the main thread and MLX's CPU worker share one core, and the kernels' helper threads get
-/// the others (see `kernels::cpus` for why).
+/// on the CPU loops' route the main thread and MLX's CPU worker share one core, and the
+/// kernels' helper threads get the others (see `kernels::cpus` for why). On MLX's route there
+/// are no helpers, and MLX's worker computes while the main thread builds the next step: each
+/// keeps the whole machine.
 pub fn init_process() {
     let _ = PROCESS_CPUS.set(kernels::cpus::allowed());
-    if let Some(helpers) = kernels::cpus::share_one_core_with_mlx() {
+    let sharing = kernels::route::on_cpu().then(kernels::cpus::share_one_core_with_mlx).flatten();
+    if let Some(helpers) = sharing {
         // SAFETY: no other thread exists yet to read the environment concurrently.
         unsafe { std::env::set_var(kernels::cpus::HELPER_CPUS_ENV, helpers) };
     }

@@ -227,6 +227,16 @@ pub fn put_slots(x: Array, new: &Array, slots: &[Vec<usize>]) -> Result<Array, E
         return Ok(x);
     }
     if !on_host(&x) || !fits {
+        // Every row writing the same run of slots (a decode step, a batch in step): one slice
+        // update, MLX's cheapest write, rather than a scatter.
+        let start = slots.first().and_then(|row| row.first()).copied().unwrap_or(0);
+        let run = |row: &Vec<usize>| row.iter().enumerate().all(|(j, &s)| s == start + j);
+        if x.ndim() == 4 && slots.iter().all(run) && x.shape()[0] as usize == slots.len() {
+            use mlx_rs::ops::indexing::TryIndexMutOp;
+            let mut x = x;
+            x.try_index_mut((.., .., start as i32..(start + n) as i32), new)?;
+            return Ok(x);
+        }
         let flat: Vec<i32> = slots.iter().flatten().map(|&s| s as i32).collect();
         let index = Array::from_slice(&flat, &[slots.len() as i32, 1, n as i32, 1]);
         return x.put_along_axis(&index, new, 2);

@@ -290,9 +290,17 @@ mod tests {
             return;
         }
         let n = 11;
-        for (k, bits, group) in [(64, 4, 32), (256, 4, 64), (256, 4, 128), (48, 4, 16), (96, 8, 32), (256, 8, 64), (256, 8, 128)] {
+        for (k, bits, group) in
+            [(64, 4, 32), (256, 4, 64), (256, 4, 128), (48, 4, 16), (96, 8, 32), (256, 8, 64), (256, 8, 128)]
+        {
             let (packed, scales, biases) = weights(n, k, bits, group);
-            let w = Quantized { packed: &packed, scales: Params::Bf16(&scales), biases: Params::Bf16(&biases), bits, group };
+            let w = Quantized {
+                packed: &packed,
+                scales: Params::Bf16(&scales),
+                biases: Params::Bf16(&biases),
+                bits,
+                group,
+            };
             assert!(takes(&w));
             for rows in [1, 2, 3, 4, 5, 9, 70] {
                 let x: Vec<f32> = (0..rows * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect();
@@ -321,7 +329,13 @@ mod tests {
         let (k, n) = (128, 13);
         for bits in [4, 8] {
             let (packed, scales, biases) = weights(n, k, bits, 32);
-            let w = Quantized { packed: &packed, scales: Params::Bf16(&scales), biases: Params::Bf16(&biases), bits, group: 32 };
+            let w = Quantized {
+                packed: &packed,
+                scales: Params::Bf16(&scales),
+                biases: Params::Bf16(&biases),
+                bits,
+                group: 32,
+            };
             for rows in [2, 3, 5, 9, 70] {
                 let x: Vec<f32> = (0..rows * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect();
                 let mut window = vec![0f32; rows * n];

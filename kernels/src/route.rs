@@ -73,6 +73,12 @@ pub fn choice() -> &'static Choice {
     })
 }
 
+/// Whether MLX computes on the CPU (whichever route serves the ops).
+pub fn device_is_cpu() -> bool {
+    static CPU: OnceLock<bool> = OnceLock::new();
+    *CPU.get_or_init(|| matches!(Device::try_default().ok().and_then(|d| d.get_type().ok()), Some(DeviceType::Cpu)))
+}
+
 /// Whether this crate's loops serve the ops they cover: MLX computes on the CPU and
 /// [`KERNELS_ENV`] does not ask for MLX's ops.
 pub fn on_cpu() -> bool {

@@ -11,6 +11,7 @@
 //! target does, on whatever device MLX runs.
 
 pub mod context;
+mod fused;
 mod header;
 pub mod linear;
 pub mod mlp;

@@ -7,6 +7,8 @@ use mlx_rs::{Array, Dtype};
 
 use kernels::layout::first_slots;
 
+use crate::fused::{fused, Chain};
+
 pub use kernels::argmax::{first_max, first_max_half};
 pub use kernels::arrays::scalar;
 pub use kernels::attention::{KeyPiece, Mask, RowKeys};
@@ -18,7 +20,28 @@ pub fn rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Array, Ex
     if let Some(y) = kernels::norm::rms_norm(x, weight, eps)? {
         return Ok(y);
     }
+    if kernels::route::device_is_cpu() && weight.is_none_or(|w| w.dtype() == x.dtype()) {
+        return compiled_rms_norm(x, weight, eps);
+    }
     mlx_rs::fast::rms_norm(x, weight, eps)
+}
+
+/// [`rms_norm`] where MLX computes on the CPU. MLX's CPU backend has no kernel for
+/// `fast::rms_norm` and runs its composition op by op; compiled, the ops around the sum fuse:
+/// three tasks on MLX's stream rather than twelve. For a weight of x's dtype.
+fn compiled_rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Array, Exception> {
+    let eps = Array::from_f32(eps);
+    match weight {
+        Some(w) => fused(|a| Ok(vec![normalized(&a[0], &a[1])?.multiply(&a[2])?]), &[x.clone(), eps, w.clone()]),
+        None => fused(|a| Ok(vec![normalized(&a[0], &a[1])?]), &[x.clone(), eps]),
+    }
+}
+
+/// x / rms(x) in float32, back in x's dtype: MLX's own fallback for `fast::rms_norm`, op for op.
+fn normalized(x: &Array, eps: &Array) -> Result<Array, Exception> {
+    let wide = x.as_dtype(Dtype::Float32)?;
+    let mean_square = wide.square()?.mean_axes(&[-1], true)?;
+    wide.multiply(mean_square.add(eps)?.rsqrt()?)?.as_dtype(x.dtype())
 }
 
 /// `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`, mlx's `gelu_approx`.
@@ -38,8 +61,11 @@ pub fn geglu(gate: &Array, up: &Array) -> Result<Array, Exception> {
     if let Some(y) = kernels::activation::geglu(gate, up)? {
         return Ok(y);
     }
-    gelu_approx(gate)?.multiply(up)
+    fused(GEGLU, &[gate.clone(), up.clone()])
 }
+
+/// [`geglu`] as one chain of MLX ops over (gate, up).
+const GEGLU: Chain = |x| Ok(vec![gelu_approx(&x[0])?.multiply(&x[1])?]);
 
 /// SwiGLU: `silu(gate) ⊙ up`, silu being `gate · sigmoid(gate)` (Qwen's MLP, as mlx-lm writes
 /// it).
@@ -55,9 +81,12 @@ pub fn softcap(x: &Array, cap: f32) -> Result<Array, Exception> {
     if let Some(y) = kernels::activation::softcap(x, cap)? {
         return Ok(y);
     }
-    let c = scalar(cap, x.dtype())?;
-    mlx_rs::ops::tanh(x.divide(&c)?)?.multiply(&c)
+    fused(SOFTCAP, &[x.clone(), scalar(cap, x.dtype())?])
 }
+
+/// [`softcap`] as one chain over (x, cap): the cap an input, so that one compiled chain serves
+/// every cap.
+const SOFTCAP: Chain = |x| Ok(vec![mlx_rs::ops::tanh(x[0].divide(&x[1])?)?.multiply(&x[1])?]);
 
 /// Attention of queries [B, Hq, L, D] over keys/values [B, Hkv, S, D].
 pub fn attention(q: &Array, k: &Array, v: &Array, scale: f32, mask: &Mask) -> Result<Array, Exception> {
@@ -120,6 +149,65 @@ pub fn argmax_rows(x: &Array) -> Result<Vec<u32>, Exception> {
     }
     let best = mlx_rs::ops::indexing::argmax_axis(x, -1, None)?.as_dtype(Dtype::Uint32)?;
     Ok(best.as_slice::<u32>().to_vec())
+}
+
+#[cfg(test)]
+mod compiled_tests {
+    use mlx_rs::random;
+
+    use super::*;
+    use crate::fused::graph;
+
+    fn differing(a: &Array, b: &Array) -> u32 {
+        a.ne(b).unwrap().sum(None).unwrap().item_cast::<u32>()
+    }
+
+    /// Compiled, RMSNorm gives what MLX's `fast::rms_norm` gives on the CPU, bit for bit.
+    #[test]
+    fn compiled_rms_norm_is_mlxs() {
+        for dtype in [Dtype::Float32, Dtype::Bfloat16, Dtype::Float16] {
+            for shape in [&[1, 1, 256][..], &[2, 7, 64], &[1, 3, 4, 32]] {
+                let x = random::normal::<f32>(shape, None, None, None).unwrap().as_dtype(dtype).unwrap();
+                let width = *shape.last().unwrap();
+                let w = random::normal::<f32>(&[width], None, None, None).unwrap().as_dtype(dtype).unwrap();
+                let ours = compiled_rms_norm(&x, Some(&w), 1e-6).unwrap();
+                let mlx = mlx_rs::fast::rms_norm(&x, Some(&w), 1e-6).unwrap();
+                assert_eq!((ours.dtype(), ours.shape()), (mlx.dtype(), mlx.shape()));
+                assert_eq!(differing(&ours, &mlx), 0, "{dtype:?} {shape:?} with a weight");
+                let ours = compiled_rms_norm(&x, None, 1e-6).unwrap();
+                let mlx = mlx_rs::fast::rms_norm(&x, None, 1e-6).unwrap();
+                assert_eq!(differing(&ours, &mlx), 0, "{dtype:?} {shape:?} without a weight");
+            }
+        }
+    }
+
+    /// The chains are fused: MLX's graph holds a compiled op, and fewer ops than one by one.
+    #[test]
+    fn chains_are_compiled() {
+        let x = random::normal::<f32>(&[2, 3, 64], None, None, None).unwrap().as_dtype(Dtype::Bfloat16).unwrap();
+        let w = random::normal::<f32>(&[64], None, None, None).unwrap().as_dtype(Dtype::Bfloat16).unwrap();
+        let fused_norm = graph(&compiled_rms_norm(&x, Some(&w), 1e-6).unwrap());
+        let composed = graph(&mlx_rs::fast::rms_norm(&x, Some(&w), 1e-6).unwrap());
+        assert!(fused_norm.contains("Compiled") && !composed.contains("Compiled"), "{fused_norm}");
+        assert!(fused_norm.lines().count() < composed.lines().count(), "{fused_norm}\n{composed}");
+        let fused_geglu = graph(&fused(GEGLU, &[x.clone(), x.clone()]).unwrap());
+        assert!(fused_geglu.contains("Compiled"), "{fused_geglu}");
+    }
+
+    /// Compiled, GeGLU and the softcap give what their ops give one by one, bit for bit.
+    #[test]
+    fn compiled_activations_are_their_ops() {
+        for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+            let gate = random::normal::<f32>(&[3, 5, 96], None, None, None).unwrap().as_dtype(dtype).unwrap();
+            let up = random::normal::<f32>(&[3, 5, 96], None, None, None).unwrap().as_dtype(dtype).unwrap();
+            let fused_geglu = fused(GEGLU, &[gate.clone(), up.clone()]);
+            assert_eq!(differing(&fused_geglu.unwrap(), &gelu_approx(&gate).unwrap().multiply(&up).unwrap()), 0);
+            let logits = gate.multiply(scalar(40.0, dtype).unwrap()).unwrap();
+            let c = scalar(30.0, dtype).unwrap();
+            let one_by_one = mlx_rs::ops::tanh(logits.divide(&c).unwrap()).unwrap().multiply(&c).unwrap();
+            assert_eq!(differing(&fused(SOFTCAP, &[logits, c]).unwrap(), &one_by_one), 0, "{dtype:?}");
+        }
+    }
 }
 
 #[cfg(test)]

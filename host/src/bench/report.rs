@@ -201,16 +201,19 @@ fn plain_text(prompt_tokens: usize, max_tokens: usize, r: &PlainBench) -> String
     let (mp, _, _) = stat(r.reference.iter().map(|t| t.prefill_tokens_per_s).collect());
     let (dr, dr_lo, dr_hi) = summary(&r.decode_ratios);
     let (pr, pr_lo, pr_hi) = summary(&r.prefill_ratios);
-    let route = &r.host_route;
+    let route = match r.host_route.as_str() {
+        "mlx" => "MLX's ops (the mlx route)".to_owned(),
+        loops => format!("{loops} loops"),
+    };
     let rates = match &r.reference_name {
         None => format!(
-            "plain decoding, {prompt_tokens} prompt tokens, {max_tokens} generated, {} runs (median; host alone; {route} loops)\n\
+            "plain decoding, {prompt_tokens} prompt tokens, {max_tokens} generated, {} runs (median; host alone; {route})\n\
              \x20 decode   host {hd:8.1} tok/s\n\
              \x20 prefill  host {hp:8.1} tok/s\n",
             r.host.len()
         ),
         Some(name) => format!(
-            "plain decoding, {prompt_tokens} prompt tokens, {max_tokens} generated, {} pairs (median; ratio range; host on {route} loops)\n\
+            "plain decoding, {prompt_tokens} prompt tokens, {max_tokens} generated, {} pairs (median; ratio range; host on {route})\n\
              \x20 decode   host {hd:8.1} tok/s   {name} {md:8.1} tok/s   ratio {dr:.3}x  [{dr_lo:.3}, {dr_hi:.3}]\n\
              \x20 prefill  host {hp:8.1} tok/s   {name} {mp:8.1} tok/s   ratio {pr:.3}x  [{pr_lo:.3}, {pr_hi:.3}]\n",
             r.host.len()

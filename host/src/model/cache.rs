@@ -256,7 +256,7 @@ impl LayerCache {
         } else {
             Mask::Array(position_mask(&positions, &starts, new, Some(window))?)
         };
-        let slots = keys.shape()[2] as usize;
+        let slots = positions.first().map_or(0, Vec::len);
         Ok(Fetched { keys, values, slots, mask })
     }
 
@@ -320,7 +320,8 @@ const PERIOD: i32 = SUM_PERIOD as i32;
 
 /// Keys and values [B, H, S, D] whose slot s of row r holds position `positions[r][s]` (-1:
 /// empty), rearranged so that slot j of row r holds position base_r + j, base_r a multiple
-/// of [`PERIOD`] (empty positions are zeros), with the positions each slot now holds.
+/// of [`PERIOD`] (empty positions are zeros), with the positions each slot now holds. Only
+/// the first slots, one per position returned, count: the arrays may hold more.
 ///
 /// Attention sums over the slots, where each term goes depending on its slot modulo
 /// [`PERIOD`] (see `kernels::dot`). In this order a key's lane and its place among the keys
@@ -354,8 +355,10 @@ fn in_position_order(
             ordered[r][j] = p;
         }
     }
-    let identity = len == slots && (0..positions.len()).all(|r| (0..len).all(|j| index[r * len + j] == j as i32));
-    if identity {
+    // Already in order up to `len` (a ring before it wraps): attention reads those slots where
+    // they lie, which spares a copy on the CPU and a gather on a device.
+    let in_order = len <= slots && (0..positions.len()).all(|r| (0..len).all(|j| index[r * len + j] == j as i32));
+    if in_order {
         return Ok((keys, values, ordered));
     }
     Ok((take_slots(&keys, &index, len)?, take_slots(&values, &index, len)?, ordered))

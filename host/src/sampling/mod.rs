@@ -89,10 +89,15 @@ pub enum SampleError {
     Mlx(#[from] Exception),
 }
 
-/// Evaluates `result` together with one reduction over `logits`, so the check costs no extra
-/// round trip to the device.
+/// Whether every one of `logits` is finite, as one reduction on the device (evaluated with the
+/// token it guards, so the check costs no round trip of its own).
+fn all_finite(logits: &Array) -> Result<Array, Exception> {
+    logits.is_finite()?.all(None)
+}
+
+/// Evaluates `result` together with [`all_finite`] over `logits`.
 fn check_finite_on_device(logits: &Array, result: &Array) -> Result<(), SampleError> {
-    let finite = logits.is_finite()?.all(None)?;
+    let finite = all_finite(logits)?;
     mlx_rs::transforms::eval([result, &finite])?;
     if finite.item_exact::<bool>() {
         Ok(())
@@ -111,28 +116,85 @@ fn check_finite(logits: &[f32]) -> Result<(), SampleError> {
 
 /// The token for output position `step`, from that position's logits [V] (or [1, .., V]).
 pub fn sample(logits: &Array, params: &SamplingParams, step: u64) -> Result<u32, SampleError> {
-    if params.is_greedy() {
-        // MLX's arrays live in host memory on the CPU, where a scan of the logits costs less than
-        // MLX's argmax, its conversion and their round trip.
-        if kernels::route::on_cpu() {
-            let logits = kernels::row_major(logits)?;
-            if let Some(bits) = kernels::bits16(&logits) {
-                return first_max_half(bits, logits.dtype()).ok_or(SampleError::NonFinite);
-            }
-            return kernels::with_floats(&logits, |row| {
-                check_finite(row)?;
-                Ok(kernels::argmax::first_max(row))
-            })?;
+    draw_token(logits, params, step)?.read()
+}
+
+/// A token drawn from one position's logits: read already, where the host's loops draw it (MLX
+/// on the CPU), or still being computed on the device, where the next step can take it as its
+/// input before the host reads it (what keeps a GPU busy between steps, as mlx-lm does).
+pub enum Drawn {
+    Read(u32),
+    /// The token (a uint32 scalar) and whether the logits were all finite, both lazy.
+    OnDevice {
+        token: Array,
+        finite: Array,
+    },
+}
+
+impl Drawn {
+    /// Starts computing the token, without waiting for it.
+    pub fn queue(&self) -> Result<(), Exception> {
+        match self {
+            Drawn::Read(_) => Ok(()),
+            Drawn::OnDevice { token, finite } => mlx_rs::transforms::async_eval([token, finite]),
         }
-        let row = logits.reshape(&[-1])?;
-        let best = mlx_rs::ops::indexing::argmax_axis(&row, 0, None)?;
-        check_finite_on_device(&row, &best)?;
-        return Ok(best.item_exact::<u32>());
     }
-    if !kernels::route::on_cpu() {
-        return on_device::draw(logits, params, step);
+
+    /// Whether the token is still on the device.
+    pub fn on_device(&self) -> bool {
+        matches!(self, Drawn::OnDevice { .. })
     }
+
+    /// The token as the model's input ids [1, 1] int32, lazily where it is on the device.
+    pub fn ids(&self) -> Result<Array, Exception> {
+        match self {
+            Drawn::Read(token) => Ok(Array::from_slice(&[*token as i32], &[1, 1])),
+            Drawn::OnDevice { token, .. } => token.as_dtype(mlx_rs::Dtype::Int32)?.reshape(&[1, 1]),
+        }
+    }
+
+    /// The token on the host: the one read-back of a step on a device.
+    pub fn read(&self) -> Result<u32, SampleError> {
+        match self {
+            Drawn::Read(token) => Ok(*token),
+            Drawn::OnDevice { token, finite } => {
+                mlx_rs::transforms::eval([token, finite])?;
+                match finite.item_exact::<bool>() {
+                    true => Ok(token.item_exact::<u32>()),
+                    false => Err(SampleError::NonFinite),
+                }
+            }
+        }
+    }
+}
+
+/// The token for output position `step` from that position's logits, drawn by the host's loops
+/// where MLX computes on the CPU (read at once) and by MLX's ops elsewhere (left on the device).
+pub fn draw_token(logits: &Array, params: &SamplingParams, step: u64) -> Result<Drawn, SampleError> {
+    if kernels::route::on_cpu() {
+        return host_token(logits, params, step).map(Drawn::Read);
+    }
+    let row = logits.reshape(&[-1])?;
+    let token = match params.is_greedy() {
+        true => mlx_rs::ops::indexing::argmax_axis(&row, 0, None)?.as_dtype(mlx_rs::Dtype::Uint32)?,
+        false => on_device::token(&row, params, step)?,
+    };
+    Ok(Drawn::OnDevice { token, finite: all_finite(&row)? })
+}
+
+/// [`sample`] by the host's loops, over logits in host memory.
+fn host_token(logits: &Array, params: &SamplingParams, step: u64) -> Result<u32, SampleError> {
     let logits = kernels::row_major(logits)?;
+    if params.is_greedy() {
+        // A scan of the logits costs less than MLX's argmax, its conversion and their round trip.
+        if let Some(bits) = kernels::bits16(&logits) {
+            return first_max_half(bits, logits.dtype()).ok_or(SampleError::NonFinite);
+        }
+        return kernels::with_floats(&logits, |row| {
+            check_finite(row)?;
+            Ok(kernels::argmax::first_max(row))
+        })?;
+    }
     kernels::with_floats(&logits, |row| {
         check_finite(row)?;
         Ok(draw(row, params, step))

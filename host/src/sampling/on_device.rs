@@ -13,12 +13,18 @@ use mlx_rs::error::Exception;
 use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
 use mlx_rs::{Array, Dtype};
 
-use super::{check_finite_on_device, step_key, SampleError, SamplingParams};
+use super::{all_finite, step_key, Drawn, SampleError, SamplingParams};
 
 /// The token drawn at output position `step` from one position's logits (any shape of V
-/// values), at the request's temperature and through its filters.
+/// values), at the request's temperature and through its filters, read back.
 pub fn draw(logits: &Array, params: &SamplingParams, step: u64) -> Result<u32, SampleError> {
-    let logits = logits.reshape(&[-1])?.as_dtype(Dtype::Float32)?;
+    let row = logits.reshape(&[-1])?;
+    Drawn::OnDevice { token: token(&row, params, step)?, finite: all_finite(&row)? }.read()
+}
+
+/// [`draw`]'s token (a uint32 scalar) from logits [V], left lazy.
+pub fn token(logits: &Array, params: &SamplingParams, step: u64) -> Result<Array, Exception> {
+    let logits = logits.as_dtype(Dtype::Float32)?;
     let vocab = logits.shape()[0];
     // Unfiltered, normalizing would move every token's score alike (as on the host).
     let scores = match params.filters(vocab as usize) {
@@ -28,9 +34,7 @@ pub fn draw(logits: &Array, params: &SamplingParams, step: u64) -> Result<u32, S
     let key = mlx_rs::random::key(step_key(params.seed, step))?;
     let noise = mlx_rs::random::gumbel::<f32>(&[vocab][..], &key)?;
     let score = scores.divide(Array::from_f32(params.temperature))?.add(&noise)?;
-    let best = argmax_axis(&score, 0, None)?;
-    check_finite_on_device(&logits, &best)?;
-    Ok(best.as_dtype(Dtype::Uint32)?.item_exact::<u32>())
+    argmax_axis(&score, 0, None)?.as_dtype(Dtype::Uint32)
 }
 
 /// Log-probabilities [V] with the filters applied, removed tokens at -inf.
