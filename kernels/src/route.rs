@@ -26,6 +26,8 @@ pub enum Route {
 pub struct Choice {
     pub route: Route,
     pub why: String,
+    /// Whether MLX computes on the CPU (whichever route serves the ops).
+    pub device_is_cpu: bool,
 }
 
 /// What a value of [`KERNELS_ENV`] asks for: `None` for auto.
@@ -61,7 +63,7 @@ fn choose(asked: Result<Option<Route>, String>, device: Option<DeviceType>) -> C
         Ok(None) => (Route::Mlx, format!("MLX computes on {device}")),
         Err(e) => (Route::Mlx, e),
     };
-    Choice { route, why }
+    Choice { route, why, device_is_cpu: on_cpu }
 }
 
 /// The route this process takes, decided on first use.
@@ -75,8 +77,7 @@ pub fn choice() -> &'static Choice {
 
 /// Whether MLX computes on the CPU (whichever route serves the ops).
 pub fn device_is_cpu() -> bool {
-    static CPU: OnceLock<bool> = OnceLock::new();
-    *CPU.get_or_init(|| matches!(Device::try_default().ok().and_then(|d| d.get_type().ok()), Some(DeviceType::Cpu)))
+    choice().device_is_cpu
 }
 
 /// Whether this crate's loops serve the ops they cover: MLX computes on the CPU and

@@ -15,6 +15,7 @@
 //! unloads a plugin), and a chain switches compilation on for its own call only.
 
 use std::cell::RefCell;
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
 
@@ -48,9 +49,9 @@ pub fn fused(chain: Chain, inputs: &[Array]) -> Result<Array, Exception> {
     let _on = CompilationOn::new();
     COMPILED.with(|cache| {
         let mut cache = cache.borrow_mut();
-        let closure = match cache.get(&(chain as usize)) {
-            Some(c) => c.0,
-            None => cache.entry(chain as usize).or_insert(compiled(chain)?).0,
+        let closure = match cache.entry(chain as usize) {
+            Entry::Occupied(known) => known.get().0,
+            Entry::Vacant(new) => new.insert(compiled(chain)?).0,
         };
         apply(closure, inputs)
     })

@@ -114,7 +114,7 @@ fn check_finite(logits: &[f32]) -> Result<(), SampleError> {
     }
 }
 
-/// The token for output position `step`, from that position's logits [V] (or [1, .., V]).
+/// The token for output position `step`, from that position's logits [V] (or [1, .., V]), read.
 pub fn sample(logits: &Array, params: &SamplingParams, step: u64) -> Result<u32, SampleError> {
     draw_token(logits, params, step)?.read()
 }
@@ -174,15 +174,10 @@ pub fn draw_token(logits: &Array, params: &SamplingParams, step: u64) -> Result<
     if kernels::route::on_cpu() {
         return host_token(logits, params, step).map(Drawn::Read);
     }
-    let row = logits.reshape(&[-1])?;
-    let token = match params.is_greedy() {
-        true => mlx_rs::ops::indexing::argmax_axis(&row, 0, None)?.as_dtype(mlx_rs::Dtype::Uint32)?,
-        false => on_device::token(&row, params, step)?,
-    };
-    Ok(Drawn::OnDevice { token, finite: all_finite(&row)? })
+    Ok(on_device::drawn(logits, params, step)?)
 }
 
-/// [`sample`] by the host's loops, over logits in host memory.
+/// [`draw_token`] by the host's loops, over logits in host memory.
 fn host_token(logits: &Array, params: &SamplingParams, step: u64) -> Result<u32, SampleError> {
     let logits = kernels::row_major(logits)?;
     if params.is_greedy() {

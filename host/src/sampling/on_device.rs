@@ -18,12 +18,22 @@ use super::{all_finite, step_key, Drawn, SampleError, SamplingParams};
 /// The token drawn at output position `step` from one position's logits (any shape of V
 /// values), at the request's temperature and through its filters, read back.
 pub fn draw(logits: &Array, params: &SamplingParams, step: u64) -> Result<u32, SampleError> {
-    let row = logits.reshape(&[-1])?;
-    Drawn::OnDevice { token: token(&row, params, step)?, finite: all_finite(&row)? }.read()
+    drawn(logits, params, step)?.read()
 }
 
-/// [`draw`]'s token (a uint32 scalar) from logits [V], left lazy.
-pub fn token(logits: &Array, params: &SamplingParams, step: u64) -> Result<Array, Exception> {
+/// [`draw`]'s token left on the device, with the check that the logits are finite; greedy, MLX's
+/// argmax.
+pub fn drawn(logits: &Array, params: &SamplingParams, step: u64) -> Result<Drawn, Exception> {
+    let row = logits.reshape(&[-1])?;
+    let token = match params.is_greedy() {
+        true => argmax_axis(&row, 0, None)?.as_dtype(Dtype::Uint32)?,
+        false => token(&row, params, step)?,
+    };
+    Ok(Drawn::OnDevice { token, finite: all_finite(&row)? })
+}
+
+/// The sampled token (a uint32 scalar) from logits [V], left lazy.
+fn token(logits: &Array, params: &SamplingParams, step: u64) -> Result<Array, Exception> {
     let logits = logits.as_dtype(Dtype::Float32)?;
     let vocab = logits.shape()[0];
     // Unfiltered, normalizing would move every token's score alike (as on the host).
