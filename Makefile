@@ -47,7 +47,7 @@ replicas: build ## two `host serve` replicas behind nginx on loopback
 # oracle sums quantized products in float32 as Metal, CUDA and the host's kernels do, where
 # MLX's CPU kernel rounds to bfloat16 at every step (tests/oracle/README.md). The kernels' own
 # tests run again on the portable loops and with 8-bit activations for quantized products.
-MLX_ROUTE_TESTS := --test gemma4_parity --test speculative --test plain_decoding --test assistant --test dflash --test dspark \
+MLX_ROUTE_TESTS := --test gemma4_parity --test speculative --test plain_decoding --test round_trips --test assistant --test dflash --test dspark \
 	--test deepspec --test trained_drafters
 test: setup fixtures training-smoke check-platforms ## every test: Rust (both kernel routes), training smoke, platforms, docs
 	bash tests/clients/setup.sh

@@ -17,6 +17,7 @@ pub mod linear;
 pub mod mlp;
 pub mod ops;
 pub mod rope;
+pub mod sync;
 pub mod view;
 pub mod weights;
 

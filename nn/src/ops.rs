@@ -148,7 +148,18 @@ pub fn argmax_rows(x: &Array) -> Result<Vec<u32>, Exception> {
         return Ok(best);
     }
     let best = mlx_rs::ops::indexing::argmax_axis(x, -1, None)?.as_dtype(Dtype::Uint32)?;
+    crate::sync::eval([&best])?;
     Ok(best.as_slice::<u32>().to_vec())
+}
+
+/// [`argmax_rows`] as an array of uint32 (x's shape less its last axis): built from the host's
+/// scan where MLX runs on the CPU, MLX's argmax left lazy elsewhere, so that a chain of steps
+/// can feed each step's tokens to the next and wait once for them all.
+pub fn argmax_tokens(x: &Array) -> Result<Array, Exception> {
+    if let Some(best) = kernels::argmax::argmax_rows(x)? {
+        return Ok(Array::from_slice(&best, &x.shape()[..x.ndim().saturating_sub(1)]));
+    }
+    mlx_rs::ops::indexing::argmax_axis(x, -1, None)?.as_dtype(Dtype::Uint32)
 }
 
 #[cfg(test)]

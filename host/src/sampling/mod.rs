@@ -4,8 +4,6 @@
 //! of the output token: any path to the same output position (plain decoding, or the verify
 //! pass of speculative decoding) draws with the same noise and so picks the same token.
 
-use std::borrow::Cow;
-
 use filters::{top_k, top_p};
 use kernels::argmax::first_max_half;
 use kernels::scan::exp_sum;
@@ -95,17 +93,6 @@ fn all_finite(logits: &Array) -> Result<Array, Exception> {
     logits.is_finite()?.all(None)
 }
 
-/// Evaluates `result` together with [`all_finite`] over `logits`.
-fn check_finite_on_device(logits: &Array, result: &Array) -> Result<(), SampleError> {
-    let finite = all_finite(logits)?;
-    mlx_rs::transforms::eval([result, &finite])?;
-    if finite.item_exact::<bool>() {
-        Ok(())
-    } else {
-        Err(SampleError::NonFinite)
-    }
-}
-
 fn check_finite(logits: &[f32]) -> Result<(), SampleError> {
     if logits.iter().all(|x| x.is_finite()) {
         Ok(())
@@ -158,7 +145,7 @@ impl Drawn {
         match self {
             Drawn::Read(token) => Ok(*token),
             Drawn::OnDevice { token, finite } => {
-                mlx_rs::transforms::eval([token, finite])?;
+                plugin_api::nn::sync::eval([token, finite])?;
                 match finite.item_exact::<bool>() {
                     true => Ok(token.item_exact::<u32>()),
                     false => Err(SampleError::NonFinite),
@@ -196,89 +183,116 @@ fn host_token(logits: &Array, params: &SamplingParams, step: u64) -> Result<u32,
     })?
 }
 
-/// The target's tokens over a verify window's logits [W, V], read back from MLX once. Position i
-/// is output step `first_step + i`; its token is what [`sample`] would give there.
-pub enum WindowTokens {
-    /// Greedy: every position's argmax.
-    Greedy(Vec<u32>),
-    /// Sampled: the logits on the host, each position drawn when asked.
-    Sampled { logits: Vec<f32>, vocab: usize },
-    /// Sampled off the CPU: the window's logits [W, V] where they live, each position drawn
-    /// there by MLX ops when asked ([`on_device`]).
-    OnDevice(Array),
+/// What the accept step needs of one row of a verify window.
+pub struct WindowRow<'a> {
+    pub params: &'a SamplingParams,
+    /// The output step of the window's first position.
+    pub first_step: u64,
+    /// Whether the accept step reads each position's distribution (rejection sampling).
+    pub distributions: bool,
+}
+
+/// The target's side of one row of a verify window [W, V]: each position's token, where it was
+/// chosen with the window (greedy anywhere; sampled off the CPU), and the logits on the host,
+/// where the host draws a position when asked (sampled on the CPU) or the accept step reads its
+/// distribution. Position i is output step `first_step + i`; its token is what [`sample`] would
+/// give there.
+pub struct WindowTokens {
+    chosen: Option<Vec<u32>>,
+    logits: Option<Vec<f32>>,
+    vocab: usize,
+    first_step: u64,
 }
 
 impl WindowTokens {
-    /// One window's logits [W, V] (the accept step's tests; rounds use [`Self::rows`]).
+    /// One window's logits [W, V] from output step 0 (the accept step's tests; rounds use
+    /// [`Self::rows`]).
     #[cfg(test)]
     pub fn new(logits: &Array, params: &SamplingParams) -> Result<WindowTokens, SampleError> {
         let shape = logits.shape();
-        let rows = WindowTokens::rows(&logits.reshape(&[1, shape[0], shape[1]])?, &[params])?;
+        let row = WindowRow { params, first_step: 0, distributions: !params.is_greedy() };
+        let rows = WindowTokens::rows(&logits.reshape(&[1, shape[0], shape[1]])?, &[row])?;
         Ok(rows.into_iter().next().expect("one row"))
     }
 
-    /// Each row's window from logits [B, W, V], row b sampled by `params[b]`. Where MLX runs on
-    /// the CPU, every row's logits are read on the host once: greedy rows scan them there,
-    /// sampled rows copy theirs. Elsewhere one argmax on the device serves every greedy row,
-    /// since each MLX op and evaluation costs microseconds of dispatch, and sampled rows keep
-    /// their logits on the device.
-    pub fn rows(logits: &Array, params: &[&SamplingParams]) -> Result<Vec<WindowTokens>, SampleError> {
+    /// Each row's window from logits [B, W, V]. Where MLX runs on the CPU, every row's logits
+    /// are read on the host once: greedy rows scan them there, sampled rows copy theirs.
+    /// Elsewhere every token of the window is chosen by MLX ops and read back in one wait, with
+    /// the logits of rows whose distributions are read: on a GPU each wait is a round trip.
+    pub fn rows(logits: &Array, rows: &[WindowRow]) -> Result<Vec<WindowTokens>, SampleError> {
         let (width, vocab) = (logits.shape()[1] as usize, logits.shape()[2] as usize);
-        let span = |b: usize, per: usize| b * width * per..(b + 1) * width * per;
-        let sampled = params.iter().any(|p| !p.is_greedy());
+        let window = |b: usize, chosen: Option<Vec<u32>>, logits: Option<Vec<f32>>| WindowTokens {
+            chosen,
+            logits,
+            vocab,
+            first_step: rows[b].first_step,
+        };
         if kernels::route::on_cpu() {
+            let span = |b: usize| b * width * vocab..(b + 1) * width * vocab;
+            let sampled = rows.iter().any(|r| !r.params.is_greedy());
             // Widened on the host rather than by an MLX conversion, whose round trip is a large
             // share of sampling a small vocabulary.
             let logits = kernels::row_major(logits)?;
             if let (false, Some(bits)) = (sampled, kernels::bits16(&logits)) {
                 let greedy = |b: usize| -> Result<WindowTokens, SampleError> {
-                    let best = bits[span(b, vocab)].chunks(vocab).map(|row| first_max_half(row, logits.dtype()));
-                    Ok(WindowTokens::Greedy(best.collect::<Option<_>>().ok_or(SampleError::NonFinite)?))
+                    let best = bits[span(b)].chunks(vocab).map(|row| first_max_half(row, logits.dtype()));
+                    Ok(window(b, Some(best.collect::<Option<_>>().ok_or(SampleError::NonFinite)?), None))
                 };
-                return (0..params.len()).map(greedy).collect();
+                return (0..rows.len()).map(greedy).collect();
             }
             return kernels::with_floats(&logits, |all| {
                 check_finite(all)?;
-                let window = |b: usize| {
-                    let logits = &all[span(b, vocab)];
-                    match params[b].is_greedy() {
-                        true => WindowTokens::Greedy(logits.chunks(vocab).map(kernels::argmax::first_max).collect()),
-                        false => WindowTokens::Sampled { logits: logits.to_vec(), vocab },
+                let one = |b: usize| {
+                    let logits = &all[span(b)];
+                    match rows[b].params.is_greedy() {
+                        true => window(b, Some(logits.chunks(vocab).map(kernels::argmax::first_max).collect()), None),
+                        false => window(b, None, Some(logits.to_vec())),
                     }
                 };
-                Ok((0..params.len()).map(window).collect())
+                Ok((0..rows.len()).map(one).collect())
             })?;
         }
         let best = mlx_rs::ops::indexing::argmax_axis(logits, -1, None)?.as_dtype(mlx_rs::Dtype::Uint32)?;
-        check_finite_on_device(logits, &best)?;
-        let best = best.as_slice::<u32>();
-        let window = |b: usize| -> Result<WindowTokens, SampleError> {
-            Ok(match params[b].is_greedy() {
-                true => WindowTokens::Greedy(best[span(b, 1)].to_vec()),
-                false => WindowTokens::OnDevice(index_0(logits, b)?),
-            })
-        };
-        (0..params.len()).map(window).collect()
-    }
-
-    /// The logits of position `i` on the host (sampled windows only; a device's row is copied).
-    pub fn row(&self, i: usize) -> Option<Cow<'_, [f32]>> {
-        match self {
-            WindowTokens::Greedy(_) => None,
-            WindowTokens::Sampled { logits, vocab } => Some(Cow::Borrowed(&logits[i * vocab..(i + 1) * vocab])),
-            WindowTokens::OnDevice(logits) => {
-                let row = index_0(logits, i).ok()?.as_dtype(mlx_rs::Dtype::Float32).ok()?;
-                Some(Cow::Owned(row.try_as_slice::<f32>().ok()?.to_vec()))
+        let finite = all_finite(logits)?;
+        let mut sampled = Vec::new();
+        let mut distributions = Vec::new();
+        for (b, row) in rows.iter().enumerate() {
+            let own = index_0(logits, b)?;
+            if !row.params.is_greedy() {
+                sampled.push((b, on_device::window_tokens(&own, row.params, row.first_step)?));
+            }
+            if row.distributions {
+                distributions.push((b, own.as_dtype(mlx_rs::Dtype::Float32)?));
             }
         }
+        let read = sampled.iter().chain(&distributions).map(|(_, a)| a);
+        plugin_api::nn::sync::eval([&best, &finite].into_iter().chain(read))?;
+        if !finite.item_exact::<bool>() {
+            return Err(SampleError::NonFinite);
+        }
+        let best = best.as_slice::<u32>();
+        let mut out: Vec<WindowTokens> =
+            (0..rows.len()).map(|b| window(b, Some(best[b * width..(b + 1) * width].to_vec()), None)).collect();
+        for (b, tokens) in sampled {
+            out[b].chosen = Some(tokens.as_slice::<u32>().to_vec());
+        }
+        for (b, logits) in distributions {
+            out[b].logits = Some(logits.as_slice::<f32>().to_vec());
+        }
+        Ok(out)
     }
 
-    /// The target's token at position `i`, output step `step`.
+    /// The logits of position `i` on the host, where the window has them.
+    pub fn row(&self, i: usize) -> Option<&[f32]> {
+        self.logits.as_ref().map(|l| &l[i * self.vocab..(i + 1) * self.vocab])
+    }
+
+    /// The target's token at position `i`, output step `step` (`first_step + i`).
     pub fn token(&self, i: usize, params: &SamplingParams, step: u64) -> Result<u32, SampleError> {
-        match self {
-            WindowTokens::Greedy(best) => Ok(best[i]),
-            WindowTokens::Sampled { .. } => Ok(draw(&self.row(i).expect("sampled"), params, step)),
-            WindowTokens::OnDevice(logits) => on_device::draw(&index_0(logits, i)?, params, step),
+        debug_assert_eq!(step, self.first_step + i as u64, "position {i} of a window from step {}", self.first_step);
+        match &self.chosen {
+            Some(tokens) => Ok(tokens[i]),
+            None => Ok(draw(self.row(i).expect("a window keeps its tokens or its logits"), params, step)),
         }
     }
 }

@@ -32,6 +32,15 @@ pub fn drawn(logits: &Array, params: &SamplingParams, step: u64) -> Result<Drawn
     Ok(Drawn::OnDevice { token, finite: all_finite(&row)? })
 }
 
+/// The sampled tokens [W] (uint32) of a verify window's logits [W, V] whose first position is
+/// output step `first_step`, left lazy: position i is drawn as [`draw`] draws step `first_step + i`.
+pub fn window_tokens(logits: &Array, params: &SamplingParams, first_step: u64) -> Result<Array, Exception> {
+    let positions = (0..logits.shape()[0])
+        .map(|i| token(&logits.index(i), params, first_step + i as u64))
+        .collect::<Result<Vec<_>, _>>()?;
+    mlx_rs::ops::stack(&positions, 0)
+}
+
 /// The sampled token (a uint32 scalar) from logits [V], left lazy.
 fn token(logits: &Array, params: &SamplingParams, step: u64) -> Result<Array, Exception> {
     let logits = logits.as_dtype(Dtype::Float32)?;

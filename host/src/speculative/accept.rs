@@ -39,7 +39,7 @@ pub(super) fn accept(
         let draft = drafts.get(i).copied();
         let (token, took_draft) = match (verify, draft, &q, window.row(i)) {
             (Verify::Rejection, Some(d), Some(q), Some(row)) => {
-                rejection_step(&row, &q[i * row.len()..(i + 1) * row.len()], d, request, step + i as u64)?
+                rejection_step(row, &q[i * row.len()..(i + 1) * row.len()], d, request, step + i as u64)?
             }
             _ => {
                 let t = window

@@ -9,10 +9,10 @@ use mlx_rs::Array;
 use super::accept::accept;
 use super::catch_up::CatchUp;
 use super::slot::DrafterSlot;
-use super::{forward, Row, SpecConfig, Taps};
+use super::{forward, Row, SpecConfig, Taps, Verify};
 use crate::generate::{Event, Flow, GenerateError, Request};
 use crate::model::{Gemma4, LayerCache};
-use crate::sampling::{SamplingParams, WindowTokens};
+use crate::sampling::{WindowRow, WindowTokens};
 use plugin_api::sdk::Proposal;
 
 /// The batch as the rounds see it: rows still generating, in the order of the caches and of
@@ -59,9 +59,22 @@ pub(super) fn round(
     )?;
     let logits = batch.model.logits_from_hidden(&hidden)?;
 
-    let params: Vec<&SamplingParams> = batch.active.iter().map(|&r| &batch.requests[r].sampling).collect();
-    let first_step = batch.active.iter().map(|&r| rows[r].tokens.len()).min().unwrap_or(0);
-    let targets = WindowTokens::rows(&logits, &params).map_err(|e| GenerateError::sampling_at(first_step, e))?;
+    let window_rows: Vec<WindowRow> = batch
+        .active
+        .iter()
+        .zip(&proposals)
+        .map(|(&r, p)| {
+            let params = &batch.requests[r].sampling;
+            let rejection = batch.config.verify == Verify::Rejection && p.probabilities.is_some();
+            WindowRow {
+                params,
+                first_step: rows[r].tokens.len() as u64,
+                distributions: rejection && !params.is_greedy(),
+            }
+        })
+        .collect();
+    let first_step = window_rows.iter().map(|w| w.first_step as usize).min().unwrap_or(0);
+    let targets = WindowTokens::rows(&logits, &window_rows).map_err(|e| GenerateError::sampling_at(first_step, e))?;
     let mut accepted = Vec::with_capacity(batch.active.len());
     for ((&r, proposal), window) in batch.active.iter().zip(&proposals).zip(&targets) {
         let verify = batch.config.verify;

@@ -154,22 +154,24 @@ impl Shared {
         };
         let (sliding, full) = (select(&donors.sliding)?, select(&donors.full)?);
         let mut hidden = plugin_api::nn::layout::concat(&hiddens.iter().collect::<Vec<_>>(), 0)?;
-        let mut ids: Vec<i32> = pending.iter().map(|&t| t as i32).collect();
-        let mut drafted = vec![Vec::with_capacity(depth); rows.len()];
+        let heads: Vec<i32> = pending.iter().map(|&t| t as i32).collect();
+        let mut ids = Array::from_slice(&heads, &[rows.len() as i32, 1]);
+        let mut steps = Vec::with_capacity(depth);
         // Every step of a round queries at the pending token's position: one past the target's
         // last cached position.
         let positions: Vec<i32> = rows.iter().map(|&r| donors.positions[r] + 1).collect();
         for _ in 0..depth {
-            let embedded = self.target.embed(&Array::from_slice(&ids, &[rows.len() as i32, 1]), true)?;
+            let embedded = self.target.embed(&ids, true)?;
             let step = self.model.step(&embedded, &hidden, &positions, &sliding, &full)?;
-            let tokens = step.tokens.as_dtype(plugin_api::mlx_rs::Dtype::Int32)?;
-            ids = tokens.as_slice::<i32>().to_vec();
-            for (out, &t) in drafted.iter_mut().zip(&ids) {
-                out.push(t as u32);
-            }
+            // Each step takes the last one's tokens as they are (on a GPU, not yet computed):
+            // the chain is read back once, at the end.
+            ids = step.tokens.as_dtype(plugin_api::mlx_rs::Dtype::Int32)?.reshape(&[rows.len() as i32, 1])?;
+            steps.push(ids.clone());
             hidden = step.next_hidden;
         }
-        Ok(drafted)
+        let drafted = plugin_api::nn::layout::concat(&steps.iter().collect::<Vec<_>>(), 1)?;
+        plugin_api::nn::sync::eval([&drafted])?;
+        Ok(drafted.as_slice::<i32>().chunks(depth).map(|row| row.iter().map(|&t| t as u32).collect()).collect())
     }
 }
 

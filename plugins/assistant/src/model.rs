@@ -181,7 +181,7 @@ impl Assistant {
         match &self.masked_embedding {
             None => {
                 let logits = self.embed_tokens.as_linear(h)?.reshape(&[b, -1])?;
-                Ok(Array::from_slice(&plugin_api::nn::ops::argmax_rows(&logits)?, &[b]))
+                plugin_api::nn::ops::argmax_tokens(&logits)
             }
             Some(m) => {
                 if let Some(tokens) = self.centroid_head_on_host(m, h)? {
