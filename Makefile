@@ -11,7 +11,7 @@ ORACLE_PY := tests/oracle/.venv/bin/python
 BENCH_MODEL := target/bench-model
 
 .PHONY: help setup build fixtures run serve test doctor oracle bench bench-large demo-model training-smoke \
-	train-drafter demo-drafters drafter-bench replicas check-platforms oracle-venv llamacpp bench-llamacpp
+	train-drafter demo-drafters drafter-bench replicas check-platforms oracle-venv llamacpp bench-llamacpp gpu-check
 .DEFAULT_GOAL := help
 
 help: ## this list
@@ -35,6 +35,11 @@ run: build ## the main job: generate on the embedded default, then compare with 
 # An OpenAI-compatible server on the embedded default, at http://127.0.0.1:8080/v1.
 serve: build ## an OpenAI-compatible server on the embedded default at 127.0.0.1:8080
 	./target/release/host serve --manifest manifests/default.toml
+
+# On a machine with an NVIDIA GPU: the route CUDA takes against mlx-lm on the same GPU, and every
+# demo drafter's speed-up and exactness there (scripts/gpu-check.sh; docs/gpu.md).
+gpu-check: ## on an NVIDIA GPU: plain decoding against mlx-lm, every demo drafter's speed-up and exactness
+	bash scripts/gpu-check.sh
 
 # Two `host serve` replicas behind Debian's nginx on loopback (installed if missing): requests
 # sent through nginx reach both (scripts/replicas.sh; not part of the tests).
