@@ -28,7 +28,12 @@ fn a_plugin_copied_into_a_directory_shows_up_in_the_list() {
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
     let ngram = text.lines().find(|l| l.contains("libngram.so")).unwrap();
-    assert!(ngram.contains("ngram") && ngram.contains("api 1.0.0") && ngram.contains("loaded"), "{text}");
+    assert!(
+        ngram.contains("ngram")
+            && ngram.contains(&format!("api {}", plugin_api::API_VERSION))
+            && ngram.contains("loaded"),
+        "{text}"
+    );
     let future = text.lines().find(|l| l.contains("libfuture_api.so")).unwrap();
     assert!(future.contains("refused") && future.contains("built for plugin API 2.0.0"), "{text}");
 
@@ -37,7 +42,7 @@ fn a_plugin_copied_into_a_directory_shows_up_in_the_list() {
     let plugins = json["plugins"].as_array().unwrap();
     assert_eq!(plugins.len(), 2);
     let ngram = plugins.iter().find(|p| p["status"] == "loaded").unwrap();
-    assert_eq!((ngram["kind"].as_str(), ngram["api_version"].as_str()), (Some("ngram"), Some("1.0.0")));
+    assert_eq!((ngram["kind"].as_str(), ngram["api_version"].as_str()), (Some("ngram"), Some(plugin_api::API_VERSION)));
     assert!(ngram["version"].as_str().is_some());
     let refused = plugins.iter().find(|p| p["status"] == "refused").unwrap();
     assert!(refused["reason"].as_str().unwrap().starts_with("built for plugin API 2.0.0"));
@@ -68,7 +73,10 @@ fn inspect_by_kind_and_by_path() {
     assert!(!out.status.success());
     let err = stderr(&out);
     assert_eq!(err.lines().count(), 1, "{err}");
-    assert!(err.contains("ABI layout mismatch with plugin API 1.0.0: mismatched package"), "{err}");
+    assert!(
+        err.contains(&format!("ABI layout mismatch with plugin API {}: mismatched package", plugin_api::API_VERSION)),
+        "{err}"
+    );
     let verbose = host(&["plugins", "inspect", bad.to_str().unwrap(), "--verbose"]);
     assert!(stderr(&verbose).lines().count() > 10);
 

@@ -164,33 +164,10 @@ unsafe extern "C" fn run_chain(out: *mut mlx_vector_array, inputs: mlx_vector_ar
     }
 }
 
-/// MLX's printout of the ops that compute `a`.
-#[cfg(test)]
-pub(crate) fn graph(a: &Array) -> String {
-    extern "C" {
-        fn fopen(path: *const std::ffi::c_char, mode: *const std::ffi::c_char) -> *mut mlx_sys::FILE;
-        fn fclose(file: *mut mlx_sys::FILE) -> i32;
-    }
-    let name = format!("nn-graph-{}-{:?}.txt", std::process::id(), std::thread::current().id());
-    let path = std::env::temp_dir().join(name);
-    let c_path = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
-    // SAFETY: the file is opened and closed here; the vector is freed after the call.
-    unsafe {
-        let file = fopen(c_path.as_ptr(), c"w".as_ptr());
-        assert!(!file.is_null());
-        let outputs = mlx_sys::mlx_vector_array_new_value(a.as_ptr());
-        mlx_sys::mlx_print_graph(file, mlx_sys::mlx_node_namer_new(), outputs);
-        mlx_sys::mlx_vector_array_free(outputs);
-        fclose(file);
-    }
-    let printed = std::fs::read_to_string(&path).unwrap();
-    std::fs::remove_file(&path).unwrap();
-    printed
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sync::graph;
 
     /// Outside chains MLX's compilation is off again, so mlx-rs's compiled functions run as
     /// they are written (the process's rule).

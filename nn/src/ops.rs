@@ -167,7 +167,7 @@ mod compiled_tests {
     use mlx_rs::random;
 
     use super::*;
-    use crate::fused::graph;
+    use crate::sync::graph;
 
     fn differing(a: &Array, b: &Array) -> u32 {
         a.ne(b).unwrap().sum(None).unwrap().item_cast::<u32>()

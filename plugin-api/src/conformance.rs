@@ -14,12 +14,14 @@ use std::path::PathBuf;
 use std::cell::Cell;
 use std::rc::Rc;
 
+use abi_stable::abi_stability::abi_checking::check_layout_compatibility;
 use abi_stable::sabi_trait::TD_Opaque;
 use abi_stable::std_types::{RResult, RSome, RVec};
 use mlx_rs::ops::broadcast_to;
 use mlx_rs::{random, Array, Dtype};
 
 use crate::abi::{DraftRow, DrafterRootRef, RowGroupBox, RowState, TokenRows};
+use crate::device_draft::{DeviceDraft, DEVICE_DRAFT_ID};
 use crate::target::{DonorLayer, Donors, LayerKind, TargetInfo, TargetViewAbi, TargetViewAbi_TO, TargetViewBox};
 use crate::{sdk, ArrayRef, OwnedArray, PluginError, ProviderInfo};
 
@@ -384,6 +386,13 @@ fn run(root: DrafterRootRef, config: &Config, report: &mut Report) -> Option<()>
         return None;
     }
 
+    let device_draft = match device_draft_table(root) {
+        Ok(table) => table,
+        Err(e) => {
+            report.record("device-draft/1 extension", Err(e));
+            None
+        }
+    };
     let mut step = prefix_len as u64;
     for round in 0..config.rounds {
         let depth = 1 + round % config.depth.max(1);
@@ -410,6 +419,13 @@ fn run(root: DrafterRootRef, config: &Config, report: &mut Report) -> Option<()>
                 Err(format!("{:?} then {:?} for the same inputs", token_lists(&drafted_a), token_lists(&drafted_b)))
             },
         );
+
+        if let Some(table) = &device_draft {
+            let answer = (table.draft)(&mut b, pending.as_slice().into(), depth as u32, steps.as_slice().into());
+            let checked =
+                answer.into_result().map_err(err).and_then(|t| check_device_drafts(t.into_option(), &drafted_a, depth));
+            report.record(&format!("drafts on the device (round {round})"), checked);
+        }
 
         // Simulate verification: accept a random prefix of each row's draft, then a new token.
         let drafts = token_lists(&drafted_a);
@@ -446,6 +462,35 @@ fn run(root: DrafterRootRef, config: &Config, report: &mut Report) -> Option<()>
     );
     report.record("filter rows", check_filter(&mut a, &mut b, &pending, config, step));
     Some(())
+}
+
+/// The plugin's `device-draft/1` table, if it offers one with the right layout.
+fn device_draft_table(root: DrafterRootRef) -> Result<Option<&'static DeviceDraft>, String> {
+    let Some(found) = (root.extension())(DEVICE_DRAFT_ID.into()).into_option() else { return Ok(None) };
+    check_layout_compatibility(<DeviceDraft as abi_stable::StableAbi>::LAYOUT, found.layout)
+        .map_err(|e| format!("its layout differs from this crate's: {}", e.to_string().lines().next().unwrap_or("")))?;
+    // SAFETY: the layout check proved the table is a DeviceDraft; it is a static of the library.
+    Ok(Some(unsafe { &*found.table.cast::<DeviceDraft>() }))
+}
+
+/// Device drafts, where a group gave them, are `draft`'s tokens: every row's `depth` of them.
+fn check_device_drafts(tokens: Option<OwnedArray>, drafted: &RVec<DraftRow>, depth: usize) -> Result<(), String> {
+    let Some(tokens) = tokens.map(OwnedArray::into_array) else { return Ok(()) };
+    let want = [drafted.len() as i32, depth as i32];
+    if tokens.shape() != want || !matches!(tokens.dtype(), Dtype::Int32 | Dtype::Uint32) {
+        return Err(format!(
+            "tokens {:?} of shape {:?}, expected int32 or uint32 {want:?}",
+            tokens.dtype(),
+            tokens.shape()
+        ));
+    }
+    let on_device = tokens.as_dtype(Dtype::Uint32).map_err(|e| e.to_string())?;
+    let on_device: Vec<Vec<u32>> = on_device.as_slice::<u32>().chunks(depth).map(<[u32]>::to_vec).collect();
+    let on_host = token_lists(drafted);
+    if on_device != on_host {
+        return Err(format!("{on_device:?} on the device, {on_host:?} from draft"));
+    }
+    Ok(())
 }
 
 /// Opens a group whose view lends donors to as many rows as the group has.

@@ -4,8 +4,9 @@
 use std::path::Path;
 
 use abi_stable::std_types::{ROption, RVec};
-use mlx_rs::Array;
+use mlx_rs::{Array, Dtype};
 use plugin_api::abi::{DrafterRootRef, ProviderBox, RowGroupBox, RowState, TokenRows};
+use plugin_api::device_draft::{DeviceDraft, DEVICE_DRAFT_ID};
 use plugin_api::sdk::Proposal;
 use plugin_api::target::TargetViewBox;
 use plugin_api::{ArrayRef, PluginError, ProviderInfo};
@@ -39,6 +40,8 @@ pub struct LoadedDrafter {
     kind: String,
     provider: ProviderBox,
     pub info: ProviderInfo,
+    /// Its groups' drafts left on the device, where the plugin offers them (API 1.1).
+    device_draft: Option<&'static DeviceDraft>,
 }
 
 impl LoadedDrafter {
@@ -60,7 +63,9 @@ impl LoadedDrafter {
             .into_result()
             .map_err(|error| DrafterError::Plugin { kind: kind.clone(), call: "load", error })?;
         let info = provider.info();
-        Ok(LoadedDrafter { kind, provider, info })
+        let device_draft = super::load::extension::<DeviceDraft>(root, DEVICE_DRAFT_ID)
+            .map_err(|reason| DrafterError::InvalidAnswer { kind: kind.clone(), call: "load", reason })?;
+        Ok(LoadedDrafter { kind, provider, info, device_draft })
     }
 
     /// The plugin kind this drafter comes from.
@@ -76,7 +81,8 @@ impl LoadedDrafter {
             call: "open",
             error,
         })?;
-        Ok(DrafterGroup { kind: self.kind.clone(), group, rows, vocab_size, poisoned: false })
+        let device_draft = self.device_draft;
+        Ok(DrafterGroup { kind: self.kind.clone(), group, rows, vocab_size, poisoned: false, device_draft })
     }
 }
 
@@ -87,6 +93,7 @@ pub struct DrafterGroup {
     rows: usize,
     vocab_size: u32,
     poisoned: bool,
+    device_draft: Option<&'static DeviceDraft>,
 }
 
 impl DrafterGroup {
@@ -112,6 +119,38 @@ impl DrafterGroup {
             self.poisoned = true;
             DrafterError::InvalidAnswer { kind: self.kind.clone(), call: "draft", reason }
         })
+    }
+
+    /// [`Self::draft`]'s tokens, `depth` per row, as uint32 [rows, depth] left on the device
+    /// (the extension `device-draft/1`); `None` where the drafter drafts on the host this round
+    /// or has no such drafts. Their ids are checked once read ([`Self::check_device_drafts`]).
+    pub fn draft_on_device(
+        &mut self,
+        pending: &[u32],
+        depth: usize,
+        steps: &[u64],
+    ) -> Result<Option<Array>, DrafterError> {
+        let Some(table) = self.device_draft else { return Ok(None) };
+        self.live()?;
+        let answer = (table.draft)(&mut self.group, pending.into(), depth as u32, steps.into()).into_result();
+        let Some(tokens) = self.checked("draft_on_device", answer)?.into_option() else { return Ok(None) };
+        let tokens = tokens.into_array();
+        let want = [self.rows as i32, depth as i32];
+        let reason = match tokens.dtype() {
+            _ if tokens.shape() != want => format!("tokens of shape {:?}, expected {want:?}", tokens.shape()),
+            Dtype::Int32 | Dtype::Uint32 => return Ok(tokens.as_dtype(Dtype::Uint32).ok()),
+            other => format!("tokens of type {other:?}, expected int32 or uint32"),
+        };
+        self.poisoned = true;
+        Err(DrafterError::InvalidAnswer { kind: self.kind.clone(), call: "draft_on_device", reason })
+    }
+
+    /// Refuses device drafts, once read, whose ids fall outside the vocabulary.
+    pub fn check_device_drafts(&mut self, tokens: &[u32]) -> Result<(), DrafterError> {
+        let Some(&bad) = tokens.iter().find(|&&t| t >= self.vocab_size) else { return Ok(()) };
+        self.poisoned = true;
+        let reason = format!("token id {bad} outside the vocabulary of {}", self.vocab_size);
+        Err(DrafterError::InvalidAnswer { kind: self.kind.clone(), call: "draft_on_device", reason })
     }
 
     pub fn commit(&mut self, window: &[u32], accepted: &[u32], context: Option<&Array>) -> Result<(), DrafterError> {

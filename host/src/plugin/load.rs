@@ -78,13 +78,19 @@ impl Plugin {
     /// The plugin's extension table `T` for a versioned id: `Ok(None)` when the plugin does
     /// not have it (an older plugin), an error when its layout differs from `T`'s.
     pub fn extension<T: StableAbi>(&self, id: &str) -> Result<Option<&'static T>, String> {
-        let Some(found) = (self.root.extension())(id.into()).into_option() else { return Ok(None) };
-        check_layout_compatibility(T::LAYOUT, found.layout)
-            .map_err(|e| format!("extension `{id}`: {}", summarize_layout_report(&e.to_string())))?;
-        // SAFETY: the layout check proved the table has T's layout; tables are statics of a
-        // library that is never unloaded.
-        Ok(Some(unsafe { &*found.table.cast::<T>() }))
+        extension(self.root, id)
     }
+}
+
+/// The extension table `T` that the plugin of `root` offers under a versioned id (see
+/// [`Plugin::extension`]).
+pub fn extension<T: StableAbi>(root: DrafterRootRef, id: &str) -> Result<Option<&'static T>, String> {
+    let Some(found) = (root.extension())(id.into()).into_option() else { return Ok(None) };
+    check_layout_compatibility(T::LAYOUT, found.layout)
+        .map_err(|e| format!("extension `{id}`: {}", summarize_layout_report(&e.to_string())))?;
+    // SAFETY: the layout check proved the table has T's layout; tables are statics of a
+    // library that is never unloaded.
+    Ok(Some(unsafe { &*found.table.cast::<T>() }))
 }
 
 /// Loads the library at `path` after checking it; `pin` is a manifest's sha256 for it.

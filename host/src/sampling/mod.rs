@@ -211,15 +211,16 @@ impl WindowTokens {
     pub fn new(logits: &Array, params: &SamplingParams) -> Result<WindowTokens, SampleError> {
         let shape = logits.shape();
         let row = WindowRow { params, first_step: 0, distributions: !params.is_greedy() };
-        let rows = WindowTokens::rows(&logits.reshape(&[1, shape[0], shape[1]])?, &[row])?;
+        let rows = WindowTokens::rows(&logits.reshape(&[1, shape[0], shape[1]])?, &[row], &[])?;
         Ok(rows.into_iter().next().expect("one row"))
     }
 
     /// Each row's window from logits [B, W, V]. Where MLX runs on the CPU, every row's logits
     /// are read on the host once: greedy rows scan them there, sampled rows copy theirs.
     /// Elsewhere every token of the window is chosen by MLX ops and read back in one wait, with
-    /// the logits of rows whose distributions are read: on a GPU each wait is a round trip.
-    pub fn rows(logits: &Array, rows: &[WindowRow]) -> Result<Vec<WindowTokens>, SampleError> {
+    /// the logits of rows whose distributions are read, and with `also` (a round's drafts left
+    /// on the device): on a GPU each wait is a round trip.
+    pub fn rows(logits: &Array, rows: &[WindowRow], also: &[Array]) -> Result<Vec<WindowTokens>, SampleError> {
         let (width, vocab) = (logits.shape()[1] as usize, logits.shape()[2] as usize);
         let window = |b: usize, chosen: Option<Vec<u32>>, logits: Option<Vec<f32>>| WindowTokens {
             chosen,
@@ -265,7 +266,7 @@ impl WindowTokens {
                 distributions.push((b, own.as_dtype(mlx_rs::Dtype::Float32)?));
             }
         }
-        let read = sampled.iter().chain(&distributions).map(|(_, a)| a);
+        let read = sampled.iter().chain(&distributions).map(|(_, a)| a).chain(also);
         plugin_api::nn::sync::eval([&best, &finite].into_iter().chain(read))?;
         if !finite.item_exact::<bool>() {
             return Err(SampleError::NonFinite);

@@ -184,26 +184,24 @@ impl Taps {
     }
 }
 
-/// The target forward over rows of equal length, with the drafter's context: the hidden
+/// The target forward over token ids [rows, length], with the drafter's context: the hidden
 /// states at its tap layers concatenated on the feature axis, or the final hidden states.
 fn forward(
     model: &Gemma4,
     caches: &mut [LayerCache],
-    rows: &[&[u32]],
+    ids: &Array,
     taps: &Taps,
 ) -> Result<(Array, Option<Array>), GenerateError> {
-    let flat: Vec<i32> = rows.iter().flat_map(|r| r.iter().map(|&t| t as i32)).collect();
-    let ids = Array::from_slice(&flat, &[rows.len() as i32, rows.first().map_or(0, |r| r.len()) as i32]);
     let taps = match taps {
-        Taps::None => return Ok((model.forward_hidden(&ids, caches, None)?, None)),
+        Taps::None => return Ok((model.forward_hidden(ids, caches, None)?, None)),
         Taps::Final => {
-            let hidden = model.forward_hidden(&ids, caches, None)?;
+            let hidden = model.forward_hidden(ids, caches, None)?;
             return Ok((hidden.clone(), Some(hidden)));
         }
         Taps::Layers(layers) => layers,
     };
     let mut t = LayerTaps { layers: taps.to_vec(), captured: Vec::new() };
-    let hidden = model.forward_hidden(&ids, caches, Some(&mut t))?;
+    let hidden = model.forward_hidden(ids, caches, Some(&mut t))?;
     // Captured in layer order; the drafter wants them in its tap order.
     let mut layers = taps.to_vec();
     layers.sort_unstable();

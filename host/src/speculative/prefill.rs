@@ -5,7 +5,7 @@
 use super::prefix_cache::Prefix;
 use super::slot::DrafterSlot;
 use super::{forward, Row, Taps};
-use crate::generate::{Event, Flow, GenerateError, Request, StopReason, PREFILL_CHUNK};
+use crate::generate::{token_ids, Event, Flow, GenerateError, Request, StopReason, PREFILL_CHUNK};
 use crate::model::{Gemma4, LayerCache};
 use crate::plugin::LoadedDrafter;
 use crate::target_view::TargetView;
@@ -34,7 +34,7 @@ pub(super) fn prefill_row(
     let mut contexts = Vec::new();
     let rest = &prefix[done..];
     for chunk in rest.chunks(PREFILL_CHUNK) {
-        let (hidden, context) = forward(model, &mut caches, &[chunk], taps)?;
+        let (hidden, context) = forward(model, &mut caches, &token_ids(chunk), taps)?;
         row.stats.target_forwards += 1;
         // MLX is lazy: computing each chunk here makes the progress real.
         hidden.eval()?;

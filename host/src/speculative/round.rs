@@ -4,6 +4,7 @@
 use std::cell::RefCell;
 use std::time::Instant;
 
+use mlx_rs::error::Exception;
 use mlx_rs::Array;
 
 use super::accept::accept;
@@ -34,38 +35,24 @@ pub(super) fn round(
     on_event: &mut impl FnMut(usize, Event) -> Flow,
 ) -> Result<(), GenerateError> {
     let drafting = Instant::now();
-    let proposals = draft(batch, rows, slot, catch_up)?;
+    let drafted = draft(batch, rows, slot, catch_up)?;
     let draft_ms = ms_since(drafting);
     let verifying = Instant::now();
 
     // One forward over every row's [pending, drafts…], right-padded to the longest.
-    let width = 1 + proposals.iter().map(|p| p.tokens.len()).max().unwrap_or(0);
-    let windows: Vec<Vec<u32>> = batch
-        .active
-        .iter()
-        .zip(&proposals)
-        .map(|(&r, p)| {
-            let mut w = vec![rows[r].pending];
-            w.extend(&p.tokens);
-            w.resize(width, rows[r].pending);
-            w
-        })
-        .collect();
-    let (hidden, context) = forward(
-        batch.model,
-        &mut batch.caches.borrow_mut(),
-        &windows.iter().map(Vec::as_slice).collect::<Vec<_>>(),
-        batch.taps,
-    )?;
+    let pending: Vec<u32> = batch.active.iter().map(|&r| rows[r].pending).collect();
+    let ids = drafted.window_ids(&pending, batch.model.config.vocab_size)?;
+    let width = ids.shape()[1] as usize;
+    let (hidden, context) = forward(batch.model, &mut batch.caches.borrow_mut(), &ids, batch.taps)?;
     let logits = batch.model.logits_from_hidden(&hidden)?;
 
     let window_rows: Vec<WindowRow> = batch
         .active
         .iter()
-        .zip(&proposals)
-        .map(|(&r, p)| {
+        .enumerate()
+        .map(|(i, &r)| {
             let params = &batch.requests[r].sampling;
-            let rejection = batch.config.verify == Verify::Rejection && p.probabilities.is_some();
+            let rejection = batch.config.verify == Verify::Rejection && drafted.has_probabilities(i);
             WindowRow {
                 params,
                 first_step: rows[r].tokens.len() as u64,
@@ -74,7 +61,10 @@ pub(super) fn round(
         })
         .collect();
     let first_step = window_rows.iter().map(|w| w.first_step as usize).min().unwrap_or(0);
-    let targets = WindowTokens::rows(&logits, &window_rows).map_err(|e| GenerateError::sampling_at(first_step, e))?;
+    // The window's tokens, and drafts left on the device, in one wait.
+    let targets = WindowTokens::rows(&logits, &window_rows, drafted.on_device())
+        .map_err(|e| GenerateError::sampling_at(first_step, e))?;
+    let (proposals, windows) = drafted.read(&pending, width, slot);
     let mut accepted = Vec::with_capacity(batch.active.len());
     for ((&r, proposal), window) in batch.active.iter().zip(&proposals).zip(&targets) {
         let verify = batch.config.verify;
@@ -90,13 +80,12 @@ pub(super) fn round(
     }
     let verify_ms = ms_since(verifying);
     let committing = Instant::now();
-    let flat: Vec<u32> = windows.concat();
     if width == 1 {
         // Nothing was drafted: the drafter sees these tokens when it next drafts.
-        catch_up.push(flat, context, slot)?;
+        catch_up.push(windows, context, slot)?;
     } else {
         let counts: Vec<u32> = accepted.iter().map(|&a| a as u32).collect();
-        slot.call(|g| g.commit(&flat, &counts, context.as_ref()));
+        slot.call(|g| g.commit(&windows, &counts, context.as_ref()));
     }
     let draft_ms = draft_ms + ms_since(committing);
     for &r in &batch.active {
@@ -110,14 +99,91 @@ fn ms_since(start: Instant) -> f64 {
     start.elapsed().as_secs_f64() * 1e3
 }
 
+/// A round's drafts: in host memory, or (the extension `device-draft/1`) `depths[r]` of
+/// `depth` tokens per row in an array [rows, depth] the device may still be computing.
+enum Drafted {
+    Host(Vec<Proposal>),
+    OnDevice { tokens: Array, depths: Vec<usize> },
+}
+
+impl Drafted {
+    /// The verify forward's input [rows, 1 + drafts]: each row's pending token and its drafts,
+    /// right-padded with the pending token. Device drafts are clamped into the vocabulary, so
+    /// that a wrong id cannot index past the embedding; once read they are checked.
+    fn window_ids(&self, pending: &[u32], vocab: i32) -> Result<Array, Exception> {
+        let heads: Vec<i32> = pending.iter().map(|&t| t as i32).collect();
+        let heads = Array::from_slice(&heads, &[heads.len() as i32, 1]);
+        match self {
+            Drafted::Host(proposals) => {
+                let width = 1 + proposals.iter().map(|p| p.tokens.len()).max().unwrap_or(0);
+                let flat: Vec<i32> = pending
+                    .iter()
+                    .zip(proposals)
+                    .flat_map(|(&head, p)| {
+                        let drafts = p.tokens.iter().copied().chain(std::iter::repeat(head));
+                        std::iter::once(head).chain(drafts).take(width).map(|t| t as i32)
+                    })
+                    .collect();
+                Ok(Array::from_slice(&flat, &[pending.len() as i32, width as i32]))
+            }
+            Drafted::OnDevice { tokens, .. } => {
+                let inside =
+                    mlx_rs::ops::minimum(tokens, Array::from_int(vocab - 1))?.as_dtype(mlx_rs::Dtype::Int32)?;
+                mlx_rs::ops::concatenate(&[heads, inside], 1)
+            }
+        }
+    }
+
+    fn has_probabilities(&self, row: usize) -> bool {
+        matches!(self, Drafted::Host(p) if p[row].probabilities.is_some())
+    }
+
+    /// What the round's one wait also computes.
+    fn on_device(&self) -> &[Array] {
+        match self {
+            Drafted::Host(_) => &[],
+            Drafted::OnDevice { tokens, .. } => std::slice::from_ref(tokens),
+        }
+    }
+
+    /// Each row's proposal on the host, and the verify windows [rows · width] as the drafter's
+    /// commit reads them. Device drafts are read (computed by the round's wait) and checked: ids
+    /// outside the vocabulary drop the drafter and propose nothing.
+    fn read(self, pending: &[u32], width: usize, slot: &mut DrafterSlot) -> (Vec<Proposal>, Vec<u32>) {
+        let proposals = match self {
+            Drafted::Host(proposals) => proposals,
+            Drafted::OnDevice { tokens, depths } => {
+                let all = tokens.as_slice::<u32>();
+                let drafts = width - 1;
+                match slot.call(|g| g.check_device_drafts(all)) {
+                    Some(()) => {
+                        all.chunks(drafts).zip(&depths).map(|(row, &d)| Proposal::tokens(row[..d].to_vec())).collect()
+                    }
+                    None => depths.iter().map(|_| Proposal::default()).collect(),
+                }
+            }
+        };
+        let windows = pending
+            .iter()
+            .zip(&proposals)
+            .flat_map(|(&head, p)| {
+                std::iter::once(head).chain(p.tokens.iter().copied().chain(std::iter::repeat(head))).take(width)
+            })
+            .collect();
+        (proposals, windows)
+    }
+}
+
 /// Each active row's proposal, no deeper than the round's draft length and its remaining budget
 /// allow (a row one token from `max_tokens` gets none); empty proposals when the drafter is gone.
+/// Off the CPU loops' route a round that needs no draft probabilities takes the drafter's
+/// tokens on the device where it offers them.
 fn draft(
     batch: &Batch,
     rows: &[Row],
     slot: &mut DrafterSlot,
     catch_up: &mut CatchUp,
-) -> Result<Vec<Proposal>, GenerateError> {
+) -> Result<Drafted, GenerateError> {
     let depths: Vec<usize> = batch
         .active
         .iter()
@@ -127,13 +193,19 @@ fn draft(
         })
         .collect();
     let depth = depths.iter().copied().max().unwrap_or(0);
-    let empty = || batch.active.iter().map(|_| Proposal::default()).collect::<Vec<_>>();
+    let empty = || Drafted::Host(batch.active.iter().map(|_| Proposal::default()).collect());
     if depth == 0 {
         return Ok(empty());
     }
     catch_up.flush(slot)?;
     let pending: Vec<u32> = batch.active.iter().map(|&r| rows[r].pending).collect();
     let steps: Vec<u64> = batch.active.iter().map(|&r| rows[r].tokens.len() as u64).collect();
+    let greedy = batch.active.iter().all(|&r| batch.requests[r].sampling.is_greedy());
+    if !kernels::route::on_cpu() && (batch.config.verify == Verify::Match || greedy) {
+        if let Some(Some(tokens)) = slot.call(|g| g.draft_on_device(&pending, depth, &steps)) {
+            return Ok(Drafted::OnDevice { tokens, depths });
+        }
+    }
     let Some(mut proposals) = slot.call(|g| g.draft(&pending, depth, &steps)) else { return Ok(empty()) };
     for (p, &d) in proposals.iter_mut().zip(&depths) {
         if p.tokens.len() > d {
@@ -145,5 +217,5 @@ fn draft(
                 .transpose()?;
         }
     }
-    Ok(proposals)
+    Ok(Drafted::Host(proposals))
 }

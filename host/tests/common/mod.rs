@@ -90,8 +90,18 @@ pub fn drafts_after_taps(
     ids: &[u32],
     depth: usize,
 ) -> Vec<u32> {
-    use mlx_rs::Array;
     let (prefix, last) = ids.split_at(ids.len() - 1);
+    group_after_taps(model, drafter, prefix).draft(last, depth, &[0]).unwrap().remove(0).tokens
+}
+
+/// A one-row group of `drafter` prefilled on `prefix` as the target processed it, with the
+/// drafter's tapped hidden states as its context.
+pub fn group_after_taps(
+    model: &std::rc::Rc<host::model::Gemma4>,
+    drafter: &host::plugin::LoadedDrafter,
+    prefix: &[u32],
+) -> host::plugin::drafter::DrafterGroup {
+    use mlx_rs::Array;
     let caches = std::rc::Rc::new(std::cell::RefCell::new(model.make_caches(1, 8)));
     let tokens = Array::from_slice(&prefix.iter().map(|&t| t as i32).collect::<Vec<_>>(), &[1, prefix.len() as i32]);
     let layers: Vec<usize> = drafter.info.capabilities.tap_layers.iter().map(|&l| l as usize).collect();
@@ -106,5 +116,5 @@ pub fn drafts_after_taps(
     let view = host::target_view::TargetView::new(model.clone(), caches.clone(), drafter.info.capabilities.ports);
     let mut rows = drafter.open(view.boxed(), 1, model.config.vocab_size as u32).unwrap();
     rows.prefill(prefix, Some(&context)).unwrap();
-    rows.draft(last, depth, &[0]).unwrap().remove(0).tokens
+    rows
 }

@@ -12,7 +12,7 @@ use std::path::Path;
 use std::sync::Once;
 
 use abi_stable::prefix_type::PrefixTypeTrait;
-use abi_stable::sabi_trait::TD_Opaque;
+use abi_stable::sabi_trait::{TD_CanDowncast, TD_Opaque};
 use abi_stable::std_types::{ROption, RResult, RSlice, RStr, RVec};
 use mlx_rs::Array;
 use serde::de::DeserializeOwned;
@@ -21,6 +21,7 @@ use crate::abi::{
     DraftRow, DrafterRoot, DrafterRootRef, Extension, ProviderAbi, ProviderAbi_TO, ProviderBox, RowGroupAbi,
     RowGroupAbi_TO, RowGroupBox, RowState, TokenRows,
 };
+use crate::device_draft::{DeviceDraft, DEVICE_DRAFT_ID};
 use crate::target::{Donors, TargetInfo, TargetViewBox};
 use crate::{ArrayRef, Descriptor, ErrorKind, OwnedArray, PluginError, ProviderInfo};
 
@@ -64,6 +65,18 @@ pub trait GroupedDraftProvider: 'static {
     fn append(&mut self, states: Vec<RowState>) -> Result<(), PluginError>;
     /// A snapshot of one row, for another group of the same namespace.
     fn capture(&mut self, row: usize) -> Result<RowState, PluginError>;
+    /// [`draft`](Self::draft)'s tokens as one array [B, depth] of exactly `depth` tokens per
+    /// row, left for the device to compute (the `device-draft/1` extension): the host builds
+    /// its verify forward on them and waits once for both. `None` (the default): draft through
+    /// `draft`.
+    fn draft_on_device(
+        &mut self,
+        _pending: &[u32],
+        _depth: usize,
+        _steps: &[u64],
+    ) -> Result<Option<Array>, PluginError> {
+        Ok(None)
+    }
 }
 
 pub mod lookup;
@@ -245,7 +258,8 @@ impl<P: DraftProvider> ProviderAbi for ProviderAdapter<P> {
     fn open(&self, target: TargetViewBox, rows: u32) -> RResult<RowGroupBox, PluginError> {
         guard("open", || {
             let group = self.0.open(Target::new(target), rows as usize)?;
-            Ok(RowGroupAbi_TO::from_value(RowsAdapter(group), TD_Opaque))
+            // Downcastable, so that the extension `device-draft/1` finds the group behind the box.
+            Ok(RowGroupAbi_TO::from_value(RowsAdapter(group), TD_CanDowncast))
         })
     }
 }
@@ -322,7 +336,31 @@ extern "C" fn extension_entry<D: Drafter>(id: RStr<'_>) -> ROption<Extension> {
     if id.as_str() == crate::shared_helper::SHARED_HELPER_ID {
         return ROption::RSome(Extension::of(&crate::shared_helper::SHARED_HELPER_EXTENSION));
     }
+    if id.as_str() == DEVICE_DRAFT_ID {
+        return ROption::RSome(Extension::of(DeviceDrafts::<<D::Provider as DraftProvider>::Rows>::TABLE));
+    }
     catch_unwind(|| D::extension(id.as_str())).ok().flatten().into()
+}
+
+/// The `device-draft/1` table of the groups of type `R`.
+struct DeviceDrafts<R>(std::marker::PhantomData<R>);
+
+impl<R: GroupedDraftProvider> DeviceDrafts<R> {
+    const TABLE: &'static DeviceDraft = &DeviceDraft { draft: device_draft_entry::<R> };
+}
+
+extern "C" fn device_draft_entry<R: GroupedDraftProvider>(
+    group: &mut RowGroupBox,
+    pending: RSlice<'_, u32>,
+    depth: u32,
+    steps: RSlice<'_, u64>,
+) -> RResult<ROption<OwnedArray>, PluginError> {
+    guard("draft_on_device", || {
+        let Ok(RowsAdapter(rows)) = group.obj.downcast_as_mut::<RowsAdapter<R>>() else {
+            return Err(PluginError::invalid_argument("draft_on_device: a row group this drafter did not open"));
+        };
+        Ok(rows.draft_on_device(pending.as_slice(), depth as usize, steps.as_slice())?.map(OwnedArray::new).into())
+    })
 }
 
 /// The root module for drafter `D`; [`export_drafter!`](crate::export_drafter) exports it.

@@ -45,6 +45,19 @@ pub trait DraftSource: Clone + 'static {
         rows.iter_mut().enumerate().map(|(r, row)| row.draft(shared, r, pending[r], depth, steps[r])).collect()
     }
 
+    /// Every row's proposal of exactly `depth` tokens as one array [rows, depth], left for the
+    /// device to compute ([`GroupedDraftProvider::draft_on_device`]); `None` (the default):
+    /// draft through [`draft_rows`](Self::draft_rows).
+    fn draft_rows_on_device(
+        _shared: &Self::Shared,
+        _rows: &mut [Self],
+        _pending: &[u32],
+        _depth: usize,
+        _steps: &[u64],
+    ) -> Result<Option<Array>, PluginError> {
+        Ok(None)
+    }
+
     /// What the target kept of this row's window: the pending token and the accepted drafts,
     /// with their tapped hidden states [1, kept, F] when the drafter declared the `taps` port.
     fn commit(&mut self, shared: &Self::Shared, kept: &[u32], context: Option<&Array>) -> Result<(), PluginError>;
@@ -131,6 +144,12 @@ impl<S: DraftSource> GroupedDraftProvider for SourceRows<S> {
         S::draft_rows(&self.shared, &mut self.rows, pending, depth, steps)
     }
 
+    fn draft_on_device(&mut self, pending: &[u32], depth: usize, steps: &[u64]) -> Result<Option<Array>, PluginError> {
+        self.check_rows("draft", pending.len())?;
+        self.check_rows("draft's steps", steps.len())?;
+        S::draft_rows_on_device(&self.shared, &mut self.rows, pending, depth, steps)
+    }
+
     fn commit(&mut self, window: TokenRows<'_>, accepted: &[u32], context: Option<Array>) -> Result<(), PluginError> {
         self.check_rows("commit", window.rows as usize)?;
         self.check_rows("commit's accepted counts", accepted.len())?;
@@ -214,6 +233,19 @@ pub trait ContextDrafter: 'static {
     ) -> Result<Vec<Proposal>, PluginError> {
         contexts.iter_mut().enumerate().map(|(r, context)| self.draft(context, pending[r], depth, steps[r])).collect()
     }
+
+    /// [`draft_rows`](Self::draft_rows)' tokens, exactly `depth` per row, as one array
+    /// [rows, depth] left for the device to compute ([`DraftSource::draft_rows_on_device`]);
+    /// `None` (the default): draft through `draft_rows`.
+    fn draft_rows_on_device(
+        &self,
+        _contexts: &mut [&mut LayerContext],
+        _pending: &[u32],
+        _depth: usize,
+        _steps: &[u64],
+    ) -> Result<Option<Array>, PluginError> {
+        Ok(None)
+    }
 }
 
 /// [`ContextDrafter::extend_rows`] one row at a time.
@@ -278,6 +310,21 @@ impl<M: ContextDrafter> DraftSource for ContextRow<M> {
             proposals[r] = proposal;
         }
         Ok(proposals)
+    }
+
+    fn draft_rows_on_device(
+        m: &M,
+        rows: &mut [Self],
+        pending: &[u32],
+        depth: usize,
+        steps: &[u64],
+    ) -> Result<Option<Array>, PluginError> {
+        // Every row must draft: a row with an empty context proposes nothing.
+        if depth == 0 || rows.iter().any(|r| r.0.is_empty()) {
+            return Ok(None);
+        }
+        let mut contexts: Vec<&mut LayerContext> = rows.iter_mut().map(|r| &mut r.0).collect();
+        m.draft_rows_on_device(&mut contexts, pending, depth, steps)
     }
 
     fn commit(&mut self, m: &M, _kept: &[u32], context: Option<&Array>) -> Result<(), PluginError> {

@@ -133,6 +133,19 @@ impl Shared {
         pending: &[u32],
         depth: usize,
     ) -> Result<Vec<Vec<u32>>, PluginError> {
+        let drafted = self.draft_chain(rows, hiddens, pending, depth)?;
+        plugin_api::nn::sync::eval([&drafted])?;
+        Ok(drafted.as_slice::<i32>().chunks(depth).map(|row| row.iter().map(|&t| t as u32).collect()).collect())
+    }
+
+    /// [`Self::draft_rows`]' tokens [rows, depth] (int32), not yet computed.
+    fn draft_chain(
+        &self,
+        rows: &[usize],
+        hiddens: &[Array],
+        pending: &[u32],
+        depth: usize,
+    ) -> Result<Array, PluginError> {
         let donors = self.target.read_donors()?;
         // Every row of the batch, in order (one request alone, say): the donors as they are.
         let all_rows =
@@ -169,9 +182,7 @@ impl Shared {
             steps.push(ids.clone());
             hidden = step.next_hidden;
         }
-        let drafted = plugin_api::nn::layout::concat(&steps.iter().collect::<Vec<_>>(), 1)?;
-        plugin_api::nn::sync::eval([&drafted])?;
-        Ok(drafted.as_slice::<i32>().chunks(depth).map(|row| row.iter().map(|&t| t as u32).collect()).collect())
+        Ok(plugin_api::nn::layout::concat(&steps.iter().collect::<Vec<_>>(), 1)?)
     }
 }
 
@@ -215,6 +226,23 @@ impl DraftSource for AssistantRow {
             proposals[r] = Proposal::tokens(tokens);
         }
         Ok(proposals)
+    }
+
+    fn draft_rows_on_device(
+        s: &Shared,
+        rows: &mut [AssistantRow],
+        pending: &[u32],
+        depth: usize,
+        _steps: &[u64],
+    ) -> Result<Option<Array>, PluginError> {
+        let hiddens: Option<Vec<Array>> = rows.iter().map(|r| r.hidden.clone()).collect();
+        match hiddens {
+            Some(hiddens) if depth > 0 => {
+                let all: Vec<usize> = (0..rows.len()).collect();
+                Ok(Some(s.draft_chain(&all, &hiddens, pending, depth)?))
+            }
+            _ => Ok(None),
+        }
     }
 
     fn commit(&mut self, _: &Shared, kept: &[u32], context: Option<&Array>) -> Result<(), PluginError> {

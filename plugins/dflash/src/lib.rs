@@ -231,16 +231,15 @@ impl Shared {
         Ok(Proposal { tokens: d.tokens, probabilities: d.probabilities })
     }
 
-    /// Every row's block in one pass: [pending, mask × depth] per row, the drafts read off
-    /// positions after the first.
-    fn draft_zlab(
+    /// Every row's block in one pass: [pending, mask × depth] per row, and the logits
+    /// [rows · depth, V] of the positions after the first, whose tokens are the drafts.
+    fn zlab_logits(
         &self,
         m: &Dflash,
         contexts: &mut [&mut Context],
         pending: &[u32],
         depth: usize,
-        steps: &[u64],
-    ) -> Result<Vec<Proposal>, PluginError> {
+    ) -> Result<Array, PluginError> {
         let c = &m.config;
         let (rows, width) = (contexts.len() as i32, depth as i32 + 1);
         let ids: Vec<i32> = pending
@@ -252,7 +251,18 @@ impl Shared {
         let s = hidden.shape();
         let hidden = plugin_api::nn::layout::slice(&hidden, &[0..s[0] as usize, 1..s[1] as usize, 0..s[2] as usize])?;
         let logits = self.target.logits_from_hidden(&hidden)?;
-        let logits = plugin_api::nn::layout::reshape(&logits, &[rows * depth as i32, logits.shape()[2]])?;
+        Ok(plugin_api::nn::layout::reshape(&logits, &[rows * depth as i32, logits.shape()[2]])?)
+    }
+
+    fn draft_zlab(
+        &self,
+        m: &Dflash,
+        contexts: &mut [&mut Context],
+        pending: &[u32],
+        depth: usize,
+        steps: &[u64],
+    ) -> Result<Vec<Proposal>, PluginError> {
+        let logits = self.zlab_logits(m, contexts, pending, depth)?;
         if !self.settings.sample_drafts {
             let tokens = plugin_api::nn::ops::argmax_rows(&logits)?;
             return Ok(tokens.chunks(depth).map(|row| Proposal::tokens(row.to_vec())).collect());
@@ -307,6 +317,25 @@ impl ContextDrafter for Shared {
                 .enumerate()
                 .map(|(r, context)| self.draft_dspark(m, context, pending[r], depth, steps[r]))
                 .collect(),
+        }
+    }
+
+    /// A greedy block of the full depth stays on the device. DSpark's confidence cut and
+    /// sampled drafts need their values on the host, and draft through `draft_rows`.
+    fn draft_rows_on_device(
+        &self,
+        contexts: &mut [&mut Context],
+        pending: &[u32],
+        depth: usize,
+        _steps: &[u64],
+    ) -> Result<Option<Array>, PluginError> {
+        match &*self.network {
+            Network::Zlab(m) if !self.settings.sample_drafts && depth <= self.network.max_draft_tokens() => {
+                let logits = self.zlab_logits(m, contexts, pending, depth)?;
+                let tokens = plugin_api::nn::ops::argmax_tokens(&logits)?;
+                Ok(Some(tokens.reshape(&[contexts.len() as i32, depth as i32])?))
+            }
+            _ => Ok(None),
         }
     }
 }
