@@ -120,7 +120,8 @@ pub struct Stats {
     pub decode_tokens_per_s: f64,
     /// Of `decode_ms`, the time spent in the drafter's calls during rounds (drafting, and taking
     /// in what the target accepted); with several rows in a batch, each row counts the whole
-    /// round it shared.
+    /// round it shared. Drafts left on the device are computed with the verify forward, so
+    /// their computing counts in `verify_ms`.
     pub draft_ms: f64,
     /// Of `decode_ms`, the time of the target's verify forwards with their sampling and
     /// acceptance.

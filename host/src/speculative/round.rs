@@ -64,7 +64,7 @@ pub(super) fn round(
     // The window's tokens, and drafts left on the device, in one wait.
     let targets = WindowTokens::rows(&logits, &window_rows, drafted.on_device())
         .map_err(|e| GenerateError::sampling_at(first_step, e))?;
-    let (proposals, windows) = drafted.read(&pending, width, slot);
+    let (proposals, windows) = drafted.read(&pending, slot);
     let mut accepted = Vec::with_capacity(batch.active.len());
     for ((&r, proposal), window) in batch.active.iter().zip(&proposals).zip(&targets) {
         let verify = batch.config.verify;
@@ -107,26 +107,19 @@ enum Drafted {
 }
 
 impl Drafted {
-    /// The verify forward's input [rows, 1 + drafts]: each row's pending token and its drafts,
-    /// right-padded with the pending token. Device drafts are clamped into the vocabulary, so
-    /// that a wrong id cannot index past the embedding; once read they are checked.
+    /// The verify forward's input [rows, 1 + drafts]: each row's pending token and its drafts.
+    /// Device drafts are clamped into the vocabulary, so that a wrong id cannot index past the
+    /// embedding; once read they are checked.
     fn window_ids(&self, pending: &[u32], vocab: i32) -> Result<Array, Exception> {
-        let heads: Vec<i32> = pending.iter().map(|&t| t as i32).collect();
-        let heads = Array::from_slice(&heads, &[heads.len() as i32, 1]);
         match self {
             Drafted::Host(proposals) => {
-                let width = 1 + proposals.iter().map(|p| p.tokens.len()).max().unwrap_or(0);
-                let flat: Vec<i32> = pending
-                    .iter()
-                    .zip(proposals)
-                    .flat_map(|(&head, p)| {
-                        let drafts = p.tokens.iter().copied().chain(std::iter::repeat(head));
-                        std::iter::once(head).chain(drafts).take(width).map(|t| t as i32)
-                    })
-                    .collect();
-                Ok(Array::from_slice(&flat, &[pending.len() as i32, width as i32]))
+                let windows = host_windows(pending, proposals);
+                let flat: Vec<i32> = windows.iter().map(|&t| t as i32).collect();
+                Ok(Array::from_slice(&flat, &[pending.len() as i32, (windows.len() / pending.len()) as i32]))
             }
             Drafted::OnDevice { tokens, .. } => {
+                let heads: Vec<i32> = pending.iter().map(|&t| t as i32).collect();
+                let heads = Array::from_slice(&heads, &[heads.len() as i32, 1]);
                 let inside =
                     mlx_rs::ops::minimum(tokens, Array::from_int(vocab - 1))?.as_dtype(mlx_rs::Dtype::Int32)?;
                 mlx_rs::ops::concatenate(&[heads, inside], 1)
@@ -149,29 +142,39 @@ impl Drafted {
     /// Each row's proposal on the host, and the verify windows [rows · width] as the drafter's
     /// commit reads them. Device drafts are read (computed by the round's wait) and checked: ids
     /// outside the vocabulary drop the drafter and propose nothing.
-    fn read(self, pending: &[u32], width: usize, slot: &mut DrafterSlot) -> (Vec<Proposal>, Vec<u32>) {
-        let proposals = match self {
-            Drafted::Host(proposals) => proposals,
+    fn read(self, pending: &[u32], slot: &mut DrafterSlot) -> (Vec<Proposal>, Vec<u32>) {
+        match self {
+            Drafted::Host(proposals) => {
+                let windows = host_windows(pending, &proposals);
+                (proposals, windows)
+            }
             Drafted::OnDevice { tokens, depths } => {
                 let all = tokens.as_slice::<u32>();
-                let drafts = width - 1;
-                match slot.call(|g| g.check_device_drafts(all)) {
+                let drafts = all.len() / pending.len();
+                let windows =
+                    pending.iter().zip(all.chunks(drafts)).flat_map(|(&head, row)| [&[head], row].concat()).collect();
+                let proposals = match slot.call(|g| g.check_device_drafts(all)) {
                     Some(()) => {
                         all.chunks(drafts).zip(&depths).map(|(row, &d)| Proposal::tokens(row[..d].to_vec())).collect()
                     }
                     None => depths.iter().map(|_| Proposal::default()).collect(),
-                }
+                };
+                (proposals, windows)
             }
-        };
-        let windows = pending
-            .iter()
-            .zip(&proposals)
-            .flat_map(|(&head, p)| {
-                std::iter::once(head).chain(p.tokens.iter().copied().chain(std::iter::repeat(head))).take(width)
-            })
-            .collect();
-        (proposals, windows)
+        }
     }
+}
+
+/// Each row's [pending, drafts…], right-padded with its pending token to the longest, flat.
+fn host_windows(pending: &[u32], proposals: &[Proposal]) -> Vec<u32> {
+    let width = 1 + proposals.iter().map(|p| p.tokens.len()).max().unwrap_or(0);
+    pending
+        .iter()
+        .zip(proposals)
+        .flat_map(|(&head, p)| {
+            std::iter::once(head).chain(p.tokens.iter().copied()).chain(std::iter::repeat(head)).take(width)
+        })
+        .collect()
 }
 
 /// Each active row's proposal, no deeper than the round's draft length and its remaining budget
