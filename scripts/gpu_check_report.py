@@ -50,6 +50,7 @@ def main():
             "speedup_range": [r["speedup_min"], r["speedup_max"]],
             "identical": r["identical"],
             "prompts": sweep["prompts"],
+            "first_difference": r["first_difference"],
             "draft_ms_per_round": r["draft_ms_per_round"],
             "verify_ms_per_round": r["verify_ms_per_round"],
         }
@@ -87,14 +88,16 @@ def main():
         f"{sweep['prompts']} prompts of {sweep['max_tokens']} tokens; sampled: temperature "
         f"{sweep['temperature']}, top-p {sweep['top_p']}",
         "",
-        "| drafter | mode | τ | speed-up (range) | equal to plain | round: draft + verify, ms |",
-        "|---|---|---|---|---|---|",
+        "| drafter | mode | τ | speed-up (range) | equal to plain | first parted at | round: draft + verify, ms |",
+        "|---|---|---|---|---|---|---|",
     ]
     for d in drafters:
         low, high = d["speedup_range"]
+        parted = sorted(p for p in d["first_difference"] if p is not None)
         lines.append(
             f"| {d['drafter']} | {d['mode']} | {d['tau']:.2f} | {d['speedup_median']:.2f}× [{low:.2f}, {high:.2f}] "
-            f"| {d['identical']}/{d['prompts']} | {d['draft_ms_per_round']:.1f} + {d['verify_ms_per_round']:.1f} |"
+            f"| {d['identical']}/{d['prompts']} | {', '.join(map(str, parted)) or '-'} "
+            f"| {d['draft_ms_per_round']:.1f} + {d['verify_ms_per_round']:.1f} |"
         )
     (args.out / "gpu-check.md").write_text("\n".join(lines) + "\n")
 

@@ -143,7 +143,7 @@ pub struct PlainComparison {
 }
 
 /// The first position at which `a` and `b` differ, a shorter one ending first included.
-fn first_difference(a: &[u32], b: &[u32]) -> Option<usize> {
+pub(crate) fn first_difference(a: &[u32], b: &[u32]) -> Option<usize> {
     (a != b).then(|| a.iter().zip(b).position(|(x, y)| x != y).unwrap_or(a.len().min(b.len())))
 }
 

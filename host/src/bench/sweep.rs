@@ -18,7 +18,7 @@ use crate::manifest::Manifest;
 use crate::model::Gemma4;
 use crate::plugin::LoadedDrafter;
 use crate::plugins_dir::PluginsDir;
-use crate::run::{load_drafter, resolve_request, CheckpointDefaults, Overrides, RunError};
+use crate::run::{first_difference, load_drafter, resolve_request, CheckpointDefaults, Overrides, RunError};
 use crate::speculative::{generate_speculative, probe_open, SpecConfig, Verify};
 use crate::tokenizer::Tokenizer;
 
@@ -75,6 +75,9 @@ pub struct SweepRow {
     pub speedup_max: f64,
     /// Prompts whose output equalled plain decoding's (expected of all but `rejection`).
     pub identical: usize,
+    /// Per prompt, the first generated position at which the output parted from plain
+    /// decoding's; none where it did not.
+    pub first_difference: Vec<Option<usize>>,
     /// Mean time a round spent in the drafter's calls, and in the target's verify forward with
     /// its sampling and acceptance (`Stats::draft_ms`, `Stats::verify_ms`).
     pub draft_ms_per_round: f64,
@@ -109,7 +112,7 @@ struct Tally {
     drafted: Vec<usize>,
     accepted: Vec<usize>,
     speedups: Vec<f64>,
-    identical: usize,
+    first_difference: Vec<Option<usize>>,
     rounds: usize,
     draft_ms: f64,
     verify_ms: f64,
@@ -239,7 +242,7 @@ impl Tally {
             self.accepted[k] += (rate * drafted as f64).round() as usize;
         }
         self.speedups.push(plain_s / spec_s);
-        self.identical += usize::from(plain.tokens == spec.tokens);
+        self.first_difference.push(first_difference(&plain.tokens, &spec.tokens));
     }
 
     fn row(self, drafter: &Drafter, draft_tokens: usize, mode: &str) -> SweepRow {
@@ -262,7 +265,8 @@ impl Tally {
             speedup_median: median,
             speedup_min: min,
             speedup_max: max,
-            identical: self.identical,
+            identical: self.first_difference.iter().filter(|d| d.is_none()).count(),
+            first_difference: self.first_difference,
             draft_ms_per_round: self.draft_ms / self.rounds.max(1) as f64,
             verify_ms_per_round: self.verify_ms / self.rounds.max(1) as f64,
             plain_ms_per_token: self.plain_ms / self.plain_tokens.max(1) as f64,
