@@ -206,6 +206,8 @@ fn draft(
     let greedy = batch.active.iter().all(|&r| batch.requests[r].sampling.is_greedy());
     if !kernels::route::on_cpu() && (batch.config.verify == Verify::Match || greedy) {
         if let Some(Some(tokens)) = slot.call(|g| g.draft_on_device(&pending, depth, &steps)) {
+            // The device computes the drafts while the host builds the verify forward on them.
+            mlx_rs::transforms::async_eval([&tokens])?;
             return Ok(Drafted::OnDevice { tokens, depths });
         }
     }
