@@ -147,7 +147,7 @@ pub fn argmax_rows(x: &Array) -> Result<Vec<u32>, Exception> {
     if let Some(best) = kernels::argmax::argmax_rows(x)? {
         return Ok(best);
     }
-    let best = mlx_rs::ops::indexing::argmax_axis(x, -1, None)?.as_dtype(Dtype::Uint32)?;
+    let best = mlx_argmax(x)?;
     crate::sync::eval([&best])?;
     Ok(best.as_slice::<u32>().to_vec())
 }
@@ -159,6 +159,11 @@ pub fn argmax_tokens(x: &Array) -> Result<Array, Exception> {
     if let Some(best) = kernels::argmax::argmax_rows(x)? {
         return Ok(Array::from_slice(&best, &x.shape()[..x.ndim().saturating_sub(1)]));
     }
+    mlx_argmax(x)
+}
+
+/// MLX's argmax over the last axis, as uint32, left lazy.
+fn mlx_argmax(x: &Array) -> Result<Array, Exception> {
     mlx_rs::ops::indexing::argmax_axis(x, -1, None)?.as_dtype(Dtype::Uint32)
 }
 

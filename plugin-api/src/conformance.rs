@@ -14,7 +14,6 @@ use std::path::PathBuf;
 use std::cell::Cell;
 use std::rc::Rc;
 
-use abi_stable::abi_stability::abi_checking::check_layout_compatibility;
 use abi_stable::sabi_trait::TD_Opaque;
 use abi_stable::std_types::{RResult, RSome, RVec};
 use mlx_rs::ops::broadcast_to;
@@ -466,11 +465,8 @@ fn run(root: DrafterRootRef, config: &Config, report: &mut Report) -> Option<()>
 
 /// The plugin's `device-draft/1` table, if it offers one with the right layout.
 fn device_draft_table(root: DrafterRootRef) -> Result<Option<&'static DeviceDraft>, String> {
-    let Some(found) = (root.extension())(DEVICE_DRAFT_ID.into()).into_option() else { return Ok(None) };
-    check_layout_compatibility(<DeviceDraft as abi_stable::StableAbi>::LAYOUT, found.layout)
-        .map_err(|e| format!("its layout differs from this crate's: {}", e.to_string().lines().next().unwrap_or("")))?;
-    // SAFETY: the layout check proved the table is a DeviceDraft; it is a static of the library.
-    Ok(Some(unsafe { &*found.table.cast::<DeviceDraft>() }))
+    crate::extension::find(root, DEVICE_DRAFT_ID)
+        .map_err(|report| format!("its layout differs from this crate's: {}", report.lines().next().unwrap_or("")))
 }
 
 /// Device drafts, where a group gave them, are `draft`'s tokens: every row's `depth` of them.

@@ -6,7 +6,6 @@ use std::fs;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
-use abi_stable::abi_stability::abi_checking::check_layout_compatibility;
 use abi_stable::library::{lib_header_from_path, LibHeader, LibraryError, RootModuleError};
 use abi_stable::StableAbi;
 use kernels::os::files::{is_symlink_loop, writable_by_others};
@@ -85,12 +84,8 @@ impl Plugin {
 /// The extension table `T` that the plugin of `root` offers under a versioned id (see
 /// [`Plugin::extension`]).
 pub fn extension<T: StableAbi>(root: DrafterRootRef, id: &str) -> Result<Option<&'static T>, String> {
-    let Some(found) = (root.extension())(id.into()).into_option() else { return Ok(None) };
-    check_layout_compatibility(T::LAYOUT, found.layout)
-        .map_err(|e| format!("extension `{id}`: {}", summarize_layout_report(&e.to_string())))?;
-    // SAFETY: the layout check proved the table has T's layout; tables are statics of a
-    // library that is never unloaded.
-    Ok(Some(unsafe { &*found.table.cast::<T>() }))
+    plugin_api::extension::find(root, id)
+        .map_err(|report| format!("extension `{id}`: {}", summarize_layout_report(&report)))
 }
 
 /// Loads the library at `path` after checking it; `pin` is a manifest's sha256 for it.

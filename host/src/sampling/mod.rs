@@ -135,7 +135,7 @@ impl Drawn {
     /// The token as the model's input ids [1, 1] int32, lazily where it is on the device.
     pub fn ids(&self) -> Result<Array, Exception> {
         match self {
-            Drawn::Read(token) => Ok(Array::from_slice(&[*token as i32], &[1, 1])),
+            Drawn::Read(token) => Ok(crate::generate::token_ids(&[*token])),
             Drawn::OnDevice { token, .. } => token.as_dtype(mlx_rs::Dtype::Int32)?.reshape(&[1, 1]),
         }
     }

@@ -34,13 +34,13 @@ pub(super) fn round(
     catch_up: &mut CatchUp,
     on_event: &mut impl FnMut(usize, Event) -> Flow,
 ) -> Result<(), GenerateError> {
+    let pending: Vec<u32> = batch.active.iter().map(|&r| rows[r].pending).collect();
     let drafting = Instant::now();
-    let drafted = draft(batch, rows, slot, catch_up)?;
+    let drafted = draft(batch, rows, &pending, slot, catch_up)?;
     let draft_ms = ms_since(drafting);
     let verifying = Instant::now();
 
     // One forward over every row's [pending, drafts…], right-padded to the longest.
-    let pending: Vec<u32> = batch.active.iter().map(|&r| rows[r].pending).collect();
     let ids = drafted.window_ids(&pending, batch.model.config.vocab_size)?;
     let width = ids.shape()[1] as usize;
     let (hidden, context) = forward(batch.model, &mut batch.caches.borrow_mut(), &ids, batch.taps)?;
@@ -102,8 +102,15 @@ fn ms_since(start: Instant) -> f64 {
 /// A round's drafts: in host memory, or (the extension `device-draft/1`) `depths[r]` of
 /// `depth` tokens per row in an array [rows, depth] the device may still be computing.
 enum Drafted {
-    Host(Vec<Proposal>),
-    OnDevice { tokens: Array, depths: Vec<usize> },
+    /// The proposals, and the verify windows they make ([`host_windows`]).
+    Host {
+        proposals: Vec<Proposal>,
+        windows: Vec<u32>,
+    },
+    OnDevice {
+        tokens: Array,
+        depths: Vec<usize>,
+    },
 }
 
 impl Drafted {
@@ -112,8 +119,7 @@ impl Drafted {
     /// embedding; once read they are checked.
     fn window_ids(&self, pending: &[u32], vocab: i32) -> Result<Array, Exception> {
         match self {
-            Drafted::Host(proposals) => {
-                let windows = host_windows(pending, proposals);
+            Drafted::Host { windows, .. } => {
                 let flat: Vec<i32> = windows.iter().map(|&t| t as i32).collect();
                 Ok(Array::from_slice(&flat, &[pending.len() as i32, (windows.len() / pending.len()) as i32]))
             }
@@ -128,13 +134,13 @@ impl Drafted {
     }
 
     fn has_probabilities(&self, row: usize) -> bool {
-        matches!(self, Drafted::Host(p) if p[row].probabilities.is_some())
+        matches!(self, Drafted::Host { proposals, .. } if proposals[row].probabilities.is_some())
     }
 
     /// What the round's one wait also computes.
     fn on_device(&self) -> &[Array] {
         match self {
-            Drafted::Host(_) => &[],
+            Drafted::Host { .. } => &[],
             Drafted::OnDevice { tokens, .. } => std::slice::from_ref(tokens),
         }
     }
@@ -144,10 +150,7 @@ impl Drafted {
     /// outside the vocabulary drop the drafter and propose nothing.
     fn read(self, pending: &[u32], slot: &mut DrafterSlot) -> (Vec<Proposal>, Vec<u32>) {
         match self {
-            Drafted::Host(proposals) => {
-                let windows = host_windows(pending, &proposals);
-                (proposals, windows)
-            }
+            Drafted::Host { proposals, windows } => (proposals, windows),
             Drafted::OnDevice { tokens, depths } => {
                 let all = tokens.as_slice::<u32>();
                 let drafts = all.len() / pending.len();
@@ -184,6 +187,7 @@ fn host_windows(pending: &[u32], proposals: &[Proposal]) -> Vec<u32> {
 fn draft(
     batch: &Batch,
     rows: &[Row],
+    pending: &[u32],
     slot: &mut DrafterSlot,
     catch_up: &mut CatchUp,
 ) -> Result<Drafted, GenerateError> {
@@ -196,22 +200,22 @@ fn draft(
         })
         .collect();
     let depth = depths.iter().copied().max().unwrap_or(0);
-    let empty = || Drafted::Host(batch.active.iter().map(|_| Proposal::default()).collect());
+    let host = |proposals: Vec<Proposal>| Drafted::Host { windows: host_windows(pending, &proposals), proposals };
+    let empty = || host(batch.active.iter().map(|_| Proposal::default()).collect());
     if depth == 0 {
         return Ok(empty());
     }
     catch_up.flush(slot)?;
-    let pending: Vec<u32> = batch.active.iter().map(|&r| rows[r].pending).collect();
     let steps: Vec<u64> = batch.active.iter().map(|&r| rows[r].tokens.len() as u64).collect();
     let greedy = batch.active.iter().all(|&r| batch.requests[r].sampling.is_greedy());
     if !kernels::route::on_cpu() && (batch.config.verify == Verify::Match || greedy) {
-        if let Some(Some(tokens)) = slot.call(|g| g.draft_on_device(&pending, depth, &steps)) {
+        if let Some(Some(tokens)) = slot.call(|g| g.draft_on_device(pending, depth, &steps)) {
             // The device computes the drafts while the host builds the verify forward on them.
             mlx_rs::transforms::async_eval([&tokens])?;
             return Ok(Drafted::OnDevice { tokens, depths });
         }
     }
-    let Some(mut proposals) = slot.call(|g| g.draft(&pending, depth, &steps)) else { return Ok(empty()) };
+    let Some(mut proposals) = slot.call(|g| g.draft(pending, depth, &steps)) else { return Ok(empty()) };
     for (p, &d) in proposals.iter_mut().zip(&depths) {
         if p.tokens.len() > d {
             p.tokens.truncate(d);
@@ -222,5 +226,5 @@ fn draft(
                 .transpose()?;
         }
     }
-    Ok(Drafted::Host(proposals))
+    Ok(host(proposals))
 }
