@@ -204,7 +204,7 @@ pub fn generate<R: Into<Flow>>(
         // and queued before the host reads it, as mlx-lm does: the device never waits for the
         // host between steps. Past an end it computes one step that is dropped.
         let ahead = match drawn.on_device() && step + 1 < request.max_tokens {
-            true => Some(decode_step(model, &drawn, &mut caches, params, step + 1, &mut stats)?),
+            true => Some(decode_step(model, &drawn, &mut caches, params, step + 1)?),
             false => None,
         };
         let next = drawn.read().map_err(|e| GenerateError::sampling_at(step, e))?;
@@ -224,8 +224,10 @@ pub fn generate<R: Into<Flow>>(
         }
         drawn = match ahead {
             Some(ahead) => ahead,
-            None => decode_step(model, &drawn, &mut caches, params, step + 1, &mut stats)?,
+            None => decode_step(model, &drawn, &mut caches, params, step + 1)?,
         };
+        // Counted once used: a step queued past an end is not.
+        stats.target_forwards += 1;
     };
     stats.decode_ms = ms(decoding);
     stats.generated_tokens = tokens.len();
@@ -245,10 +247,8 @@ fn decode_step(
     caches: &mut [LayerCache],
     params: &SamplingParams,
     step: usize,
-    stats: &mut Stats,
 ) -> Result<Drawn, GenerateError> {
     let hidden = model.forward_hidden(&input.ids()?, caches, None)?;
-    stats.target_forwards += 1;
     let logits = last_logits(model, &hidden)?;
     let drawn = draw_token(&logits, params, step as u64).map_err(|e| GenerateError::sampling_at(step, e))?;
     drawn.queue()?;

@@ -46,3 +46,18 @@ fn a_step_is_built_on_the_last_token_before_it_is_read() {
         assert_eq!([first.read().unwrap(), second.read().unwrap()], plain[..], "{params:?}");
     }
 }
+
+/// A step queued past an end of generation is computed and dropped, and not counted among the
+/// target's forwards: one for the prompt, one per token after the first.
+#[test]
+fn a_step_queued_past_the_end_is_not_counted() {
+    host::runtime::init();
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/gemma4/ple-kvshare");
+    let model = load(&dir).unwrap();
+    let request = Request { prompt: PROMPT.to_vec(), max_tokens: 16, sampling: SamplingParams::default(), eos: vec![] };
+    let plain = generate(&model, &request, |_| ()).unwrap().tokens;
+    let at = (1..plain.len()).find(|&i| !plain[..i].contains(&plain[i])).expect("a token not seen before it");
+    let ended = generate(&model, &Request { eos: vec![plain[at]], ..request }, |_| ()).unwrap();
+    assert_eq!(ended.tokens, plain[..at]);
+    assert_eq!(ended.stats.target_forwards, 1 + at, "forwards for {at} tokens and the end");
+}
