@@ -215,10 +215,18 @@ pub(super) mod avx2 {
         let mut o = outputs.start;
         while o < outputs.end {
             let width = w_block.min(outputs.end - o);
-            prefetch_rows(w, k, o + width..(o + 2 * width).min(outputs.end));
+            // Rows read in place ask for the next block's a line at a time (`Tile::ahead`);
+            // converted ones are read whole by the conversion, so the block is asked for whole.
+            let next = o + width..(o + 2 * width).min(outputs.end);
+            let mut ahead = 0;
             let rows_of_w = match w {
-                Weight::F32(w) if stride == k => &w[o * k..(o + width) * k],
+                Weight::F32(w) if stride == k => {
+                    ahead = next.len();
+                    // The next block's rows follow this one's.
+                    &w[o * k..(o + width) * k]
+                }
                 _ => {
+                    prefetch_rows(w, k, next);
                     for j in 0..width {
                         convert_row(w, o + j, k, &mut converted[j * stride..j * stride + k]);
                     }
@@ -228,7 +236,7 @@ pub(super) mod avx2 {
             let mut m0 = 0;
             while m0 < rows {
                 let block = x_block.min(rows - m0);
-                let at = Tile { x, k, w: rows_of_w, m0, o, n };
+                let at = Tile { x, k, w: rows_of_w, m0, o, n, ahead: if m0 == 0 { ahead } else { 0 } };
                 match (block, width) {
                     (3, 4) => at.run::<3, 4>(y),
                     (3, 3) => at.run::<3, 3>(y),
@@ -304,6 +312,9 @@ pub(super) mod avx2 {
         m0: usize,
         o: usize,
         n: usize,
+        /// Rows after `w`'s (in place, `k` floats apart) asked for a line at a time as the loop
+        /// passes the same place in its own.
+        ahead: usize,
     }
 
     impl Tile<'_> {
@@ -317,12 +328,16 @@ pub(super) mod avx2 {
         #[allow(clippy::needless_range_loop, reason = "register tiles read best by index")]
         #[target_feature(enable = "avx2,fma,f16c")]
         unsafe fn run<const XB: usize, const WB: usize>(&self, y: &mut [f32]) {
-            let Tile { x, k, w, m0, o, n } = *self;
+            let Tile { x, k, w, m0, o, n, ahead } = *self;
             let stride = k.next_multiple_of(8);
             let (whole, tail) = (k / 8 * 8, k % 8);
             let mut acc = [[_mm256_setzero_ps(); XB]; WB];
+            let next = w.as_ptr().wrapping_add(WB * stride);
             let mut i = 0;
             while i < whole {
+                if ahead > 0 && i % 16 == 0 {
+                    crate::lanes::prefetch_lines(next, stride, ahead, i);
+                }
                 let xs: [*const f32; XB] = std::array::from_fn(|b| x.as_ptr().add((m0 + b) * k + i));
                 accumulate::<XB, WB>(&mut acc, w.as_ptr().add(i), stride, xs);
                 i += 8;

@@ -18,7 +18,8 @@
 use std::arch::x86_64::*;
 
 use crate::weight::Weight;
-use crate::widen_avx2::{bf16x8, f16x8, horizontal_sum, prefetch_rows};
+use crate::lanes::prefetch_lines;
+use crate::widen_avx2::{bf16x8, f16x8, horizontal_sum};
 
 /// The most rows of x these loops take; the caller keeps the buffered loops for more.
 pub const MAX_ROWS: usize = 6;
@@ -66,9 +67,10 @@ pub unsafe fn product(
     let mut o = outputs.start;
     while o < outputs.end {
         let width = w_block(rows).min(outputs.end - o);
-        // As the other loops do: the next block of W rows is asked for while this one is used.
-        prefetch_rows(w, k, o + width..(o + 2 * width).min(outputs.end));
-        let at = Tile { x, k, w, o, n };
+        // As the other loops do: the next block of W rows is asked for while this one is used
+        // (`Tile::ahead`).
+        let ahead = width.min(outputs.end - o - width);
+        let at = Tile { x, k, w, o, n, ahead };
         macro_rules! shapes {
             ($($b:literal: $($j:literal),*);*) => {
                 match (rows, width) {
@@ -92,6 +94,8 @@ struct Tile<'a> {
     w: Weight<'a>,
     o: usize,
     n: usize,
+    /// Rows of the next tile, asked for a line at a time as the loop passes it in its own.
+    ahead: usize,
 }
 
 impl Tile<'_> {
@@ -99,7 +103,7 @@ impl Tile<'_> {
     #[allow(clippy::needless_range_loop, reason = "register tiles read best by index")]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn run<const XB: usize, const WB: usize, const FORMAT: u8>(&self, y: &mut [f32]) {
-        let Tile { x, k, w, o, n } = *self;
+        let Tile { x, k, w, o, n, ahead } = *self;
         let base = match w {
             Weight::Bf16(w) | Weight::F16(w) => w.as_ptr(),
             _ => unreachable!("half-precision weights only (`takes`)"),
@@ -107,6 +111,9 @@ impl Tile<'_> {
         let mut acc = [[_mm256_setzero_ps(); XB]; WB];
         // (Explicit loops throughout: closures would not inherit the target features.)
         for i in (0..k).step_by(8) {
+            if i % 32 == 0 {
+                prefetch_lines(base.wrapping_add((o + WB) * k), k, ahead, i);
+            }
             // All the tile's weight vectors first, then each x vector once for all of them.
             let mut weights = [_mm256_setzero_ps(); WB];
             for j in 0..WB {

@@ -29,6 +29,7 @@
 use std::arch::x86_64::*;
 
 use crate::weight::{Params, Quantized};
+use crate::lanes::prefetch_lines;
 use crate::widen_avx2::{bias_terms, horizontal_sum, widen_params};
 
 /// Weights per step of the loops: two vectors of eight.
@@ -95,7 +96,12 @@ pub unsafe fn product(
         let mut o = outputs.start;
         while o < outputs.end {
             let width = w_block.min(outputs.end - o);
-            prefetch(&w, k, o + width..(o + 2 * width).min(outputs.end));
+            let next = o + width..(o + 2 * width).min(outputs.end);
+            prefetch_params(&w, k, next.clone());
+            if rows >= BUFFERED_FROM {
+                // The rows are widened at once below; the tiles' loops do not read them.
+                prefetch_rows(&w, k, next.clone());
+            }
             // The rows' scales and biases as floats, once for all their loads.
             let (scales, biases) = params.split_at_mut(w_block * groups);
             for j in 0..width {
@@ -114,6 +120,7 @@ pub unsafe fn product(
                 bytes,
                 row_bytes,
                 widened: widened.as_ptr(),
+                ahead: if widened.is_empty() && !next.is_empty() { bytes.wrapping_add(width * row_bytes) } else { std::ptr::null() },
                 scales,
                 biases,
                 k,
@@ -141,13 +148,11 @@ pub unsafe fn product(
     }
 }
 
-/// Asks for W's rows `rows` (of `k`), their scales and their biases while the rows before them
-/// are multiplied: each is read once per product, so it comes from memory (a prefetch never
+/// Asks for the scales and biases of W's rows `rows` (of `k`) while the rows before them are
+/// multiplied: each is read once per product, so it comes from memory (a prefetch never
 /// faults).
 #[inline(always)]
-unsafe fn prefetch(w: &Quantized, k: usize, rows: std::ops::Range<usize>) {
-    // Scales and biases first: they are read first, and a prefetch may be dropped when many
-    // are in flight.
+unsafe fn prefetch_params(w: &Quantized, k: usize, rows: std::ops::Range<usize>) {
     let groups = k / w.group;
     for params in [w.scales, w.biases] {
         let (base, size) = match params {
@@ -158,6 +163,11 @@ unsafe fn prefetch(w: &Quantized, k: usize, rows: std::ops::Range<usize>) {
             _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(at) as *const i8);
         }
     }
+}
+
+/// Asks for W's rows `rows` (of `k`) all at once.
+#[inline(always)]
+unsafe fn prefetch_rows(w: &Quantized, k: usize, rows: std::ops::Range<usize>) {
     let row_bytes = k * w.bits as usize / 8;
     let packed = w.packed.as_ptr() as *const u8;
     for at in (rows.start * row_bytes..rows.end * row_bytes).step_by(64) {
@@ -202,6 +212,11 @@ struct Tile<'a> {
     bytes: *const u8,
     row_bytes: usize,
     widened: *const f32,
+    /// The next tile's rows, asked for a line at a time as this tile's loops pass the same
+    /// place in their own ([`prefetch_lines`]; a whole tile asked for at once, a hundred lines
+    /// or more, leaves most requests waiting or dropped); null for the last tile and when the rows come
+    /// from `widened`.
+    ahead: *const u8,
     scales: &'a [f32],
     biases: &'a [f32],
     k: usize,
@@ -214,12 +229,20 @@ impl Tile<'_> {
     #[allow(clippy::needless_range_loop, reason = "register tiles read best by index")]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn run<const WB: usize, const XB: usize, const FORM: u32>(&self, m0: usize, out: *mut f32, n: usize) {
-        let Tile { xs, sums, bytes, row_bytes, widened, scales, biases, k, group } = *self;
+        let Tile { xs, sums, bytes, row_bytes, widened, ahead, scales, biases, k, group } = *self;
         let groups = k / group;
         let x: [*const f32; XB] = std::array::from_fn(|b| xs.as_ptr().add((m0 + b) * k));
         let mut total = [[_mm256_setzero_ps(); XB]; WB];
         for g in 0..groups {
             let mut acc = [[[_mm256_setzero_ps(); 2]; XB]; WB];
+            if FORM != WIDENED && !ahead.is_null() {
+                // The lines that start within this group's bytes, once per group: per step
+                // the test costs more than the requests.
+                let (start, end) = (g * group * FORM as usize / 8, (g + 1) * group * FORM as usize / 8);
+                for line in (start.next_multiple_of(64)..end).step_by(64) {
+                    prefetch_lines(ahead, row_bytes, WB, line);
+                }
+            }
             for i in (g * group..(g + 1) * group).step_by(STEP) {
                 // Each half of the step: each W row's eight weights as floats, then each x row
                 // once for all of them (so that a tile of six accumulator pairs stays in the
