@@ -17,8 +17,8 @@
 
 use std::arch::x86_64::*;
 
-use crate::weight::Weight;
 use crate::lanes::prefetch_lines;
+use crate::weight::Weight;
 use crate::widen_avx2::{bf16x8, f16x8, horizontal_sum};
 
 /// The most rows of x these loops take; the caller keeps the buffered loops for more.

@@ -28,8 +28,8 @@
 
 use std::arch::x86_64::*;
 
-use crate::weight::{Params, Quantized};
 use crate::lanes::prefetch_lines;
+use crate::weight::{Params, Quantized};
 use crate::widen_avx2::{bias_terms, horizontal_sum, widen_params};
 
 /// Weights per step of the loops: two vectors of eight.
@@ -128,7 +128,11 @@ pub unsafe fn product(
                 bytes,
                 row_bytes,
                 widened: widened.as_ptr(),
-                ahead: if widened.is_empty() && !next.is_empty() { bytes.wrapping_add(width * row_bytes) } else { std::ptr::null() },
+                ahead: if widened.is_empty() && !next.is_empty() {
+                    bytes.wrapping_add(width * row_bytes)
+                } else {
+                    std::ptr::null()
+                },
                 scales: &scales[params.clone()],
                 biases: &biases[params],
                 k,
