@@ -226,8 +226,8 @@ struct Tile<'a> {
     widened: *const f32,
     /// The next tile's rows, asked for a line at a time as this tile's loops pass the same
     /// place in their own ([`prefetch_lines`]; a whole tile asked for at once, a hundred lines
-    /// or more, leaves most requests waiting or dropped); null for the last tile and when the rows come
-    /// from `widened`.
+    /// or more, leaves most requests waiting or dropped); null for the last tile and when the
+    /// rows come from `widened`.
     ahead: *const u8,
     scales: &'a [f32],
     biases: &'a [f32],
