@@ -215,18 +215,14 @@ pub(super) mod avx2 {
         let mut o = outputs.start;
         while o < outputs.end {
             let width = w_block.min(outputs.end - o);
-            // Rows read in place ask for the next block's a line at a time (`Tile::ahead`);
-            // converted ones are read whole by the conversion, so the block is asked for whole.
+            // Rows read in place ask for the next block's a line at a time (`Tile::ahead`; they
+            // follow this block's); converted ones are read whole by the conversion, so the
+            // block is asked for whole.
             let next = o + width..(o + 2 * width).min(outputs.end);
-            let mut ahead = 0;
             let rows_of_w = match w {
-                Weight::F32(w) if stride == k => {
-                    ahead = next.len();
-                    // The next block's rows follow this one's.
-                    &w[o * k..(o + width) * k]
-                }
+                Weight::F32(w) if in_place => &w[o * k..(o + width) * k],
                 _ => {
-                    prefetch_rows(w, k, next);
+                    prefetch_rows(w, k, next.clone());
                     for j in 0..width {
                         convert_row(w, o + j, k, &mut converted[j * stride..j * stride + k]);
                     }
@@ -236,7 +232,7 @@ pub(super) mod avx2 {
             let mut m0 = 0;
             while m0 < rows {
                 let block = x_block.min(rows - m0);
-                let at = Tile { x, k, w: rows_of_w, m0, o, n, ahead: if m0 == 0 { ahead } else { 0 } };
+                let at = Tile { x, k, w: rows_of_w, m0, o, n, ahead: if in_place && m0 == 0 { next.len() } else { 0 } };
                 match (block, width) {
                     (3, 4) => at.run::<3, 4>(y),
                     (3, 3) => at.run::<3, 3>(y),

@@ -29,8 +29,8 @@
 use std::arch::x86_64::*;
 
 use crate::lanes::prefetch_lines;
-use crate::weight::{Params, Quantized};
-use crate::widen_avx2::{bias_terms, horizontal_sum, widen_params};
+use crate::weight::{Params, Quantized, Weight};
+use crate::widen_avx2::{bias_terms, horizontal_sum, prefetch_rows, widen_params};
 
 /// Weights per step of the loops: two vectors of eight.
 const STEP: usize = 16;
@@ -105,7 +105,7 @@ pub unsafe fn product(
             let next = o + width..(o + 2 * width).min(outputs.end);
             if rows >= BUFFERED_FROM {
                 // The rows are widened at once below; the tiles' loops do not read them.
-                prefetch_rows(&w, k, next.clone());
+                prefetch_rows(Weight::Quantized(w), k, next.clone());
             }
             if !(params_from..params_from.saturating_add(PARAMS_ROWS)).contains(&(o + width - 1)) {
                 params_from = o;
@@ -174,16 +174,6 @@ unsafe fn prefetch_params(w: &Quantized, k: usize, rows: std::ops::Range<usize>)
         for at in (rows.start * groups * size..rows.end * groups * size).step_by(64) {
             _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(at) as *const i8);
         }
-    }
-}
-
-/// Asks for W's rows `rows` (of `k`) all at once.
-#[inline(always)]
-unsafe fn prefetch_rows(w: &Quantized, k: usize, rows: std::ops::Range<usize>) {
-    let row_bytes = k * w.bits as usize / 8;
-    let packed = w.packed.as_ptr() as *const u8;
-    for at in (rows.start * row_bytes..rows.end * row_bytes).step_by(64) {
-        _mm_prefetch::<_MM_HINT_T0>(packed.wrapping_add(at) as *const i8);
     }
 }
 
