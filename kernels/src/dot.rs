@@ -22,7 +22,8 @@
 //! - quantized weights on other CPUs with AVX2 ([`crate::quantized_f32_avx2`]): per group,
 //!   scale · Σ q·x + bias · Σ x;
 //! - AVX2 with FMA for everything else where the CPU has it; up to six rows of half-precision
-//!   weights widened in registers ([`crate::narrow_avx2`]), summed as these loops sum.
+//!   weights widened in registers ([`crate::narrow_avx2`]), more in blocks that keep a tile's
+//!   operands in L1 ([`crate::blocked_avx2`]), both summed as these loops sum.
 //! - a portable loop elsewhere.
 //!
 //! A route depends only on the CPU, the weight's format and the dtype x was widened from, never
@@ -190,9 +191,15 @@ pub(super) mod avx2 {
         if !supported {
             return portable::product(x, rows, k, w, outputs, n, y);
         }
-        if (1..=crate::narrow_avx2::MAX_ROWS).contains(&rows) && crate::narrow_avx2::takes(w, k) {
+        if crate::narrow_avx2::takes(w, k) {
+            // Half-precision rows of whole vectors: up to six rows of x widened in registers,
+            // more through the blocked loops, which keep both operands of a tile in L1.
             // SAFETY: this function's features are those loops', and rows and format are checked.
-            return crate::narrow_avx2::product(x, rows, k, w, outputs, n, y);
+            return if (1..=crate::narrow_avx2::MAX_ROWS).contains(&rows) {
+                crate::narrow_avx2::product(x, rows, k, w, outputs, n, y)
+            } else {
+                crate::blocked_avx2::product(x, rows, k, w, outputs, n, y)
+            };
         }
         // Four W rows for a single x row while their converted floats stay well inside L1, and
         // for float32 rows read in place at any row count: four rows streamed at once keep the

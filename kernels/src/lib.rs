@@ -28,6 +28,8 @@ pub mod wide;
 // Products and their weight formats.
 pub mod amx_bf16;
 pub mod amx_quantized;
+#[cfg(target_arch = "x86_64")]
+mod blocked_avx2;
 pub mod dot;
 #[cfg(target_arch = "x86_64")]
 mod lanes;

@@ -536,10 +536,18 @@ mod tests {
 
     /// A verify window of five or six rows shares one tile of quantized weights, and of float32
     /// weights on AVX-512; on AVX2 up to six rows of half-precision or quantized weights take
-    /// other loops than more rows do. Each row still gives what it gives alone.
+    /// other loops than more rows do, half-precision weights from seven rows on in blocks (at
+    /// 1184 wide more than two chunks of a row; 13 outputs are more than a panel of W's rows, 131
+    /// rows more than a panel of x's). Each row still gives what it gives alone.
     #[test]
     fn rows_of_a_window_equal_each_row_alone() {
-        let (k, n) = (128, 13);
+        for k in [128, 1184] {
+            window_rows_equal_each_row_alone(k);
+        }
+    }
+
+    fn window_rows_equal_each_row_alone(k: usize) {
+        let n = 13;
         let packed: Vec<u32> = (0..n * k / 4).map(|i| (i as u32).wrapping_mul(2654435761)).collect();
         let scales: Vec<f32> = (0..n * k / 32).map(|i| 0.01 + i as f32 * 1e-3).collect();
         let biases: Vec<f32> = (0..n * k / 32).map(|i| -0.05 + i as f32 * 1e-3).collect();
@@ -575,14 +583,14 @@ mod tests {
                 routes.push(("AVX2", &avx2));
             }
             for (route, product) in routes {
-                for rows in [2, 3, 5, 6, 7, 9] {
+                for rows in [2, 3, 5, 6, 7, 9, 17, 40, 131] {
                     let x: Vec<f32> = (0..rows * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect();
                     let mut window = vec![0f32; rows * n];
                     product(&x, rows, &mut window);
                     for m in 0..rows {
                         let mut alone = vec![0f32; n];
                         product(&x[m * k..(m + 1) * k], 1, &mut alone);
-                        assert_eq!(alone, window[m * n..(m + 1) * n], "{route}, {}, row {m} of {rows}", name(w));
+                        assert_eq!(alone, window[m * n..(m + 1) * n], "{route}, {}, k {k}, row {m} of {rows}", name(w));
                     }
                 }
             }
