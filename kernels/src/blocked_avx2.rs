@@ -41,7 +41,9 @@ const W_BLOCK: usize = 3;
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn product(x: &[f32], rows: usize, k: usize, w: Weight, outputs: Range<usize>, n: usize, y: &mut [f32]) {
     let mut panel = Lines::new(PANEL_W * CHUNK);
-    let mut waiting = vec![_mm256_setzero_ps(); PANEL_X * PANEL_W];
+    // One accumulator per output of a panel of x's rows by one of W's, for as many rows of x as
+    // a panel takes here: a window of a few rows zeroes little.
+    let mut waiting = vec![_mm256_setzero_ps(); PANEL_X.min(rows) * PANEL_W];
     for first_x in (0..rows).step_by(PANEL_X) {
         let xs = first_x..(first_x + PANEL_X).min(rows);
         for first_w in outputs.clone().step_by(PANEL_W) {
