@@ -17,7 +17,7 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use crate::weight::Weight;
-use crate::widen_avx2::{bf16x8, f16x8, horizontal_sum};
+use crate::widen_avx2::{halves, horizontal_sum};
 
 /// Elements of a row per chunk: a panel's chunk (`PANEL_W` rows) and a tile's rows of x fit L1
 /// together.
@@ -40,7 +40,7 @@ const W_BLOCK: usize = 3;
 /// ([`crate::narrow_avx2::takes`]).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn product(x: &[f32], rows: usize, k: usize, w: Weight, outputs: Range<usize>, n: usize, y: &mut [f32]) {
-    let mut panel = Lines::new(PANEL_W * CHUNK);
+    let mut panel = Panel([0.0; PANEL_W * CHUNK]);
     // One accumulator per output of a panel of x's rows by one of W's, for as many rows of x as
     // a panel takes here: a window of a few rows zeroes little.
     let mut waiting = vec![_mm256_setzero_ps(); PANEL_X.min(rows) * PANEL_W];
@@ -91,43 +91,16 @@ pub unsafe fn product(x: &[f32], rows: usize, k: usize, w: Weight, outputs: Rang
 
 /// Elements `elements` of W's rows `ws` as floats, into the panel, [`CHUNK`] floats apart.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn widen(w: Weight, k: usize, ws: Range<usize>, elements: Range<usize>, panel: &mut Lines) {
+unsafe fn widen(w: Weight, k: usize, ws: Range<usize>, elements: Range<usize>, panel: &mut Panel) {
     for (j, o) in ws.enumerate() {
-        let from = o * k + elements.start;
-        let out = panel.floats_mut()[j * CHUNK..].as_mut_ptr();
-        for i in (0..elements.len()).step_by(8) {
-            let v = match w {
-                Weight::Bf16(w) => bf16x8(w.as_ptr().add(from + i)),
-                Weight::F16(w) => f16x8(w.as_ptr().add(from + i)),
-                Weight::F32(_) | Weight::Quantized(_) => unreachable!("half-precision weights only"),
-            };
-            _mm256_storeu_ps(out.add(i), v);
-        }
+        halves(w, o * k + elements.start, &mut panel.0[j * CHUNK..j * CHUNK + elements.len()]);
     }
 }
 
-/// Floats in whole cache lines: a vector load from a line-aligned row never straddles two lines
-/// (a load that does costs two), whatever the allocator returns.
-struct Lines(Vec<Line>);
-
+/// A panel's rows, a chunk of each, aligned to cache lines: a vector load from a row never
+/// straddles two lines (a load that does costs two), as it may from an allocator's buffer.
 #[repr(C, align(64))]
-#[derive(Clone, Copy)]
-struct Line([f32; 16]);
-
-impl Lines {
-    fn new(len: usize) -> Lines {
-        Lines(vec![Line([0.0; 16]); len.div_ceil(16)])
-    }
-
-    fn as_ptr(&self) -> *const f32 {
-        self.0.as_ptr() as *const f32
-    }
-
-    fn floats_mut(&mut self) -> &mut [f32] {
-        // SAFETY: a Line is sixteen floats with nothing between them (repr(C), 64 bytes).
-        unsafe { std::slice::from_raw_parts_mut(self.0.as_mut_ptr() as *mut f32, self.0.len() * 16) }
-    }
-}
+struct Panel([f32; PANEL_W * CHUNK]);
 
 /// One chunk of one panel: x [.., k]; W's rows `ws` widened, elements `elements`, in `panel`;
 /// the panel of x's rows `xs`; y is [.., n].
@@ -135,7 +108,7 @@ struct Chunk<'a> {
     x: &'a [f32],
     k: usize,
     n: usize,
-    panel: &'a Lines,
+    panel: &'a Panel,
     elements: Range<usize>,
     ws: Range<usize>,
     xs: Range<usize>,
@@ -165,7 +138,7 @@ impl Chunk<'_> {
             }
         }
         let rows: [*const f32; XB] = std::array::from_fn(|b| x.as_ptr().add((m0 + b) * k + elements.start));
-        let w = panel.as_ptr().add((o0 - ws.start) * CHUNK);
+        let w = panel.0.as_ptr().add((o0 - ws.start) * CHUNK);
         for i in (0..elements.len()).step_by(8) {
             let wv: [__m256; WB] = std::array::from_fn(|j| _mm256_loadu_ps(w.add(j * CHUNK + i)));
             for b in 0..XB {

@@ -165,7 +165,7 @@ pub(super) mod avx2 {
     use std::arch::x86_64::*;
 
     use super::*;
-    use crate::widen_avx2::{bf16x8, f16x8, horizontal_sum, prefetch_rows, u4x8, u8x8};
+    use crate::widen_avx2::{horizontal_sum, prefetch_rows, u4x8, u8x8};
 
     /// The most rows of x and of W one register tile handles: up to 4 × 2 accumulators (3 × 4
     /// for float32 rows read in place, 1 × 4 for a single row of x, where more rows of W give
@@ -269,24 +269,7 @@ pub(super) mod avx2 {
         let dst = out.as_mut_ptr();
         match w {
             Weight::F32(w) => out.copy_from_slice(&w[r * k..(r + 1) * k]),
-            Weight::Bf16(w) => {
-                let whole = k / 8 * 8;
-                for i in (0..whole).step_by(8) {
-                    _mm256_storeu_ps(dst.add(i), bf16x8(w.as_ptr().add(r * k + i)));
-                }
-                for i in whole..k {
-                    out[i] = f32::from_bits((w[r * k + i] as u32) << 16);
-                }
-            }
-            Weight::F16(w) => {
-                let whole = k / 8 * 8;
-                for i in (0..whole).step_by(8) {
-                    _mm256_storeu_ps(dst.add(i), f16x8(w.as_ptr().add(r * k + i)));
-                }
-                for i in whole..k {
-                    out[i] = half::f16::from_bits(w[r * k + i]).to_f32();
-                }
-            }
+            Weight::Bf16(_) | Weight::F16(_) => crate::widen_avx2::halves(w, r * k, out),
             Weight::Quantized(Quantized { packed, scales, biases, bits, group }) => {
                 let groups = k / group;
                 for g in 0..groups {

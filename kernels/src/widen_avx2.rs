@@ -34,6 +34,34 @@ pub unsafe fn f16x8(p: *const u16) -> __m256 {
     _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
 }
 
+/// `out.len()` half-precision values of W (bfloat16 or float16 bits) from element `from`, as
+/// floats: eight at a time, the tail one by one.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn halves(w: Weight, from: usize, out: &mut [f32]) {
+    let (dst, whole) = (out.as_mut_ptr(), out.len() / 8 * 8);
+    match w {
+        Weight::Bf16(w) => {
+            let w = &w[from..from + out.len()];
+            for i in (0..whole).step_by(8) {
+                _mm256_storeu_ps(dst.add(i), bf16x8(w.as_ptr().add(i)));
+            }
+            for (o, &b) in out[whole..].iter_mut().zip(&w[whole..]) {
+                *o = f32::from_bits((b as u32) << 16);
+            }
+        }
+        Weight::F16(w) => {
+            let w = &w[from..from + out.len()];
+            for i in (0..whole).step_by(8) {
+                _mm256_storeu_ps(dst.add(i), f16x8(w.as_ptr().add(i)));
+            }
+            for (o, &b) in out[whole..].iter_mut().zip(&w[whole..]) {
+                *o = half::f16::from_bits(b).to_f32();
+            }
+        }
+        Weight::F32(_) | Weight::Quantized(_) => unreachable!("half-precision weights only"),
+    }
+}
+
 /// Eight 8-bit values (two words, low byte first) as floats.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn u8x8(p: *const u32) -> __m256 {
