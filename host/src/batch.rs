@@ -123,7 +123,7 @@ pub fn run_batch(
     let mut finish = |slot: usize, outcome: Result<Generation, String>| {
         finish(slot, outcome.map_or_else(|error| Outcome::Failed { error }, done)).map(|f| failed += f)
     };
-    match session.drafter_for(pending.len()) {
+    match session.speculation() {
         Some((drafter, config)) => {
             let batch = LiveBatch::new(&session.model, Some(drafter), config);
             as_rows(batch, &pending, flow, &mut finish)?

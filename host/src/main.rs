@@ -169,7 +169,7 @@ struct BenchArgs {
     temperature: Option<f32>,
     /// The draft lengths of the sweep's sampled runs (default: those of --draft-tokens).
     #[arg(long, value_delimiter = ',', value_name = "N,N,...", requires = "temperature")]
-    sampled_draft_tokens: Vec<usize>,
+    sampled_draft_tokens: Vec<host::manifest::DraftTokens>,
     /// Nucleus mass of the sweep's sampled runs.
     #[arg(long, default_value_t = 0.95, requires = "temperature")]
     top_p: f32,
@@ -187,10 +187,10 @@ struct BenchArgs {
     /// Requests per serving run (distinct prompts: the manifest's, cut to different lengths).
     #[arg(long, default_value_t = 16, requires = "serving")]
     requests: usize,
-    /// Tokens the drafter proposes per round (overrides the manifest's); with --sweep, a
-    /// comma-separated list of lengths to time.
+    /// Tokens the drafter proposes per round, 1 to 64 or `auto` (overrides the manifest's);
+    /// with --sweep, a comma-separated list of lengths to time.
     #[arg(long, value_delimiter = ',', value_name = "N")]
-    draft_tokens: Vec<u32>,
+    draft_tokens: Vec<host::manifest::DraftTokens>,
     /// Measured pairs (host, mlx-lm), run in alternating order.
     #[arg(long, default_value_t = 6)]
     pairs: usize,
@@ -488,10 +488,9 @@ fn run(cli: Cli, silent_rank: bool) -> Result<()> {
                 None => println!("drafter   none (plain decoding)"),
                 Some((drafter, config)) => {
                     let spec = manifest.drafter.as_ref().expect("a drafter was loaded");
-                    let auto = spec.draft_tokens == host::manifest::DraftTokens::Auto;
-                    let tokens = host::speculative::describe_draft_tokens(auto, config.draft_tokens);
+                    let tokens = host::speculative::describe_draft_tokens(config.auto, config.draft_tokens);
                     println!("drafter   {}, {tokens} draft tokens, verify {:?}", spec.kind, config.verify);
-                    for warning in host::run::depth_warnings(&drafter.info, config.draft_tokens) {
+                    for warning in host::run::depth_warnings(&drafter.info, &config) {
                         println!("warning   {warning}");
                     }
                     println!("artifact  {} ({} bytes of weights)", drafter.info.id, drafter.info.weights_bytes);
@@ -745,7 +744,7 @@ fn bench(args: BenchArgs, quiet: bool) -> Result<()> {
         let options = host::bench::sweep::SweepOptions {
             manifests,
             prompts_file: args.prompts_file.expect("clap requires it with --sweep"),
-            draft_tokens: args.draft_tokens.iter().map(|&n| n as usize).collect(),
+            draft_tokens: args.draft_tokens,
             sampled_draft_tokens: args.sampled_draft_tokens,
             max_tokens: args.max_tokens,
             temperature: args.temperature,

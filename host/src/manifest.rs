@@ -99,8 +99,31 @@ const DEFAULT_DRAFT_TOKENS: u32 = 4;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DraftTokens {
     Fixed(u32),
-    /// As many as pay for the rows sharing the round ([`crate::speculative::auto_draft_tokens`]).
+    /// Each round as many as pay, from the rows' acceptance and the measured costs, up to
+    /// [`crate::speculative::AUTO_MOST`].
     Auto,
+}
+
+impl std::str::FromStr for DraftTokens {
+    type Err = String;
+
+    /// A length as the command line gives it: `"auto"` or 1 to [`MAX_DRAFT_TOKENS`].
+    fn from_str(s: &str) -> Result<DraftTokens, String> {
+        match (s, s.parse::<u32>()) {
+            ("auto", _) => Ok(DraftTokens::Auto),
+            (_, Ok(n)) if (1..=MAX_DRAFT_TOKENS).contains(&n) => Ok(DraftTokens::Fixed(n)),
+            _ => Err(format!("must be 1 to {MAX_DRAFT_TOKENS} or \"auto\", got `{s}`")),
+        }
+    }
+}
+
+impl std::fmt::Display for DraftTokens {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DraftTokens::Fixed(n) => write!(f, "{n}"),
+            DraftTokens::Auto => f.write_str("auto"),
+        }
+    }
 }
 
 /// How to generate; every field can be overridden on the command line. Sampling fields left
@@ -233,12 +256,6 @@ impl Source {
 }
 
 impl Manifest {
-    /// Whether rounds draft by how many rows share them: the drafter says `"auto"` and no
-    /// draft length is given on the command line.
-    pub fn auto_draft_tokens(&self, draft_tokens_given: bool) -> bool {
-        !draft_tokens_given && self.drafter.as_ref().is_some_and(|d| d.draft_tokens == DraftTokens::Auto)
-    }
-
     pub fn load(file: &Path) -> Result<Manifest, ManifestError> {
         let text = std::fs::read_to_string(file).map_err(|e| ManifestError {
             file: file.to_owned(),

@@ -95,7 +95,7 @@ pub fn run(options: &RunOptions, mut on_event: impl FnMut(RunEvent) -> Flow) -> 
             }
         }
     };
-    let generation = match session.drafter_for(1) {
+    let generation = match session.speculation() {
         None => generate(&session.model, &request, on_generate),
         Some((drafter, config)) => generate_speculative(&session.model, drafter, &request, config, on_generate),
     };
@@ -151,10 +151,9 @@ pub(crate) fn first_difference(a: &[u32], b: &[u32]) -> Option<usize> {
 pub struct Session {
     pub manifest: Manifest,
     pub model: Rc<Gemma4>,
+    /// The drafter and how it drafts (`config.auto`: `draft_tokens = "auto"` and no
+    /// `--draft-tokens`).
     pub drafter: Option<(LoadedDrafter, SpecConfig)>,
-    /// `draft_tokens = "auto"` (and no `--draft-tokens`): the draft length follows the number
-    /// of rows sharing a round, up to the config's.
-    pub auto_draft_tokens: bool,
     pub tokenizer: Tokenizer,
     pub defaults: CheckpointDefaults,
 }
@@ -172,23 +171,20 @@ impl Session {
             probe_open(&model, d)?;
             match options.overrides.draft_tokens {
                 Some(n) if n == 0 || n > crate::manifest::MAX_DRAFT_TOKENS => return Err(RunError::DraftTokens(n)),
-                Some(n) => config.draft_tokens = n as usize,
+                Some(n) => *config = SpecConfig::new(n as usize, config.verify),
                 None => {}
             }
-            depth_warnings(&d.info, config.draft_tokens).into_iter().for_each(&mut warn);
+            depth_warnings(&d.info, config).into_iter().for_each(&mut warn);
         }
         let tokenizer = Tokenizer::load(&manifest.target_model)?;
         tokenizer.check_fits(model.config.vocab_size as usize, &model.config.special_ids())?;
         let defaults = CheckpointDefaults::load(&manifest.target_model).map_err(RunError::CheckpointDefaults)?;
-        let auto_draft_tokens = manifest.auto_draft_tokens(options.overrides.draft_tokens.is_some());
-        Ok(Session { manifest, model, drafter, auto_draft_tokens, tokenizer, defaults })
+        Ok(Session { manifest, model, drafter, tokenizer, defaults })
     }
 
-    /// The drafter and its config for a batch of `rows` rows that stays together (a single
-    /// request, or a file of them).
-    pub fn drafter_for(&self, rows: usize) -> Option<(&LoadedDrafter, SpecConfig)> {
-        let (drafter, config) = self.drafter.as_ref()?;
-        Some((drafter, config.for_rows(self.auto_draft_tokens, rows)))
+    /// The drafter and its config, when the manifest names one.
+    pub fn speculation(&self) -> Option<(&LoadedDrafter, SpecConfig)> {
+        self.drafter.as_ref().map(|(drafter, config)| (drafter, *config))
     }
 
     /// The request the manifest, the checkpoint's defaults and `overrides` describe.
@@ -340,8 +336,13 @@ pub enum DrafterSetupError {
 
 /// What a draft length beyond the artifact's own limits will do: proposals are cut to
 /// `max_draft_tokens`, and drafts past `trained_depth` were never trained for.
-pub fn depth_warnings(info: &plugin_api::ProviderInfo, draft_tokens: usize) -> Vec<String> {
+pub fn depth_warnings(info: &plugin_api::ProviderInfo, config: &SpecConfig) -> Vec<String> {
     let mut warnings = Vec::new();
+    if config.auto {
+        // Capped at the drafter's maximum; rounds go as deep as they find drafts accepted.
+        return warnings;
+    }
+    let draft_tokens = config.draft_tokens;
     let max = info.capabilities.max_draft_tokens as usize;
     if max > 0 && draft_tokens > max {
         warnings.push(format!(
@@ -378,11 +379,23 @@ pub fn load_drafter(
     // the target's do (see `model::load`): 3 to 9 MB for the demo drafters. Failing to empty it
     // costs memory only.
     let _ = mlx_rs::memory::clear_cache();
-    let draft_tokens = match spec.draft_tokens {
-        DraftTokens::Fixed(n) => n as usize,
-        DraftTokens::Auto => AUTO_MOST,
-    };
-    Ok(Some((drafter, SpecConfig { draft_tokens, verify: spec.verify })))
+    let config = spec_config(spec.draft_tokens, spec.verify, &drafter.info);
+    Ok(Some((drafter, config)))
+}
+
+/// How a drafter drafts at a manifest's (or a bench's) draft length: `"auto"` up to
+/// [`AUTO_MOST`] tokens, or the drafter's own maximum where that is less.
+pub fn spec_config(draft_tokens: DraftTokens, verify: Verify, info: &plugin_api::ProviderInfo) -> SpecConfig {
+    match draft_tokens {
+        DraftTokens::Fixed(n) => SpecConfig::new(n as usize, verify),
+        DraftTokens::Auto => {
+            let most = match info.capabilities.max_draft_tokens as usize {
+                0 => AUTO_MOST,
+                max => max.min(AUTO_MOST),
+            };
+            SpecConfig { auto: true, ..SpecConfig::new(most, verify) }
+        }
+    }
 }
 
 /// A drafter's refusal of its options, placed at the manifest line of the option it names (the

@@ -83,14 +83,8 @@ fn greedy_output_with_the_assistant_equals_plain_decoding_past_the_window() {
         assert!(request.prompt.len() + request.max_tokens > 3 * model.config.sliding_window);
         let plain = generate(&model, &request, |_| {}).unwrap();
         for gamma in [1, 3, 5] {
-            let spec = generate_speculative(
-                &model,
-                &drafter,
-                &request,
-                SpecConfig { draft_tokens: gamma, verify: Verify::Match },
-                |_| {},
-            )
-            .unwrap();
+            let spec = generate_speculative(&model, &drafter, &request, SpecConfig::new(gamma, Verify::Match), |_| {})
+                .unwrap();
             assert_eq!(spec.tokens, plain.tokens, "{name}, γ = {gamma}");
             assert!(spec.stats.drafter_error.is_none(), "{name}: {:?}", spec.stats.drafter_error);
             assert!(spec.stats.drafted > 0);

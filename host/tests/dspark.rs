@@ -71,14 +71,7 @@ fn greedy_output_with_dspark_equals_plain_decoding_past_the_window() {
     };
     let plain = generate(&model, &request, |_| {}).unwrap();
     for gamma in [1, 2, 4] {
-        let spec = generate_speculative(
-            &model,
-            &d,
-            &request,
-            SpecConfig { draft_tokens: gamma, verify: Verify::Match },
-            |_| {},
-        )
-        .unwrap();
+        let spec = generate_speculative(&model, &d, &request, SpecConfig::new(gamma, Verify::Match), |_| {}).unwrap();
         assert_eq!(spec.tokens, plain.tokens, "γ = {gamma}");
         assert!(spec.stats.drafter_error.is_none(), "{:?}", spec.stats.drafter_error);
         assert!(spec.stats.drafted > 0);

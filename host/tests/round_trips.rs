@@ -110,7 +110,7 @@ fn rounds_wait(
 ) {
     let params = &request.sampling;
     let mut counts = Vec::new();
-    let config = SpecConfig { draft_tokens: 4, verify: Verify::Match };
+    let config = SpecConfig::new(4, Verify::Match);
     let spec = generate_speculative(model, drafter, request, config, waits_at_tokens(&mut counts)).unwrap();
     assert_eq!(spec.tokens, plain, "{name}, {params:?}");
     assert!(spec.stats.drafter_error.is_none(), "{name}: {:?}", spec.stats.drafter_error);

@@ -51,12 +51,14 @@ struct AdversaryProvider {
     vocab_guard: u32,
     /// The plain output the adversary peeks at.
     script: Vec<u32>,
+    faithful: bool,
 }
 struct AdversaryRows {
     seed: u64,
     vocab: u32,
     rows: usize,
     script: Vec<u32>,
+    faithful: bool,
 }
 
 impl Drafter for Adversary {
@@ -66,9 +68,15 @@ impl Drafter for Adversary {
             .option("seed", "0", "")
             .option("max_token", "0", "largest id proposed, 0 = the vocabulary's")
             .option("script", "[]", "the plain output, which the adversary copies in part")
+            .option("faithful", "false", "copy the script in full, as deep as asked")
     }
     fn load(_: Option<&Path>, o: &Options) -> Result<AdversaryProvider, PluginError> {
-        Ok(AdversaryProvider { seed: o.value("seed")?, vocab_guard: o.value("max_token")?, script: o.value("script")? })
+        Ok(AdversaryProvider {
+            seed: o.value("seed")?,
+            vocab_guard: o.value("max_token")?,
+            script: o.value("script")?,
+            faithful: o.value("faithful")?,
+        })
     }
 }
 
@@ -85,7 +93,8 @@ impl DraftProvider for AdversaryProvider {
     }
     fn open(&self, target: Target, rows: usize) -> Result<AdversaryRows, PluginError> {
         let vocab = if self.vocab_guard > 0 { self.vocab_guard } else { target.info().vocab_size };
-        Ok(AdversaryRows { seed: self.seed, vocab, rows, script: self.script.clone() })
+        let script = self.script.clone();
+        Ok(AdversaryRows { seed: self.seed, vocab, rows, script, faithful: self.faithful })
     }
 }
 
@@ -106,8 +115,8 @@ impl GroupedDraftProvider for AdversaryRows {
             .take(pending.len())
             .map(|&step| {
                 let r = mix(self.seed ^ mix(step));
-                let len = (r % (depth as u64 + 1)) as usize; // 0..=depth, 0 included
-                let right = ((r >> 8) % (len as u64 + 1)) as usize;
+                let len = if self.faithful { depth } else { (r % (depth as u64 + 1)) as usize }; // 0..=depth
+                let right = if self.faithful { len } else { ((r >> 8) % (len as u64 + 1)) as usize };
                 let tokens = (0..len)
                     .map(|i| match self.script.get(step as usize + i) {
                         Some(&t) if i < right => t,
@@ -157,7 +166,7 @@ fn ngram() -> HostDrafter {
 }
 
 fn spec(model: &Rc<Gemma4>, drafter: &HostDrafter, request: &Request, gamma: usize) -> Generation {
-    let config = SpecConfig { draft_tokens: gamma, verify: Verify::Match };
+    let config = SpecConfig::new(gamma, Verify::Match);
     generate_speculative(model, drafter, request, config, |_| {}).unwrap()
 }
 
@@ -433,7 +442,7 @@ fn rejection_sampling_emits_the_targets_distribution() {
                 eos: vec![],
             })
             .collect();
-        let config = SpecConfig { draft_tokens: 1, verify: Verify::Rejection };
+        let config = SpecConfig::new(1, Verify::Rejection);
         for g in host::speculative::generate_speculative_rows(&m, &drafter, &requests, config, |_, _| {}).unwrap() {
             *counts.entry(g.tokens[0] as usize).or_insert(0u64) += 1;
             drafted += g.stats.drafted;
@@ -479,7 +488,7 @@ fn four_rows_in_one_batch_equal_four_single_runs() {
         .collect();
     for gamma in [2, 4] {
         let drafter = ngram();
-        let config = SpecConfig { draft_tokens: gamma, verify: Verify::Match };
+        let config = SpecConfig::new(gamma, Verify::Match);
         let batched = host::speculative::generate_speculative_rows(&m, &drafter, &requests, config, |_, _| {}).unwrap();
         for (i, (request, together)) in requests.iter().zip(&batched).enumerate() {
             let alone = spec(&m, &drafter, request, gamma);
@@ -531,7 +540,7 @@ fn join_and_leave_mid_flight(m: &Rc<Gemma4>, requests: &[Request]) {
     use host::speculative::LiveBatch;
     let drafter = ngram();
     for with_drafter in [true, false] {
-        let config = SpecConfig { draft_tokens: 3, verify: Verify::Match };
+        let config = SpecConfig::new(3, Verify::Match);
         let mut batch = LiveBatch::new(m, with_drafter.then_some(&drafter), config).unwrap();
         let mut done: Vec<Option<Generation>> = vec![None; requests.len()];
         let mut streamed: Vec<Vec<u32>> = vec![Vec::new(); requests.len()];
@@ -579,36 +588,45 @@ fn join_and_leave_mid_flight(m: &Rc<Gemma4>, requests: &[Request]) {
     }
 }
 
-/// `draft_tokens = "auto"`: a round of many rows drafts fewer tokens per row than a lone row,
-/// never more than the policy gives for the rows sharing it, and the output stays plain decoding's.
+/// `draft_tokens = "auto"`: every round chooses its depth from the rows' acceptance and the
+/// measured costs, and the output stays plain decoding's, alone and with rows sharing rounds.
+/// A drafter that is always right drafts deeper than the 4 tokens of the fixed default.
 #[test]
-fn auto_draft_tokens_shrink_as_rows_share_a_round() {
+fn auto_draft_tokens_draft_deep_where_drafts_are_kept() {
     use host::generate::Flow;
-    use host::speculative::{auto_draft_tokens, LiveBatch};
+    use host::speculative::{LiveBatch, AUTO_MOST};
     let m = model("dense");
-    let drafter = ngram();
-    let r = request(40, greedy());
+    let r = request(60, greedy());
     let expected = plain(&m, &r);
-    let config = SpecConfig { draft_tokens: 8, verify: Verify::Match };
-    for rows in [1, 6] {
-        let mut batch = LiveBatch::new(&m, Some(&drafter), config).unwrap().with_auto_draft_tokens(true);
-        for i in 0..rows {
-            batch.join(i, r.clone(), |_| Flow::Continue).unwrap();
-        }
-        let mut done = Vec::new();
-        while !batch.is_empty() {
-            done.extend(batch.round(|_, _| Flow::Continue).unwrap());
-        }
-        assert_eq!(done.len(), rows);
-        // Identical rows stay together to the end: every round had `rows` rows.
-        let most = auto_draft_tokens(rows);
-        for (_, g) in done {
-            assert_eq!(g.tokens, expected, "{rows} rows");
-            let deepest = g.stats.drafted_by_position.iter().rposition(|&n| n > 0).map_or(0, |k| k + 1);
-            assert_eq!(deepest, most, "{rows} rows: drafted by position {:?}", g.stats.drafted_by_position);
+    let faithful = HostDrafter::load_root(
+        sdk::root_module::<Adversary>(),
+        "adversary",
+        None,
+        &format!("script = {expected:?}\nfaithful = true"),
+    )
+    .unwrap();
+    let config = SpecConfig { auto: true, ..SpecConfig::new(AUTO_MOST, Verify::Match) };
+    for (drafter, name) in [(&ngram(), "ngram"), (&adversary(3, &expected), "adversary"), (&faithful, "faithful")] {
+        for rows in [1, 3] {
+            let mut batch = LiveBatch::new(&m, Some(drafter), config).unwrap();
+            for i in 0..rows {
+                batch.join(i, r.clone(), |_| Flow::Continue).unwrap();
+            }
+            let mut done = Vec::new();
+            while !batch.is_empty() {
+                done.extend(batch.round(|_, _| Flow::Continue).unwrap());
+            }
+            assert_eq!(done.len(), rows);
+            for (_, g) in done {
+                assert_eq!(g.tokens, expected, "{name}, {rows} rows");
+                let drafted = &g.stats.drafted_by_position;
+                assert!(drafted.len() <= AUTO_MOST, "{name}: {drafted:?}");
+                if name == "faithful" && rows == 1 {
+                    assert!(drafted.len() > 4, "{name}: drafted by position {drafted:?}");
+                }
+            }
         }
     }
-    assert!(auto_draft_tokens(6) < auto_draft_tokens(1));
 }
 
 /// The prefix cache: a prompt that extends an earlier one (past the sliding window) prefills
@@ -636,7 +654,7 @@ fn a_prompt_extending_a_cached_one_gives_the_same_output() {
     let drafter = ngram();
     for with_drafter in [true, false] {
         for sampling in [greedy(), sampled(3)] {
-            let config = SpecConfig { draft_tokens: 3, verify: Verify::Match };
+            let config = SpecConfig::new(3, Verify::Match);
             let mut batch =
                 LiveBatch::new(&m, with_drafter.then_some(&drafter), config).unwrap().with_prefix_cache(64 << 20);
             let mut outputs = Vec::new();

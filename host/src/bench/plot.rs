@@ -39,7 +39,7 @@ fn draw(report: &SweepReport, path: &Path) -> Result<(), Box<dyn std::error::Err
             drafters.push(&r.drafter);
         }
     }
-    let max_x = report.rows.iter().map(|r| r.draft_tokens).max().unwrap_or(1) as f64;
+    let max_x = report.rows.iter().filter(|r| !r.auto_draft_tokens).map(|r| r.draft_tokens).max().unwrap_or(1) as f64;
     let max_y = report.rows.iter().map(|r| r.speedup_max).fold(1.5_f64, f64::max) * 1.05;
     let root = BitMapBackend::new(path, (560 * modes.len() as u32, 480)).into_drawing_area();
     root.fill(&WHITE)?;
@@ -65,8 +65,16 @@ fn draw(report: &SweepReport, path: &Path) -> Result<(), Box<dyn std::error::Err
         chart.draw_series(LineSeries::new([(0.5, 1.0), (max_x + 0.5, 1.0)], BLACK.mix(0.4)))?;
         for (i, drafter) in drafters.iter().enumerate() {
             let color = Palette99::pick(i).to_rgba();
-            let rows: Vec<&SweepRow> =
-                report.rows.iter().filter(|r| r.mode == *mode && r.drafter == *drafter).collect();
+            let (auto, rows): (Vec<&SweepRow>, Vec<&SweepRow>) = report
+                .rows
+                .iter()
+                .filter(|r| r.mode == *mode && r.drafter == *drafter)
+                .partition(|r| r.auto_draft_tokens);
+            // `"auto"` chooses its length each round: a dashed level across every length.
+            for r in auto {
+                let level = [(0.5, r.speedup_median), (max_x + 0.5, r.speedup_median)];
+                chart.draw_series(DashedLineSeries::new(level, 6, 4, color.stroke_width(1)))?;
+            }
             if rows.is_empty() {
                 continue;
             }

@@ -7,12 +7,12 @@ use std::rc::Rc;
 
 use super::{plain, speculative, summary, BenchConfig, BenchError, PlainBench, Reference, SpeculativeBench};
 use crate::generate::Request;
-use crate::manifest::Manifest;
+use crate::manifest::{DraftTokens, Manifest};
 use crate::model::Gemma4;
 use crate::plugin::LoadedDrafter;
 use crate::plugins_dir::PluginsDir;
-use crate::run::{load_drafter, resolve_request, CheckpointDefaults, Overrides, RunError};
-use crate::speculative::{probe_open, SpecConfig};
+use crate::run::{load_drafter, resolve_request, spec_config, CheckpointDefaults, Overrides, RunError};
+use crate::speculative::{describe_draft_tokens, probe_open, SpecConfig};
 use crate::tokenizer::Tokenizer;
 
 /// Where `host bench` finds a Python with mlx-lm when `--mlx-lm-python` is not given.
@@ -36,7 +36,7 @@ pub struct BenchOptions {
     /// Requests per serving run.
     pub requests: usize,
     /// Overrides the manifest's draft length.
-    pub draft_tokens: Option<u32>,
+    pub draft_tokens: Option<DraftTokens>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -74,8 +74,9 @@ pub enum BenchReport {
     Speculative {
         #[serde(skip)]
         kind: String,
+        /// "4", or "auto (up to 8)".
         #[serde(skip)]
-        draft_tokens: usize,
+        draft_tokens: String,
         #[serde(skip)]
         prompt_tokens: usize,
         #[serde(skip)]
@@ -98,8 +99,7 @@ pub fn bench(options: &BenchOptions) -> Result<BenchReport, BenchRunError> {
             return Err(BenchRunError::NoServing);
         }
         let requests = distinct_requests(&request, options.requests);
-        let auto = manifest.auto_draft_tokens(options.draft_tokens.is_some());
-        let result = super::serving::serving(&model, &drafter, config, auto, &requests, concurrencies, options.pairs)
+        let result = super::serving::serving(&model, &drafter, config, &requests, concurrencies, options.pairs)
             .map_err(BenchError::Generate)?;
         return Ok(BenchReport::Serving(result));
     }
@@ -108,7 +108,7 @@ pub fn bench(options: &BenchOptions) -> Result<BenchReport, BenchRunError> {
         let kind = drafter.kind().to_owned();
         return Ok(BenchReport::Speculative {
             kind,
-            draft_tokens: config.draft_tokens,
+            draft_tokens: describe_draft_tokens(config.auto, config.draft_tokens),
             prompt_tokens,
             max_tokens,
             result,
@@ -172,10 +172,8 @@ fn setup(options: &BenchOptions) -> Result<Setup, RunError> {
     let mut drafter = load_drafter(&manifest, &options.plugins_dir)?;
     if let Some((d, config)) = &mut drafter {
         probe_open(&model, d)?;
-        match options.draft_tokens {
-            Some(n) if n == 0 || n > crate::manifest::MAX_DRAFT_TOKENS => return Err(RunError::DraftTokens(n)),
-            Some(n) => config.draft_tokens = n as usize,
-            None => {}
+        if let Some(n) = options.draft_tokens {
+            *config = spec_config(n, config.verify, &d.info);
         }
     }
     Ok((manifest, model, request, drafter))
@@ -186,7 +184,7 @@ impl BenchReport {
         match self {
             BenchReport::Plain { prompt_tokens, max_tokens, result } => plain_text(*prompt_tokens, *max_tokens, result),
             BenchReport::Speculative { kind, draft_tokens, prompt_tokens, max_tokens, result } => {
-                speculative_text(kind, *draft_tokens, *prompt_tokens, *max_tokens, result)
+                speculative_text(kind, draft_tokens, *prompt_tokens, *max_tokens, result)
             }
             BenchReport::Serving(result) => result.text(),
         }
@@ -267,7 +265,7 @@ fn sampling_text(rows: &[super::SamplingRow], step_ms: f64) -> String {
 
 fn speculative_text(
     kind: &str,
-    draft_tokens: usize,
+    draft_tokens: &str,
     prompt_tokens: usize,
     max_tokens: usize,
     r: &SpeculativeBench,

@@ -32,7 +32,7 @@ pub struct ServingRow {
 pub struct ServingBench {
     pub kind: String,
     pub draft_tokens: usize,
-    /// `draft_tokens = "auto"`: up to `draft_tokens`, fewer as the batch grows.
+    /// `draft_tokens = "auto"`: each round as deep as pays, up to `draft_tokens`.
     pub auto_draft_tokens: bool,
     pub requests: usize,
     pub max_tokens: usize,
@@ -44,15 +44,13 @@ pub fn serving(
     model: &Rc<Gemma4>,
     drafter: &LoadedDrafter,
     config: SpecConfig,
-    auto_draft_tokens: bool,
     requests: &[Request],
     concurrencies: &[usize],
     pairs: usize,
 ) -> Result<ServingBench, GenerateError> {
     let mut rows = Vec::new();
     for &concurrency in concurrencies {
-        let run =
-            |with: Option<&LoadedDrafter>| closed_loop(model, with, config, auto_draft_tokens, requests, concurrency);
+        let run = |with: Option<&LoadedDrafter>| closed_loop(model, with, config, requests, concurrency);
         run(None)?;
         run(Some(drafter))?;
         let (mut plain, mut spec, mut identical, mut tau) = (Vec::new(), Vec::new(), true, 0.0);
@@ -81,7 +79,7 @@ pub fn serving(
     Ok(ServingBench {
         kind: drafter.kind().to_owned(),
         draft_tokens: config.draft_tokens,
-        auto_draft_tokens,
+        auto_draft_tokens: config.auto,
         requests: requests.len(),
         max_tokens: requests.iter().map(|r| r.max_tokens).max().unwrap_or(0),
         rows,
@@ -98,11 +96,10 @@ fn closed_loop(
     model: &Rc<Gemma4>,
     drafter: Option<&LoadedDrafter>,
     config: SpecConfig,
-    auto_draft_tokens: bool,
     requests: &[Request],
     concurrency: usize,
 ) -> Result<Run, GenerateError> {
-    let mut batch = LiveBatch::new(model, drafter, config)?.with_auto_draft_tokens(auto_draft_tokens);
+    let mut batch = LiveBatch::new(model, drafter, config)?;
     let mut outputs = vec![Vec::new(); requests.len()];
     let (mut next, mut tokens, mut rounds) = (0, 0, 0);
     let start = Instant::now();

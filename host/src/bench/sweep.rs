@@ -14,12 +14,14 @@ use serde::Serialize;
 
 use super::summary;
 use crate::generate::{generate, GenerateError, Generation, Request};
-use crate::manifest::Manifest;
+use crate::manifest::{DraftTokens, Manifest};
 use crate::model::Gemma4;
 use crate::plugin::LoadedDrafter;
 use crate::plugins_dir::PluginsDir;
-use crate::run::{first_difference, load_drafter, resolve_request, CheckpointDefaults, Overrides, RunError};
-use crate::speculative::{generate_speculative, probe_open, SpecConfig, Verify};
+use crate::run::{
+    first_difference, load_drafter, resolve_request, spec_config, CheckpointDefaults, Overrides, RunError,
+};
+use crate::speculative::{generate_speculative, probe_open, Verify};
 use crate::tokenizer::Tokenizer;
 
 #[derive(Debug, Clone)]
@@ -28,9 +30,9 @@ pub struct SweepOptions {
     pub manifests: Vec<PathBuf>,
     /// One JSON object per line with a `prompt` (and optionally an `id`).
     pub prompts_file: PathBuf,
-    pub draft_tokens: Vec<usize>,
+    pub draft_tokens: Vec<DraftTokens>,
     /// The draft lengths of the sampled runs (default: `draft_tokens`).
-    pub sampled_draft_tokens: Vec<usize>,
+    pub sampled_draft_tokens: Vec<DraftTokens>,
     pub max_tokens: u32,
     /// Adds sampled runs at this temperature (with `top_p`) to the greedy ones.
     pub temperature: Option<f32>,
@@ -50,7 +52,7 @@ pub enum SweepError {
     NoDrafter(PathBuf),
     #[error("--sweep: {0} has another target than {1} ({2} against {3})")]
     Targets(PathBuf, PathBuf, PathBuf, PathBuf),
-    #[error("--sweep: give at least one manifest and one draft length, each length 1..={max}", max = crate::manifest::MAX_DRAFT_TOKENS)]
+    #[error("--sweep: give at least one manifest and one draft length")]
     Empty,
 }
 
@@ -60,7 +62,10 @@ pub struct SweepRow {
     /// The manifest's file stem (`demo-dflash`).
     pub drafter: String,
     pub kind: String,
+    /// The draft length; under `"auto"`, the most.
     pub draft_tokens: usize,
+    /// `draft_tokens = "auto"`: each round as deep as pays.
+    pub auto_draft_tokens: bool,
     /// `greedy`, or the verification of a sampled run (the manifest's): `match` or `rejection`.
     pub mode: String,
     /// Generated tokens per target forward, over all prompts.
@@ -121,11 +126,7 @@ struct Tally {
 }
 
 pub fn sweep(options: &SweepOptions) -> Result<SweepReport, SweepError> {
-    let valid = |n: &usize| (1..=crate::manifest::MAX_DRAFT_TOKENS as usize).contains(n);
-    if options.manifests.is_empty()
-        || options.draft_tokens.is_empty()
-        || !options.draft_tokens.iter().chain(&options.sampled_draft_tokens).all(valid)
-    {
+    if options.manifests.is_empty() || options.draft_tokens.is_empty() {
         return Err(SweepError::Empty);
     }
     let (model, tokenizer, manifest, drafters) = setup(options)?;
@@ -140,7 +141,7 @@ pub fn sweep(options: &SweepOptions) -> Result<SweepReport, SweepError> {
         _ if options.sampled_draft_tokens.is_empty() => &options.draft_tokens,
         _ => &options.sampled_draft_tokens,
     };
-    let configs: Vec<(usize, usize, usize)> = (0..modes.len())
+    let configs: Vec<(usize, usize, DraftTokens)> = (0..modes.len())
         .flat_map(|m| {
             let drafters = &drafters;
             (0..drafters.len()).flat_map(move |d| lengths(m).iter().map(move |&n| (m, d, n)))
@@ -167,7 +168,7 @@ pub fn sweep(options: &SweepOptions) -> Result<SweepReport, SweepError> {
                 // Warm-up, untimed: plain decoding and every drafter once.
                 timed_plain(&model, &request)?;
                 for d in drafters.iter().filter(|d| m > 0 || d.verify == Verify::Match) {
-                    let config = SpecConfig { draft_tokens: lengths(m)[0], verify: d.verify };
+                    let config = spec_config(lengths(m)[0], d.verify, &d.loaded.info);
                     generate_speculative(&model, &d.loaded, &request, config, |_| {})?;
                 }
             }
@@ -179,7 +180,7 @@ pub fn sweep(options: &SweepOptions) -> Result<SweepReport, SweepError> {
             let mut spec_runs = Vec::new();
             for &c in &order {
                 let (_, d, n) = configs[c];
-                let config = SpecConfig { draft_tokens: n, verify: drafters[d].verify };
+                let config = spec_config(n, drafters[d].verify, &drafters[d].loaded.info);
                 let start = Instant::now();
                 let g = generate_speculative(&model, &drafters[d].loaded, &request, config, |_| {})?;
                 spec_runs.push((c, start.elapsed().as_secs_f64(), g));
@@ -245,12 +246,14 @@ impl Tally {
         self.first_difference.push(first_difference(&plain.tokens, &spec.tokens));
     }
 
-    fn row(self, drafter: &Drafter, draft_tokens: usize, mode: &str) -> SweepRow {
+    fn row(self, drafter: &Drafter, draft_tokens: DraftTokens, mode: &str) -> SweepRow {
         let (median, min, max) = summary(&self.speedups);
+        let config = spec_config(draft_tokens, Verify::Match, &drafter.loaded.info);
         SweepRow {
             drafter: drafter.name.clone(),
             kind: drafter.loaded.kind().to_owned(),
-            draft_tokens,
+            draft_tokens: config.draft_tokens,
+            auto_draft_tokens: config.auto,
             mode: mode.to_owned(),
             tau: self.generated as f64 / self.forwards.max(1) as f64,
             acceptance_by_position: self
@@ -349,7 +352,7 @@ impl SweepReport {
             out.push_str(&format!(
                 "| {} | {mode} | {} | {:.2} | {:.2}× | [{:.2}, {:.2}] | {:.2} + {:.2} ({:.1} + {:.1}) | {} ({}) | {}/{} | {} |\n",
                 r.drafter,
-                r.draft_tokens,
+                if r.auto_draft_tokens { "auto".to_owned() } else { r.draft_tokens.to_string() },
                 r.tau,
                 r.speedup_median,
                 r.speedup_min,

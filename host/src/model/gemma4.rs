@@ -98,6 +98,9 @@ pub struct Gemma4 {
     /// The first token id of this rank's slice of the vocabulary (of the embedding table and
     /// the head); 0 in a single process.
     pub vocab_offset: i32,
+    /// Milliseconds of a verify forward at each window width, measured once, when a batch
+    /// first drafts `"auto"` (`speculative::measure`).
+    pub verify_ms: std::cell::OnceCell<Vec<f64>>,
 }
 
 /// Hidden states captured during a forward, at the requested layers.

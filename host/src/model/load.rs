@@ -223,6 +223,7 @@ fn build(config: Gemma4Config, w: &Weights, shard: Shard) -> Result<Gemma4, Weig
         expert_bytes,
         group: None,
         vocab_offset: shard.rank as i32 * vocab,
+        verify_ms: std::cell::OnceCell::new(),
     })
 }
 

@@ -225,7 +225,7 @@ fn one_request(
     request: &Request,
     gamma: usize,
 ) -> Result<(Generation, Generation), String> {
-    let config = SpecConfig { draft_tokens: gamma, verify: Verify::Match };
+    let config = SpecConfig::new(gamma, Verify::Match);
     let spec =
         generate_speculative(plain.model, drafter, request, config, |_| Flow::Continue).map_err(|e| e.to_string())?;
     let plain = plain.of(request)?;
@@ -278,7 +278,7 @@ fn summary(g: &Generation) -> String {
 /// Every request in one batch from the start, their rows drafted and verified together: each
 /// row equals its plain run.
 fn batch(plain: &PlainRuns, drafter: &LoadedDrafter, requests: &[Request], gamma: usize) -> Result<String, String> {
-    let config = SpecConfig { draft_tokens: gamma, verify: Verify::Match };
+    let config = SpecConfig::new(gamma, Verify::Match);
     let rows = generate_speculative_rows(plain.model, drafter, requests, config, |_, _| Flow::Continue)
         .map_err(|e| e.to_string())?;
     for (row, (request, generation)) in requests.iter().zip(&rows).enumerate() {
@@ -293,7 +293,7 @@ fn batch(plain: &PlainRuns, drafter: &LoadedDrafter, requests: &[Request], gamma
 /// Requests joining one batch a round apart, one of them cancelled after its fourth token: each
 /// row's output equals its plain run (the cancelled one, that run's first four tokens).
 fn rows_in_flight(plain: &PlainRuns, drafter: &LoadedDrafter, requests: &[Request]) -> Result<String, String> {
-    let config = SpecConfig { draft_tokens: 3, verify: Verify::Match };
+    let config = SpecConfig::new(3, Verify::Match);
     let mut batch = LiveBatch::new(plain.model, Some(drafter), config).map_err(|e| e.to_string())?;
     let cancelled = requests.len().saturating_sub(1).min(1);
     let mut done: Vec<Option<Generation>> = vec![None; requests.len()];
@@ -347,7 +347,7 @@ fn prefix_cache(
     first: &Request,
     second: &Request,
 ) -> Result<String, String> {
-    let config = SpecConfig { draft_tokens: 3, verify: Verify::Match };
+    let config = SpecConfig::new(3, Verify::Match);
     let mut batch =
         LiveBatch::new(plain.model, Some(drafter), config).map_err(|e| e.to_string())?.with_prefix_cache(64 << 20);
     let mut last = None;

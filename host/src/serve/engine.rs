@@ -222,13 +222,13 @@ fn share(group: &crate::distributed::Group, decisions: &mut Decisions) -> Result
 }
 
 fn config_of(session: &Session) -> SpecConfig {
-    session.drafter.as_ref().map_or(SpecConfig { draft_tokens: 0, verify: Verify::Match }, |(_, config)| *config)
+    session.drafter.as_ref().map_or(SpecConfig::new(0, Verify::Match), |(_, config)| *config)
 }
 
 fn batch_of(session: &Session, config: SpecConfig, prefix_cache_bytes: usize) -> LiveBatch<'_, u64> {
     let drafter = session.drafter.as_ref().map(|(d, _)| d);
     let batch = LiveBatch::new(&session.model, drafter, config).expect("pairing checked when the session opened");
-    batch.with_prefix_cache(prefix_cache_bytes).with_auto_draft_tokens(session.auto_draft_tokens)
+    batch.with_prefix_cache(prefix_cache_bytes)
 }
 
 fn ready_of(session: &Session, options: &RunOptions) -> Result<Ready, RunError> {

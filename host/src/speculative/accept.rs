@@ -74,6 +74,7 @@ pub(super) fn accept(
     if let Some(&last) = row.tokens.last() {
         row.pending = last;
     }
+    row.acceptance.record(drafts.len(), accepted);
     Ok(accepted)
 }
 

@@ -1,47 +1,374 @@
-//! `draft_tokens = "auto"`: how many tokens each row drafts in a round, by how many rows share
-//! it. A verify window costs the target a row of work per drafted position whether or not the
-//! draft is kept. Alone, a row leaves the target's step mostly idle (fixed costs and weight
-//! reads) and drafting fills it; the more rows share a round, the busier the step is already,
-//! and the less a drafted position saves against what it costs.
+//! `draft_tokens = "auto"`: how many tokens the rows of a round draft, chosen before every
+//! round for the most tokens per millisecond that round is expected to produce.
 //!
-//! The lengths follow the speed-ups over plain decoding that
-//! `host bench --serving 1,2,3,4,8,16 --draft-tokens γ` gives on the demo target with the lookup
-//! drafter, the default manifest's (docs/performance.md has them): 4 tokens for one row, where
-//! longer drafts gain next to nothing alone and cost far more once rows share the round; 3 for
-//! two or three rows, where a fourth gains next to nothing; 2 for four; and none from five on,
-//! where the best length gains little at eight rows and loses at sixteen.
-
-/// The most tokens a row drafts under "auto" (the caches' rollback room is sized for it).
-pub const AUTO_MOST: usize = 4;
+//! A round of B rows drafting d tokens each costs the drafter's d steps and a verify forward
+//! over B·(d + 1) window tokens, and produces, per row, one token plus the drafts it accepts.
+//! Each row keeps its own acceptance by draft position ([`Acceptance`]), so a row in a
+//! passage the drafter knows by heart pulls the round deeper and one it cannot predict pulls
+//! it shallower; the costs are measured on this target and this drafter ([`RoundCosts`]). The
+//! rows of a round share one depth: the verify window is padded to its longest row, so a
+//! shorter draft in one row would save the target nothing.
 
 use super::SpecConfig;
 
-/// The draft length for a round of `rows` rows (0: the round verifies only the pending token).
-pub fn auto_draft_tokens(rows: usize) -> usize {
-    match rows {
-        0..=1 => 4,
-        2..=3 => 3,
-        4 => 2,
-        _ => 0,
+/// The most tokens a row drafts under "auto" (the caches' rollback room is sized for it).
+pub const AUTO_MOST: usize = 8;
+
+/// Each round, what earlier rounds taught is weighed by this factor: a row's acceptance follows
+/// the last few dozen rounds, so it changes as the text moves between passages the drafter
+/// predicts and passages it does not, and positions left undrafted drift back to the prior,
+/// which tries them again.
+const DECAY: f64 = 0.95;
+/// What a row is assumed to accept before it has drafted: its first draft with this
+/// probability, and each further one, once the one before was accepted, as often as the one
+/// before it.
+const PRIOR_FIRST: f64 = 0.7;
+/// How many rounds' worth of evidence the prior counts for at each position.
+const PRIOR_WEIGHT: f64 = 1.0;
+
+/// One row's live acceptance, kept apart for rounds that follow a round whose every draft was
+/// accepted and rounds that follow one with a rejection: a drafter that knows a passage tends
+/// to know its next tokens too, and one that just missed tends to miss again.
+#[derive(Debug, Clone, Default)]
+pub(super) struct Acceptance {
+    after_hit: Counts,
+    after_miss: Counts,
+    /// Whether the last round that drafted had a draft rejected.
+    missed: bool,
+}
+
+/// Per draft position k, (decayed) counts of the rounds that drafted it with every draft before
+/// it accepted, and of those that accepted it too.
+#[derive(Debug, Clone, Default)]
+struct Counts {
+    reached: [f64; AUTO_MOST],
+    accepted: [f64; AUTO_MOST],
+}
+
+impl Acceptance {
+    /// Counts a round that drafted `drafted` tokens and accepted the first `accepted`.
+    pub fn record(&mut self, drafted: usize, accepted: usize) {
+        if drafted == 0 {
+            // Evidence fades while the row does not draft, so that it tries again.
+            for counts in [&mut self.after_hit, &mut self.after_miss] {
+                counts.reached.iter_mut().chain(&mut counts.accepted).for_each(|c| *c *= DECAY);
+            }
+            return;
+        }
+        if self.missed { &mut self.after_miss } else { &mut self.after_hit }.record(drafted, accepted);
+        self.missed = accepted < drafted;
     }
+
+    /// For each position k, the probability that the next round's first k + 1 drafts are all
+    /// accepted (given it drafts that deep).
+    pub fn estimates(&self) -> [f64; AUTO_MOST] {
+        if self.missed { &self.after_miss } else { &self.after_hit }.estimates()
+    }
+}
+
+impl Counts {
+    fn record(&mut self, drafted: usize, accepted: usize) {
+        for k in 0..AUTO_MOST {
+            let reached = k < drafted && k <= accepted;
+            self.reached[k] = self.reached[k] * DECAY + f64::from(u8::from(reached));
+            self.accepted[k] = self.accepted[k] * DECAY + f64::from(u8::from(k < accepted));
+        }
+    }
+
+    /// Each position's acceptance once the drafts before it were accepted, from the counts
+    /// shrunk toward the position before it (the first toward [`PRIOR_FIRST`]); their running
+    /// products.
+    fn estimates(&self) -> [f64; AUTO_MOST] {
+        let mut p = [0.0; AUTO_MOST];
+        let (mut prior, mut all) = (PRIOR_FIRST, 1.0);
+        for ((p, accepted), reached) in p.iter_mut().zip(self.accepted).zip(self.reached) {
+            let rate = (accepted + PRIOR_WEIGHT * prior) / (reached + PRIOR_WEIGHT);
+            all *= rate;
+            *p = all;
+            prior = rate;
+        }
+        p
+    }
+}
+
+/// The tokens a round drafting `depth` tokens is expected to give a row with acceptance `p`:
+/// the target's own token and each draft accepted.
+pub(super) fn expected_tokens(p: &[f64; AUTO_MOST], depth: usize) -> f64 {
+    1.0 + p[..depth.min(AUTO_MOST)].iter().sum::<f64>()
+}
+
+/// What a round costs on this target and drafter, in milliseconds.
+#[derive(Debug, Clone)]
+pub(super) struct RoundCosts {
+    /// A verify forward over n window tokens costs `fixed + per_token · n`: the line through
+    /// the forwards measured once on this target, which smooths the machine's noise out of
+    /// them and continues past the widths measured.
+    fixed: f64,
+    per_token: f64,
+    /// Rounds' measured verify time over what the line predicted for them (a running mean):
+    /// long contexts and sampling cost more than the measurement's short windows.
+    scale: f64,
+    /// A round's drafting time against its depth, the sums of a least-squares line, each
+    /// round weighing [`DECAY`] of the one after it.
+    draft: LineSums,
+    /// Whether rounds' times update the costs. Off for a tensor-parallel target, whose ranks
+    /// must choose the same depths from the same numbers.
+    learns: bool,
+}
+
+/// Weight of a round's time in the running means.
+const LEARNING_RATE: f64 = 0.1;
+
+impl RoundCosts {
+    /// Costs from `verify_ms[n − 1]`, a forward's time over n tokens.
+    pub fn new(verify_ms: &[f64], learns: bool) -> RoundCosts {
+        let (fixed, per_token) = line_through(verify_ms);
+        RoundCosts { fixed, per_token, scale: 1.0, draft: LineSums::default(), learns }
+    }
+
+    /// A verify forward over `tokens` window tokens (all rows together).
+    pub fn verify(&self, tokens: usize) -> f64 {
+        (self.fixed + self.per_token * tokens as f64) * self.scale
+    }
+
+    /// Drafting `depth` tokens and committing the round: the line through the rounds' times,
+    /// proportional to depth while one depth alone was drafted, nothing before any round
+    /// drafted (the first finds out).
+    pub fn draft(&self, depth: usize) -> f64 {
+        if depth == 0 {
+            return 0.0;
+        }
+        self.draft.at(depth as f64)
+    }
+
+    /// Learns from a round of `tokens` window tokens that drafted `depth` tokens per row.
+    pub fn record(&mut self, depth: usize, draft_ms: f64, tokens: usize, verify_ms: f64) {
+        if !self.learns {
+            return;
+        }
+        let predicted = self.verify(tokens) / self.scale;
+        if predicted > 0.0 && verify_ms.is_finite() {
+            self.scale += LEARNING_RATE * (verify_ms / predicted - self.scale);
+        }
+        if depth > 0 && draft_ms.is_finite() {
+            self.draft.add(depth as f64, draft_ms);
+        }
+    }
+}
+
+/// Decayed sums of points (x, y), for the least-squares line through them.
+#[derive(Debug, Clone, Default)]
+struct LineSums {
+    n: f64,
+    x: f64,
+    y: f64,
+    xx: f64,
+    xy: f64,
+}
+
+impl LineSums {
+    fn add(&mut self, x: f64, y: f64) {
+        for (sum, term) in
+            [(&mut self.n, 1.0), (&mut self.x, x), (&mut self.y, y), (&mut self.xx, x * x), (&mut self.xy, x * y)]
+        {
+            *sum = *sum * DECAY + term;
+        }
+    }
+
+    /// The line's value at `x` (never falling with x, nor below zero); through the origin while
+    /// the points share one x, zero before any.
+    fn at(&self, x: f64) -> f64 {
+        if self.n == 0.0 {
+            return 0.0;
+        }
+        let variance = self.xx / self.n - (self.x / self.n).powi(2);
+        if variance < 1e-6 {
+            return self.y / self.x * x;
+        }
+        let slope = ((self.xy / self.n - self.x * self.y / (self.n * self.n)) / variance).max(0.0);
+        let intercept = (self.y - slope * self.x) / self.n;
+        (intercept + slope * x).max(0.0)
+    }
+}
+
+/// The least-squares line (intercept, slope ≥ 0) through the points (n, ms[n − 1]).
+fn line_through(ms: &[f64]) -> (f64, f64) {
+    let n = ms.len() as f64;
+    if ms.len() < 2 {
+        return (ms.first().copied().unwrap_or(0.0), 0.0);
+    }
+    let mean_x = (n + 1.0) / 2.0;
+    let mean_y = ms.iter().sum::<f64>() / n;
+    let (mut sxy, mut sxx) = (0.0, 0.0);
+    for (i, &y) in ms.iter().enumerate() {
+        let dx = (i + 1) as f64 - mean_x;
+        sxy += dx * (y - mean_y);
+        sxx += dx * dx;
+    }
+    let slope = (sxy / sxx).max(0.0);
+    (mean_y - slope * mean_x, slope)
+}
+
+/// The depth, 0 to `most`, for a round whose rows have acceptance `rows[r].0` and may draft at
+/// most `rows[r].1` tokens: the one with the most expected tokens per millisecond. Ties go to
+/// the shallower depth.
+pub(super) fn choose_depth(rows: &[([f64; AUTO_MOST], usize)], most: usize, costs: &RoundCosts) -> usize {
+    let rate = |depth: usize| {
+        let tokens: f64 = rows.iter().map(|(p, cap)| expected_tokens(p, depth.min(*cap))).sum();
+        tokens / (costs.draft(depth) + costs.verify(rows.len() * (depth + 1)))
+    };
+    let mut best = (0, rate(0));
+    for depth in 1..=most.min(AUTO_MOST) {
+        let r = rate(depth);
+        if r > best.1 {
+            best = (depth, r);
+        }
+    }
+    best.0
 }
 
 impl SpecConfig {
-    /// The config of a round that `rows` rows share: under "auto", no deeper than
-    /// [`auto_draft_tokens`] of them.
-    pub fn for_rows(mut self, auto: bool, rows: usize) -> SpecConfig {
-        if auto {
-            self.draft_tokens = self.draft_tokens.min(auto_draft_tokens(rows));
-        }
-        self
+    /// A fixed draft length.
+    pub fn new(draft_tokens: usize, verify: super::Verify) -> SpecConfig {
+        SpecConfig { draft_tokens, verify, auto: false }
     }
 }
 
-/// The draft length as reports print it: "3", or "auto (up to 4)".
+/// The draft length as reports print it: "3", or "auto (up to 8)".
 pub fn describe_draft_tokens(auto: bool, most: usize) -> String {
     if auto {
         format!("auto (up to {most})")
     } else {
         most.to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn costs(verify_ms: &[f64], draft_ms: f64) -> RoundCosts {
+        let mut c = RoundCosts::new(verify_ms, true);
+        for d in 1..=AUTO_MOST {
+            c.draft.add(d as f64, draft_ms * d as f64);
+        }
+        c
+    }
+
+    #[test]
+    fn estimates_follow_the_rows_counts_and_never_rise() {
+        let mut a = Acceptance::default();
+        for _ in 0..200 {
+            a.record(4, 4);
+        }
+        let p = a.estimates();
+        assert!(p[..4].iter().all(|&x| x > 0.95), "{p:?}");
+        // Undrafted positions continue the last position's rate.
+        assert!(p[4..].iter().all(|&x| x > 0.9), "{p:?}");
+        let mut b = Acceptance::default();
+        for _ in 0..200 {
+            b.record(4, 0);
+        }
+        let q = b.estimates();
+        assert!(q[0] < 0.05, "{q:?}");
+        assert!(q.windows(2).all(|w| w[1] <= w[0]), "{q:?}");
+        // Half the rounds accept both drafts, half the first alone: the first always, the second
+        // half the time.
+        let mut c = Counts::default();
+        for i in 0..400 {
+            c.record(2, 1 + i % 2);
+        }
+        let r = c.estimates();
+        assert!(r[0] > 0.95 && (r[1] - 0.5).abs() < 0.1, "{r:?}");
+    }
+
+    #[test]
+    fn a_rejection_at_one_position_is_no_evidence_about_later_ones() {
+        let mut a = Counts::default();
+        for i in 0..400 {
+            // Every other round misses at once; the others accept all four.
+            a.record(4, if i % 2 == 0 { 0 } else { 4 });
+        }
+        let p = a.estimates();
+        assert!((p[0] - 0.5).abs() < 0.1 && p[3] > 0.4, "{p:?}");
+    }
+
+    #[test]
+    fn rounds_after_a_miss_are_estimated_apart() {
+        let mut a = Acceptance::default();
+        // Runs of ten fully accepted rounds, then ten missed at once.
+        for i in 0..400 {
+            a.record(4, if (i / 10) % 2 == 0 { 4 } else { 0 });
+        }
+        a.record(4, 4);
+        let after_hit = a.estimates()[0];
+        a.record(4, 0);
+        let after_miss = a.estimates()[0];
+        assert!(after_hit > 0.8 && after_miss < 0.2, "{after_hit} after a hit, {after_miss} after a miss");
+    }
+
+    #[test]
+    fn undrafted_positions_return_to_the_prior() {
+        let mut a = Acceptance::default();
+        for _ in 0..50 {
+            a.record(2, 0);
+        }
+        let low = a.estimates()[0];
+        for _ in 0..200 {
+            a.record(0, 0);
+        }
+        let later = a.estimates()[0];
+        assert!(low < 0.1 && (later - PRIOR_FIRST).abs() < 0.01, "{low} then {later}");
+    }
+
+    #[test]
+    fn a_well_predicted_row_drafts_deep_and_a_poor_one_not_at_all() {
+        // Verify costs 1 ms plus 0.06 ms per extra token, drafting 0.01 ms per token.
+        let verify: Vec<f64> = (0..9).map(|n| 1.0 + 0.06 * n as f64).collect();
+        let c = costs(&verify, 0.01);
+        assert_eq!(choose_depth(&[([0.95; AUTO_MOST], 8)], 8, &c), 8);
+        assert_eq!(choose_depth(&[([0.02; AUTO_MOST], 8)], 8, &c), 0);
+        // A row's cap and the round's most bound the depth.
+        assert_eq!(choose_depth(&[([0.95; AUTO_MOST], 8)], 3, &c), 3);
+        // Lookup's acceptance on the demo target: deeper than the fixed default's 4.
+        let lookup = [0.84, 0.73, 0.66, 0.61, 0.57, 0.53, 0.50, 0.46];
+        let d = choose_depth(&[(lookup, 8)], 8, &c);
+        assert!(d > 4, "{d}");
+        // A costly drafter drafts less with the same acceptance.
+        let slow = costs(&verify, 0.3);
+        assert!(choose_depth(&[(lookup, 8)], 8, &slow) < d);
+    }
+
+    #[test]
+    fn more_rows_draft_less_when_the_forward_grows_with_them() {
+        // A forward costs 1 ms for one token and 0.2 ms per token past the first few.
+        let verify: Vec<f64> = (1..=9).map(|n: usize| 1.0 + 0.2 * n.saturating_sub(4) as f64).collect();
+        let c = costs(&verify, 0.0);
+        let p = [0.8, 0.65, 0.55, 0.45, 0.4, 0.35, 0.3, 0.25];
+        let one = choose_depth(&[(p, 8)], 8, &c);
+        let eight = choose_depth(&vec![(p, 8); 8], 8, &c);
+        assert!(eight < one, "one row {one}, eight rows {eight}");
+    }
+
+    #[test]
+    fn costs_learn_the_verify_scale_and_the_drafting_time() {
+        // Noisy measurements around a line: the line of least squares, 0.975 ms + 0.11 ms a token.
+        let mut c = RoundCosts::new(&[1.1, 1.15, 1.35, 1.4], true);
+        assert!((c.verify(5) - 1.525).abs() < 1e-9, "{}", c.verify(5));
+        assert_eq!(c.draft(3), 0.0);
+        for _ in 0..200 {
+            c.record(2, 0.5, 3, 2.4);
+        }
+        assert!((c.verify(3) - 2.4).abs() < 1e-6, "{}", c.verify(3));
+        // One depth alone: proportional to depth.
+        assert!((c.draft(2) - 0.5).abs() < 1e-6 && (c.draft(4) - 1.0).abs() < 1e-6);
+        // Rounds of 0.2 ms and 0.1 ms per token: that line.
+        for d in (1..=8).cycle().take(400) {
+            c.record(d, 0.2 + 0.1 * d as f64, 3, 2.4);
+        }
+        assert!((c.draft(6) - 0.8).abs() < 1e-6, "{}", c.draft(6));
+        let mut fixed = RoundCosts::new(&[1.1, 1.2, 1.3], false);
+        fixed.record(2, 0.5, 3, 2.4);
+        assert!((fixed.verify(3) - 1.3).abs() < 1e-9 && fixed.draft(2) == 0.0);
     }
 }

@@ -8,6 +8,7 @@ use std::rc::Rc;
 use std::time::Instant;
 
 use super::catch_up::CatchUp;
+use super::depth::{choose_depth, RoundCosts};
 use super::prefill::prefill_row;
 use super::prefix_cache::PrefixCache;
 use super::round::{round, Batch};
@@ -41,9 +42,10 @@ pub struct LiveBatch<'a, Id> {
     requests: Vec<Request>,
     rows: Vec<Row>,
     prefixes: Option<PrefixCache>,
-    /// `draft_tokens = "auto"`: each round drafts [`super::auto_draft_tokens`] of the rows
-    /// sharing it (at most the config's).
-    auto_draft_tokens: bool,
+    /// The most tokens a row drafts in a round.
+    most: usize,
+    /// `draft_tokens = "auto"` with a drafter: the costs each round's depth is chosen by.
+    auto: Option<RoundCosts>,
 }
 
 impl<'a, Id: Copy> LiveBatch<'a, Id> {
@@ -57,6 +59,10 @@ impl<'a, Id: Copy> LiveBatch<'a, Id> {
         if let Some(d) = drafter {
             check_pairing(model, d).map_err(GenerateError::Drafter)?;
         }
+        let auto = match drafter {
+            Some(_) if config.auto => Some(RoundCosts::new(&super::measure::verify_ms(model)?, model.group.is_none())),
+            _ => None,
+        };
         let caches = Rc::new(RefCell::new(Vec::new()));
         let ports = drafter.map_or(plugin_api::Ports::NONE, |d| d.info.capabilities.ports);
         Ok(LiveBatch {
@@ -72,7 +78,8 @@ impl<'a, Id: Copy> LiveBatch<'a, Id> {
             requests: Vec::new(),
             rows: Vec::new(),
             prefixes: None,
-            auto_draft_tokens: false,
+            most: config.draft_tokens,
+            auto,
         })
     }
 
@@ -83,10 +90,10 @@ impl<'a, Id: Copy> LiveBatch<'a, Id> {
         self
     }
 
-    /// Drafts fewer tokens per row as more rows share a round (`draft_tokens = "auto"`).
-    pub fn with_auto_draft_tokens(mut self, auto: bool) -> Self {
-        self.auto_draft_tokens = auto;
-        self
+    /// From the next round on, rows draft at most `n` tokens (0: none), no more than the
+    /// batch's configured length; under `"auto"` the rounds choose below it.
+    pub fn set_draft_tokens(&mut self, n: usize) {
+        self.most = n.min(self.config.draft_tokens);
     }
 
     /// Bytes of target caches the prefix cache holds.
@@ -177,7 +184,7 @@ impl<'a, Id: Copy> LiveBatch<'a, Id> {
     ) -> Result<Vec<(Id, Generation)>, GenerateError> {
         let mut finished = self.leave_finished()?;
         if !self.members.is_empty() {
-            let config = self.config.for_rows(self.auto_draft_tokens, self.members.len());
+            let config = SpecConfig { draft_tokens: self.round_depth(), ..self.config };
             let batch = Batch {
                 model: self.model,
                 caches: &self.caches,
@@ -188,10 +195,26 @@ impl<'a, Id: Copy> LiveBatch<'a, Id> {
             };
             let members = &self.members;
             let (slot, catch_up) = (&mut self.slot, &mut self.catch_up);
-            round(&batch, &mut self.rows, slot, catch_up, &mut |r, event| on_event(members[r].id, event))?;
+            let times = round(&batch, &mut self.rows, slot, catch_up, &mut |r, event| on_event(members[r].id, event))?;
+            if let Some(costs) = &mut self.auto {
+                costs.record(times.depth, times.draft_ms, times.window_tokens, times.verify_ms);
+            }
             finished.extend(self.leave_finished()?);
         }
         Ok(finished)
+    }
+
+    /// The most tokens a row drafts this round: under `"auto"`, the depth with the most
+    /// expected tokens per millisecond for these rows.
+    fn round_depth(&self) -> usize {
+        let Some(costs) = &self.auto else { return self.most };
+        let rows: Vec<_> = self
+            .rows
+            .iter()
+            .zip(&self.requests)
+            .map(|(row, request)| (row.acceptance.estimates(), row.draft_room(request)))
+            .collect();
+        choose_depth(&rows, self.most, costs)
     }
 
     /// Removes finished rows from the caches, the drafter and the batch.

@@ -19,12 +19,13 @@ mod accept;
 mod catch_up;
 mod depth;
 mod live;
+mod measure;
 mod prefill;
 mod prefix_cache;
 mod round;
 mod slot;
 
-pub use depth::{auto_draft_tokens, describe_draft_tokens, AUTO_MOST};
+pub use depth::{describe_draft_tokens, AUTO_MOST};
 pub use live::LiveBatch;
 
 /// How drafted tokens are accepted.
@@ -40,8 +41,12 @@ pub enum Verify {
 
 #[derive(Debug, Clone, Copy)]
 pub struct SpecConfig {
+    /// Tokens drafted per round; under `auto`, the most.
     pub draft_tokens: usize,
     pub verify: Verify,
+    /// `draft_tokens = "auto"`: each round drafts as deep as its rows' acceptance and the
+    /// measured costs make pay ([`depth`]).
+    pub auto: bool,
 }
 
 /// Opens a drafter against the target without generating: a pairing the drafter refuses, or
@@ -101,6 +106,8 @@ struct Row {
     stats: Stats,
     /// Per draft position: (times drafted, times accepted).
     by_position: Vec<(usize, usize)>,
+    /// The same, weighted toward recent rounds, for `"auto"` draft lengths.
+    acceptance: depth::Acceptance,
 }
 
 impl Row {
@@ -111,12 +118,19 @@ impl Row {
             stop: (request.max_tokens == 0).then_some(StopReason::MaxTokens),
             stats: Stats { prompt_tokens: request.prompt.len(), ..Stats::default() },
             by_position: vec![(0, 0); draft_tokens],
+            acceptance: depth::Acceptance::default(),
         }
     }
 
     /// The row's draft length (a request may ask for less than the batch's).
     fn draft_tokens(&self) -> usize {
         self.by_position.len()
+    }
+
+    /// The most the row may draft in its next round: its draft length, and no draft that would
+    /// pass `max_tokens`.
+    fn draft_room(&self, request: &Request) -> usize {
+        self.draft_tokens().min(request.max_tokens - self.tokens.len() - 1)
     }
 
     /// The generation, with the statistics derived from the counts.

@@ -27,13 +27,23 @@ pub(super) struct Batch<'a> {
     pub active: Vec<usize>,
 }
 
+/// What a round drafted and what it cost, for `"auto"` draft lengths.
+pub(super) struct RoundTimes {
+    /// Tokens drafted by the deepest row.
+    pub depth: usize,
+    /// Tokens in the verify forward, all rows together.
+    pub window_tokens: usize,
+    pub draft_ms: f64,
+    pub verify_ms: f64,
+}
+
 pub(super) fn round(
     batch: &Batch,
     rows: &mut [Row],
     slot: &mut DrafterSlot,
     catch_up: &mut CatchUp,
     on_event: &mut impl FnMut(usize, Event) -> Flow,
-) -> Result<(), GenerateError> {
+) -> Result<RoundTimes, GenerateError> {
     let pending: Vec<u32> = batch.active.iter().map(|&r| rows[r].pending).collect();
     let drafting = Instant::now();
     let drafted = draft(batch, rows, &pending, slot, catch_up)?;
@@ -92,7 +102,7 @@ pub(super) fn round(
         rows[r].stats.draft_ms += draft_ms;
         rows[r].stats.verify_ms += verify_ms;
     }
-    Ok(())
+    Ok(RoundTimes { depth: width - 1, window_tokens: batch.active.len() * width, draft_ms, verify_ms })
 }
 
 fn ms_since(start: Instant) -> f64 {
@@ -191,14 +201,8 @@ fn draft(
     slot: &mut DrafterSlot,
     catch_up: &mut CatchUp,
 ) -> Result<Drafted, GenerateError> {
-    let depths: Vec<usize> = batch
-        .active
-        .iter()
-        .map(|&r| {
-            let budget = batch.requests[r].max_tokens - rows[r].tokens.len() - 1;
-            rows[r].draft_tokens().min(batch.config.draft_tokens).min(budget)
-        })
-        .collect();
+    let depths: Vec<usize> =
+        batch.active.iter().map(|&r| rows[r].draft_room(&batch.requests[r]).min(batch.config.draft_tokens)).collect();
     let depth = depths.iter().copied().max().unwrap_or(0);
     let host = |proposals: Vec<Proposal>| Drafted::Host { windows: host_windows(pending, &proposals), proposals };
     let empty = || host(batch.active.iter().map(|_| Proposal::default()).collect());

@@ -60,7 +60,7 @@ pub fn assert_rejection_keeps_the_first_token_distribution(
         let requests: Vec<Request> = (0..rows)
             .map(|r| Request { prompt: prompt.clone(), max_tokens: 3, sampling: params(batch * rows + r), eos: vec![] })
             .collect();
-        let config = SpecConfig { draft_tokens: gamma, verify: Verify::Rejection };
+        let config = SpecConfig::new(gamma, Verify::Rejection);
         for g in generate_speculative_rows(model, drafter, &requests, config, |_, _| {}).unwrap() {
             assert!(g.stats.drafter_error.is_none(), "{:?}", g.stats.drafter_error);
             *counts.entry(g.tokens[0] as usize).or_insert(0u64) += 1;
