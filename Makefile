@@ -107,8 +107,8 @@ demo-drafters: ## retrain the demo drafters and re-record their reference drafts
 DEMO_DRAFTERS := manifests/demo-dflash.toml,manifests/demo-dspark.toml,manifests/demo-deepspec.toml,manifests/demo-assistant.toml,manifests/demo-lookup.toml,manifests/demo-ngram.toml,manifests/demo-dflash-rejection.toml,manifests/demo-dspark-rejection.toml,manifests/demo-deepspec-rejection.toml
 drafter-bench: build ## every demo drafter at every draft length against plain decoding
 	./target/release/host bench --sweep $(DEMO_DRAFTERS) \
-	  --prompts-file models/kjv-gemma4/bench-prompts.jsonl --draft-tokens 1,2,3,4,6,8 --max-tokens 256 \
-	  --temperature 0.7 --top-p 0.95 --sampled-draft-tokens 2,4 \
+	  --prompts-file models/kjv-gemma4/bench-prompts.jsonl --draft-tokens 1,2,3,4,6,8,auto --max-tokens 256 \
+	  --temperature 0.7 --top-p 0.95 --sampled-draft-tokens 2,4,auto \
 	  --plot models/kjv-gemma4/drafters.png | tee models/kjv-gemma4/drafters.md
 
 doctor: build ## what MLX, BLAS, route and plugins directory this build uses

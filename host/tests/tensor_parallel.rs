@@ -219,6 +219,16 @@ fn speculation_over_two_ranks_equals_plain_decoding() {
             assert!(stats["stats"]["drafted"].as_u64().unwrap() > 0, "{drafter:?}: nothing was drafted");
         }
     }
+    // `draft_tokens = "auto"`: the ranks measure the forward together, take rank 0's figures
+    // and choose every round's depth alike.
+    let dir = tempfile::tempdir().unwrap();
+    let manifest = dir.path().join("auto.toml");
+    let text = format!("[target]\nmodel = {dense:?}\n\n[drafter]\nkind = \"ngram\"\ndraft_tokens = \"auto\"\n");
+    std::fs::write(&manifest, text).unwrap();
+    let greedy = ["--temperature", "0", "--json"];
+    let args = [&base[2..], &greedy, &["--manifest", manifest.to_str().unwrap(), "--plugins-dir", &plugins]].concat();
+    let alone = tokens(&host(&[&["run"][..], &base, &greedy].concat()));
+    assert_eq!(tokens(&launched("2", &args)), alone);
 }
 
 #[test]
