@@ -8,7 +8,7 @@ use plugin_api::nn::layout;
 use serde::Serialize;
 
 use crate::model::{Gemma4, LayerCache, ModelError};
-use crate::sampling::{draw_token, Drawn, SampleError, SamplingParams};
+use crate::sampling::{draw_token, penalized_token, Drawn, Penalties, SampleError, SamplingParams};
 
 /// Prompt tokens per prefill forward.
 pub const PREFILL_CHUNK: usize = 512;
@@ -21,6 +21,9 @@ pub struct Request {
     pub prompt: Vec<u32>,
     pub max_tokens: usize,
     pub sampling: SamplingParams,
+    /// Penalties and logit biases, applied to each position for the tokens before it.
+    #[serde(default)]
+    pub penalties: Penalties,
     pub eos: Vec<u32>,
 }
 
@@ -154,7 +157,11 @@ pub fn check_request(model: &Gemma4, request: &Request) -> Result<(), GenerateEr
             context,
         });
     }
-    request.sampling.validate().map_err(GenerateError::Sampling)
+    request.sampling.validate().map_err(GenerateError::Sampling)?;
+    request
+        .penalties
+        .validate(vocab as usize)
+        .map_err(|(field, why)| GenerateError::Sampling(format!("{field}: {why}")))
 }
 
 /// One row of token ids as the model takes them: [1, L] int32.
@@ -195,16 +202,16 @@ pub fn generate<R: Into<Flow>>(
     stats.prefill_ms = ms(started);
 
     let decoding = Instant::now();
-    let params = &request.sampling;
-    let mut drawn = draw_token(&logits, params, 0).map_err(|e| GenerateError::sampling_at(0, e))?;
+    let mut drawn = choose(&logits, request, &tokens, 0)?;
     drawn.queue()?;
     let stop = loop {
         let step = tokens.len();
         // On a device, the next step is built from this token while it is still being computed
         // and queued before the host reads it, as mlx-lm does: the device never waits for the
         // host between steps. Past an end it computes one step that is dropped.
+        // (Penalties choose on the host, after the token before is read.)
         let ahead = match drawn.on_device() && step + 1 < request.max_tokens {
-            true => Some(decode_step(model, &drawn, &mut caches, params, step + 1)?),
+            true => Some(decode_step(model, &drawn, &mut caches, request, &tokens, step + 1)?),
             false => None,
         };
         let next = drawn.read().map_err(|e| GenerateError::sampling_at(step, e))?;
@@ -224,7 +231,7 @@ pub fn generate<R: Into<Flow>>(
         }
         drawn = match ahead {
             Some(ahead) => ahead,
-            None => decode_step(model, &drawn, &mut caches, params, step + 1)?,
+            None => decode_step(model, &drawn, &mut caches, request, &tokens, step + 1)?,
         };
         // Counted once used: a step queued past an end is not.
         stats.target_forwards += 1;
@@ -240,19 +247,33 @@ pub fn generate<R: Into<Flow>>(
 }
 
 /// One decode step: the target over `input`'s token, and the token of output position `step`
-/// drawn from its logits, queued.
+/// (after `generated`) chosen from its logits, queued.
 fn decode_step(
     model: &Gemma4,
     input: &Drawn,
     caches: &mut [LayerCache],
-    params: &SamplingParams,
+    request: &Request,
+    generated: &[u32],
     step: usize,
 ) -> Result<Drawn, GenerateError> {
     let hidden = model.forward_hidden(&input.ids()?, caches, None)?;
     let logits = last_logits(model, &hidden)?;
-    let drawn = draw_token(&logits, params, step as u64).map_err(|e| GenerateError::sampling_at(step, e))?;
+    let drawn = choose(&logits, request, generated, step)?;
     drawn.queue()?;
     Ok(drawn)
+}
+
+/// The token of output position `step` from its logits: by [`draw_token`], or on the host
+/// with the request's penalties for the prompt and the `generated` tokens before it.
+fn choose(logits: &Array, request: &Request, generated: &[u32], step: usize) -> Result<Drawn, GenerateError> {
+    let drawn = match request.penalties.any() {
+        true => {
+            let before = (&request.prompt[..], generated);
+            penalized_token(logits, &request.sampling, &request.penalties, before, step as u64).map(Drawn::Read)
+        }
+        false => draw_token(logits, &request.sampling, step as u64),
+    };
+    drawn.map_err(|e| GenerateError::sampling_at(step, e))
 }
 
 /// Logits [1, V] of the last position of hidden [1, L, H], cut on the host (an MLX op would

@@ -95,6 +95,21 @@ struct RunArgs {
     min_p: Option<f32>,
     #[arg(long, value_name = "S")]
     seed: Option<u64>,
+    /// Subtracted from a token's logit per time it was generated, -2 to 2 (OpenAI's).
+    #[arg(long, value_name = "F")]
+    frequency_penalty: Option<f32>,
+    /// Subtracted from a token's logit once it was generated, -2 to 2 (OpenAI's).
+    #[arg(long, value_name = "F")]
+    presence_penalty: Option<f32>,
+    /// Divides the positive logits (multiplies the negative) of the last tokens (mlx-lm's).
+    #[arg(long, value_name = "R")]
+    repetition_penalty: Option<f32>,
+    /// How many of the last tokens --repetition-penalty looks at (default 20).
+    #[arg(long, value_name = "N")]
+    repetition_context_size: Option<usize>,
+    /// Biases added to tokens' logits, -100 to 100: ID=BIAS,… (-100 bans a token).
+    #[arg(long, value_delimiter = ',', value_name = "ID=BIAS", value_parser = parse_logit_bias)]
+    logit_bias: Option<Vec<(u32, f32)>>,
     /// Tokens the drafter proposes per round (overrides the manifest's).
     #[arg(long, value_name = "N")]
     draft_tokens: Option<u32>,
@@ -576,6 +591,14 @@ fn serve(args: ServeArgs, quiet: bool, silent_rank: bool) -> Result<()> {
     Ok(())
 }
 
+/// One `ID=BIAS` of `--logit-bias`.
+fn parse_logit_bias(pair: &str) -> Result<(u32, f32), String> {
+    let (id, bias) = pair.split_once('=').ok_or_else(|| format!("`{pair}` is not ID=BIAS"))?;
+    let id = id.trim().parse().map_err(|_| format!("`{id}` is not a token id"))?;
+    let bias = bias.trim().parse().map_err(|_| format!("`{bias}` is not a number"))?;
+    Ok((id, bias))
+}
+
 fn run_manifest(args: RunArgs, quiet: bool) -> Result<()> {
     let options = RunOptions {
         source: args.source.into(),
@@ -590,6 +613,11 @@ fn run_manifest(args: RunArgs, quiet: bool) -> Result<()> {
             min_p: args.min_p,
             seed: args.seed,
             draft_tokens: args.draft_tokens,
+            frequency_penalty: args.frequency_penalty,
+            presence_penalty: args.presence_penalty,
+            repetition_penalty: args.repetition_penalty,
+            repetition_context_size: args.repetition_context_size,
+            logit_bias: args.logit_bias,
         },
         plugins_dir: plugins_dir::resolve(args.dir.plugins_dir),
         compare_plain: args.compare_plain,

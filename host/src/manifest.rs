@@ -140,6 +140,14 @@ pub struct Generation {
     pub top_k: Option<u32>,
     pub min_p: Option<f32>,
     pub seed: u64,
+    /// OpenAI's penalties over the generated tokens, −2 to 2.
+    pub frequency_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    /// mlx-lm's penalty over the last `repetition_context_size` tokens (20 if not given).
+    pub repetition_penalty: Option<f32>,
+    pub repetition_context_size: Option<usize>,
+    /// Token id (a key) → bias added to its logit, −100 to 100.
+    pub logit_bias: std::collections::BTreeMap<String, f32>,
 }
 
 impl Default for Generation {
@@ -154,6 +162,11 @@ impl Default for Generation {
             top_k: None,
             min_p: None,
             seed: 0,
+            frequency_penalty: None,
+            presence_penalty: None,
+            repetition_penalty: None,
+            repetition_context_size: None,
+            logit_bias: Default::default(),
         }
     }
 }
@@ -392,6 +405,19 @@ impl Manifest {
                 return Err(at_key(key, format!("generation.{key}: {e}")));
             }
         }
+        let bias = crate::sampling::Penalties::parse_logit_bias(&g.logit_bias)
+            .map_err(|e| at_key("logit_bias", format!("generation.logit_bias: {e}")))?;
+        let penalties = crate::sampling::Penalties {
+            frequency_penalty: g.frequency_penalty.unwrap_or(0.0),
+            presence_penalty: g.presence_penalty.unwrap_or(0.0),
+            repetition_penalty: g.repetition_penalty.unwrap_or(1.0),
+            logit_bias: bias,
+            ..Default::default()
+        };
+        // Token ids are checked against the vocabulary when the target is loaded.
+        if let Err((key, e)) = penalties.validate(usize::MAX) {
+            return Err(at_key(key, format!("generation.{key}: {e}")));
+        }
         if g.chat && g.prompt_ids.is_some() {
             return Err(at_key(
                 "chat",
@@ -509,6 +535,15 @@ mod tests {
         let text = "[target]\nmodel = \"model\"\n[generation]\nmax_tokens = 3\ntop_p = 0.0\n";
         let error = manifest_in(dir.path(), text).unwrap_err().to_string();
         assert!(error.contains("m.toml:5: generation.top_p: top_p must be in (0, 1]"), "{error}");
+        let text = "[target]\nmodel = \"model\"\n[generation]\nmax_tokens = 3\npresence_penalty = 2.5\n";
+        let error = manifest_in(dir.path(), text).unwrap_err().to_string();
+        assert!(error.contains("m.toml:5: generation.presence_penalty: must be from -2 to 2, got 2.5"), "{error}");
+        let text = "[target]\nmodel = \"model\"\n[generation]\nmax_tokens = 3\nlogit_bias = { x = 1.0 }\n";
+        let error = manifest_in(dir.path(), text).unwrap_err().to_string();
+        assert!(error.contains("m.toml:5: generation.logit_bias: `x` is not a token id"), "{error}");
+        let text = "[target]\nmodel = \"model\"\n[generation]\nrepetition_penalty = 1.1\nlogit_bias = { 7 = -100 }\n";
+        let g = manifest_in(dir.path(), text).unwrap().generation;
+        assert_eq!((g.repetition_penalty, g.logit_bias.get("7")), (Some(1.1), Some(&-100.0)));
         let text = "[target]\nmodel = \"model\"\n[server]\nport = 1\nmax_batch = 0\n";
         let error = manifest_in(dir.path(), text).unwrap_err().to_string();
         assert!(error.contains("m.toml:5: server.max_batch: must be 1 to 256, got 0"), "{error}");

@@ -12,7 +12,7 @@ use crate::manifest::{DraftTokens, Manifest, ManifestError};
 use crate::model::{Gemma4, ModelError};
 use crate::plugin::{DrafterError, LoadedDrafter, SelectError};
 use crate::plugins_dir::PluginsDir;
-use crate::sampling::SamplingParams;
+use crate::sampling::{Penalties, SamplingParams};
 use crate::speculative::{generate_speculative, probe_open, SpecConfig, Verify, AUTO_MOST};
 use crate::tokenizer::{StreamDecoder, Tokenizer, TokenizerError};
 
@@ -206,6 +206,11 @@ pub struct Overrides {
     pub min_p: Option<f32>,
     pub seed: Option<u64>,
     pub draft_tokens: Option<u32>,
+    pub frequency_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub repetition_context_size: Option<usize>,
+    pub logit_bias: Option<Vec<(u32, f32)>>,
 }
 
 /// Sampling defaults and end-of-sequence ids from the checkpoint's generation_config.json.
@@ -316,12 +321,26 @@ pub fn resolve_request(
         min_p: overrides.min_p.or(g.min_p).unwrap_or(0.0),
         seed: overrides.seed.unwrap_or(g.seed),
     };
+    let penalties = Penalties {
+        frequency_penalty: overrides.frequency_penalty.or(g.frequency_penalty).unwrap_or(0.0),
+        presence_penalty: overrides.presence_penalty.or(g.presence_penalty).unwrap_or(0.0),
+        repetition_penalty: overrides.repetition_penalty.or(g.repetition_penalty).unwrap_or(1.0),
+        repetition_context_size: overrides
+            .repetition_context_size
+            .or(g.repetition_context_size)
+            .unwrap_or(crate::sampling::REPETITION_CONTEXT),
+        logit_bias: match &overrides.logit_bias {
+            Some(bias) => bias.clone(),
+            None => Penalties::parse_logit_bias(&g.logit_bias).expect("checked when the manifest loaded"),
+        },
+    };
     let mut eos = model.config.eos_token_ids.clone();
     eos.extend(&defaults.eos);
     eos.extend(tokenizer.eos_ids());
     eos.sort_unstable();
     eos.dedup();
-    Ok(Request { prompt, max_tokens: overrides.max_tokens.unwrap_or(g.max_tokens) as usize, sampling, eos })
+    let max_tokens = overrides.max_tokens.unwrap_or(g.max_tokens) as usize;
+    Ok(Request { prompt, max_tokens, sampling, penalties, eos })
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -104,6 +104,7 @@ fn check_model(name: &str, model_dir: &Path, oracle_dir: &Path, wraps: usize, to
         prompt: o.prompt.clone(),
         max_tokens: o.tokens.len(),
         sampling: SamplingParams::default(),
+        penalties: Default::default(),
         eos: vec![],
     };
     let generated = generate(&model, &request, |_| {}).unwrap();

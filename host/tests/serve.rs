@@ -149,6 +149,22 @@ fn completions_streamed_and_not_equal_host_run() {
     let usage = &chunks.last().unwrap()["usage"];
     assert_eq!(usage["completion_tokens"], 40, "the last chunk carries the usage");
     assert_eq!(chunks.last().unwrap()["choices"], json!([]));
+
+    // Penalties and a logit bias: the server (speculating) gives `host run`'s text with the same.
+    let controls = json!({"frequency_penalty": 0.8, "presence_penalty": 0.4, "repetition_penalty": 1.3,
+                          "repetition_context_size": 16, "logit_bias": {"0": -100, "5": 1.5}});
+    let flags = [
+        "--frequency-penalty=0.8",
+        "--presence-penalty=0.4",
+        "--repetition-penalty=1.3",
+        "--repetition-context-size=16",
+        "--logit-bias=0=-100,5=1.5",
+    ];
+    let penalized = host_run(PROMPTS[0], 40, &flags);
+    assert_ne!(penalized, expected, "the penalties change the text");
+    let (status, whole) = server.post("/v1/completions", &completion(PROMPTS[0], 40, controls));
+    assert_eq!(status, 200, "{whole}");
+    assert_eq!(whole["choices"][0]["text"], penalized.as_str());
 }
 
 #[test]
@@ -264,6 +280,11 @@ fn bad_requests_get_openai_errors_naming_the_field() {
     check(chat, r#"{"messages": []}"#, 422, json!("messages"), "at least one");
     check(c, r#"{"prompt": "x", "draft_tokens": 9}"#, 422, json!("draft_tokens"), "1 to the server's 4");
     check(c, "null", 422, Value::Null, "the body must be a JSON object");
+    check(c, r#"{"prompt": "x", "frequency_penalty": 2.5}"#, 422, json!("frequency_penalty"), "-2 to 2, got 2.5");
+    check(c, r#"{"prompt": "x", "repetition_penalty": 0}"#, 422, json!("repetition_penalty"), "above 0");
+    check(c, r#"{"prompt": "x", "logit_bias": {"999999": 1}}"#, 422, json!("logit_bias"), "outside the vocabulary");
+    check(c, r#"{"prompt": "x", "logit_bias": {"5": -101}}"#, 422, json!("logit_bias"), "-100 to 100, got -101");
+    check(c, r#"{"prompt": "x", "logit_bias": {"five": 1}}"#, 422, json!("logit_bias"), "`five` is not a token id");
     check(c, r#"{"prompt": "x", "stop": 5}"#, 422, json!("stop"), "expected a string or a list of strings");
     let image = r#"{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}"#;
     check(chat, image, 422, json!("messages[0].content"), "images are not supported");

@@ -11,7 +11,7 @@ use host::generate::{generate, Generation, Request};
 use host::model::{load, Gemma4};
 use host::plugin::load::load as load_library;
 use host::plugin::LoadedDrafter as HostDrafter;
-use host::sampling::{filtered_logprobs, SamplingParams};
+use host::sampling::{filtered_logprobs, Penalties, SamplingParams};
 use host::speculative::{generate_speculative, SpecConfig, Verify};
 use mlx_rs::Array;
 use plugin_api::abi::{RowState, TokenRows};
@@ -32,11 +32,22 @@ fn model(name: &str) -> Rc<Gemma4> {
 const PROMPT: [u32; 12] = [2, 17, 40, 9, 33, 17, 40, 9, 61, 5, 17, 40];
 
 fn request(max_tokens: usize, sampling: SamplingParams) -> Request {
-    Request { prompt: PROMPT.to_vec(), max_tokens, sampling, eos: vec![] }
+    Request { prompt: PROMPT.to_vec(), max_tokens, sampling, penalties: Default::default(), eos: vec![] }
 }
 
 fn greedy() -> SamplingParams {
     SamplingParams::default()
+}
+
+/// Every penalty and a logit bias, strong enough to change what the test targets generate.
+fn penalties() -> Penalties {
+    Penalties {
+        frequency_penalty: 0.6,
+        presence_penalty: 0.3,
+        repetition_penalty: 1.4,
+        repetition_context_size: 6,
+        logit_bias: vec![(17, -4.0), (40, 2.0)],
+    }
 }
 
 fn sampled(seed: u64) -> SamplingParams {
@@ -188,6 +199,30 @@ fn greedy_with_ngram_equals_plain_greedy() {
             let g = spec(&m, &ngram(), &r, gamma);
             assert_eq!(g.tokens, expected, "{fixture}, γ = {gamma}");
             assert!(g.stats.drafter_error.is_none());
+        }
+    }
+}
+
+/// Penalties and a logit bias move each position by the tokens before it: a verify window
+/// applies to each of its positions exactly its prefix's, so output equals plain decoding's
+/// with the same settings, greedy and sampled, whatever the drafts.
+#[test]
+fn penalties_and_bias_under_speculation_equal_plain_decoding() {
+    let m = model("dense");
+    for sampling in [greedy(), sampled(11)] {
+        let r = Request { penalties: penalties(), ..request(LONG, sampling) };
+        let expected = plain(&m, &r);
+        assert_ne!(expected, plain(&m, &request(LONG, sampling)), "the penalties change the output");
+        for drafter in [ngram(), adversary(5, &expected)] {
+            for gamma in [1, 4] {
+                let g = spec(&m, &drafter, &r, gamma);
+                assert_eq!(g.tokens, expected, "{}, γ = {gamma}, {sampling:?}", drafter.kind());
+                // The adversary copies the output in part: windows with drafts kept past their first
+                // position, whose later positions see penalties from the drafts before them.
+                if drafter.kind() == "adversary" && gamma > 1 {
+                    assert!(g.stats.accepted_by_position.get(1).is_some_and(|&a| a > 0.0), "{:?}", g.stats);
+                }
+            }
         }
     }
 }
@@ -439,6 +474,7 @@ fn rejection_sampling_emits_the_targets_distribution() {
                 prompt: PROMPT.to_vec(),
                 max_tokens: 2,
                 sampling: params(batch * rows + r),
+                penalties: Default::default(),
                 eos: vec![],
             })
             .collect();
@@ -483,6 +519,7 @@ fn four_rows_in_one_batch_equal_four_single_runs() {
             prompt: p.clone(),
             max_tokens: 30 + 17 * i,
             sampling: if i % 2 == 0 { greedy() } else { sampled(i as u64) },
+            penalties: Default::default(),
             eos: vec![],
         })
         .collect();
@@ -500,8 +537,8 @@ fn four_rows_in_one_batch_equal_four_single_runs() {
 }
 
 /// Continuous batching: rows join a running batch between rounds and leave when they finish
-/// (one is cancelled mid-flight); each row's output equals its plain decoding, with the ngram
-/// drafter and with none.
+/// (one is cancelled mid-flight), some of them with penalties and a logit bias; each row's
+/// output equals its plain decoding, with the ngram drafter and with none.
 #[test]
 fn rows_joining_and_leaving_mid_flight_equal_single_runs() {
     let requests: Vec<Request> = (0..5)
@@ -509,6 +546,7 @@ fn rows_joining_and_leaving_mid_flight_equal_single_runs() {
             prompt: PROMPT[..4 + 2 * i].to_vec(),
             max_tokens: 20 + 9 * i,
             sampling: if i % 2 == 0 { greedy() } else { sampled(40 + i as u64) },
+            penalties: if i % 3 == 1 { penalties() } else { Default::default() },
             eos: vec![],
         })
         .collect();
@@ -529,6 +567,7 @@ fn rows_joining_and_leaving_mid_flight_on_the_bfloat16_demo_target_equal_single_
             prompt: tokens[..12 + 9 * i].to_vec(),
             max_tokens: 40 + 11 * i,
             sampling: if i % 2 == 0 { greedy() } else { sampled(40 + i as u64) },
+            penalties: if i % 3 == 1 { penalties() } else { Default::default() },
             eos: vec![],
         })
         .collect();
@@ -659,7 +698,13 @@ fn a_prompt_extending_a_cached_one_gives_the_same_output() {
                 LiveBatch::new(&m, with_drafter.then_some(&drafter), config).unwrap().with_prefix_cache(64 << 20);
             let mut outputs = Vec::new();
             for (i, prompt) in [&first, &longer].into_iter().enumerate() {
-                let request = Request { prompt: prompt.clone(), max_tokens: 40, sampling, eos: vec![] };
+                let request = Request {
+                    prompt: prompt.clone(),
+                    max_tokens: 40,
+                    sampling,
+                    penalties: Default::default(),
+                    eos: vec![],
+                };
                 batch.join(i, request.clone(), |_| Flow::Continue).unwrap();
                 let mut done = Vec::new();
                 while !batch.is_empty() {
@@ -708,7 +753,7 @@ fn greedy_speculation_on_the_bfloat16_demo_target_equals_plain_greedy() {
     for text in openings {
         let prompt = tokenizer.encode(text).unwrap();
         assert!(prompt.len() > 32 && prompt[0] == 2, "{prompt:?}");
-        let r = Request { prompt, max_tokens: 160, sampling: greedy(), eos: vec![] };
+        let r = Request { prompt, max_tokens: 160, sampling: greedy(), penalties: Default::default(), eos: vec![] };
         let expected = plain(&m, &r);
         for gamma in [1, 3] {
             let g = spec(&m, &ngram(), &r, gamma);

@@ -152,6 +152,7 @@ pub fn check(setup: &Setup) -> Report {
         prompt: prompt.clone(),
         max_tokens: setup.max_tokens,
         sampling,
+        penalties: Default::default(),
         eos: Vec::new(),
     };
     let greedy = SamplingParams::default();

@@ -13,8 +13,10 @@ use mlx_rs::Array;
 mod filters;
 mod gumbel;
 pub mod on_device;
+mod penalties;
 
 pub use gumbel::gumbel_argmax;
+pub use penalties::{Penalties, REPETITION_CONTEXT};
 
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SamplingParams {
@@ -183,9 +185,44 @@ fn host_token(logits: &Array, params: &SamplingParams, step: u64) -> Result<u32,
     })?
 }
 
+/// The token for output position `step` from logits [V] (or [1, .., V]) moved by `penalties`
+/// for the tokens before it, read on the host on every route.
+pub fn penalized_token(
+    logits: &Array,
+    params: &SamplingParams,
+    penalties: &Penalties,
+    before: (&[u32], &[u32]),
+    step: u64,
+) -> Result<u32, SampleError> {
+    let logits = kernels::row_major(&logits.as_dtype(mlx_rs::Dtype::Float32)?)?;
+    kernels::with_floats(&logits, |row| {
+        check_finite(row)?;
+        Ok(choose_penalized(row, params, penalties, before, step))
+    })?
+}
+
+/// The token chosen from `logits` moved by `penalties` after `before` (prompt, generated).
+fn choose_penalized(
+    logits: &[f32],
+    params: &SamplingParams,
+    penalties: &Penalties,
+    before: (&[u32], &[u32]),
+    step: u64,
+) -> u32 {
+    let mut moved = logits.to_vec();
+    penalties.apply(&mut moved, before.0, before.1);
+    match params.is_greedy() {
+        true => kernels::argmax::first_max(&moved),
+        false => draw(&moved, params, step),
+    }
+}
+
 /// What the accept step needs of one row of a verify window.
 pub struct WindowRow<'a> {
     pub params: &'a SamplingParams,
+    /// Whether the row's logits are moved by penalties: its tokens are then chosen on the host,
+    /// position by position, from its logits.
+    pub penalized: bool,
     /// The output step of the window's first position.
     pub first_step: u64,
     /// Whether the accept step reads each position's distribution (rejection sampling).
@@ -210,7 +247,7 @@ impl WindowTokens {
     #[cfg(test)]
     pub fn new(logits: &Array, params: &SamplingParams) -> Result<WindowTokens, SampleError> {
         let shape = logits.shape();
-        let row = WindowRow { params, first_step: 0, distributions: !params.is_greedy() };
+        let row = WindowRow { params, penalized: false, first_step: 0, distributions: !params.is_greedy() };
         let rows = WindowTokens::rows(&logits.reshape(&[1, shape[0], shape[1]])?, &[row], &[])?;
         Ok(rows.into_iter().next().expect("one row"))
     }
@@ -230,7 +267,7 @@ impl WindowTokens {
         };
         if kernels::route::on_cpu() {
             let span = |b: usize| b * width * vocab..(b + 1) * width * vocab;
-            let sampled = rows.iter().any(|r| !r.params.is_greedy());
+            let sampled = rows.iter().any(|r| !r.params.is_greedy() || r.penalized);
             // Widened on the host rather than by an MLX conversion, whose round trip is a large
             // share of sampling a small vocabulary.
             let logits = kernels::row_major(logits)?;
@@ -245,7 +282,7 @@ impl WindowTokens {
                 check_finite(all)?;
                 let one = |b: usize| {
                     let logits = &all[span(b)];
-                    match rows[b].params.is_greedy() {
+                    match rows[b].params.is_greedy() && !rows[b].penalized {
                         true => window(b, Some(logits.chunks(vocab).map(kernels::argmax::first_max).collect()), None),
                         false => window(b, None, Some(logits.to_vec())),
                     }
@@ -259,10 +296,10 @@ impl WindowTokens {
         let mut distributions = Vec::new();
         for (b, row) in rows.iter().enumerate() {
             let own = index_0(logits, b)?;
-            if !row.params.is_greedy() {
+            if !row.params.is_greedy() && !row.penalized {
                 sampled.push((b, on_device::window_tokens(&own, row.params, row.first_step)?));
             }
-            if row.distributions {
+            if row.distributions || row.penalized {
                 distributions.push((b, own.as_dtype(mlx_rs::Dtype::Float32)?));
             }
         }
@@ -279,6 +316,9 @@ impl WindowTokens {
         }
         for (b, logits) in distributions {
             out[b].logits = Some(logits.as_slice::<f32>().to_vec());
+            if rows[b].penalized {
+                out[b].chosen = None;
+            }
         }
         Ok(out)
     }
@@ -286,6 +326,39 @@ impl WindowTokens {
     /// The logits of position `i` on the host, where the window has them.
     pub fn row(&self, i: usize) -> Option<&[f32]> {
         self.logits.as_ref().map(|l| &l[i * self.vocab..(i + 1) * self.vocab])
+    }
+
+    /// Position `i`'s logits moved by `penalties` for the tokens before it (prompt, generated),
+    /// where the window has them.
+    pub fn penalized_row(
+        &self,
+        i: usize,
+        penalties: &Penalties,
+        before: (&[u32], &[u32]),
+    ) -> Option<std::borrow::Cow<'_, [f32]>> {
+        let row = self.row(i)?;
+        if !penalties.any() {
+            return Some(row.into());
+        }
+        let mut moved = row.to_vec();
+        penalties.apply(&mut moved, before.0, before.1);
+        Some(moved.into())
+    }
+
+    /// [`Self::token`] with `penalties` for the tokens before position `i` (prompt, generated).
+    pub fn token_after(
+        &self,
+        i: usize,
+        params: &SamplingParams,
+        step: u64,
+        penalties: &Penalties,
+        before: (&[u32], &[u32]),
+    ) -> Result<u32, SampleError> {
+        if !penalties.any() {
+            return self.token(i, params, step);
+        }
+        let row = self.row(i).expect("a penalized window keeps its logits");
+        Ok(choose_penalized(row, params, penalties, before, step))
     }
 
     /// The target's token at position `i`, output step `step` (`first_step + i`).

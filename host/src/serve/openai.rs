@@ -9,6 +9,7 @@ use serde_json::json;
 use super::engine::Ready;
 use crate::chat::{ChatTemplate, Message};
 use crate::generate::Request;
+use crate::sampling::Penalties;
 use crate::tokenizer::Tokenizer;
 
 #[derive(Debug)]
@@ -83,6 +84,11 @@ pub struct Body {
     user: Option<String>,
     frequency_penalty: Option<f32>,
     presence_penalty: Option<f32>,
+    /// Extensions, as mlx-lm's server names them.
+    repetition_penalty: Option<f32>,
+    repetition_context_size: Option<usize>,
+    /// Token id (as a string, OpenAI's form) → bias, −100 to 100.
+    logit_bias: Option<std::collections::BTreeMap<String, f32>>,
     logprobs: Option<serde_json::Value>,
 }
 
@@ -208,13 +214,6 @@ impl Served {
         if body.n.is_some_and(|n| n != 1) {
             return Err(ApiError::field("n", "only 1 is supported"));
         }
-        for (name, value) in
-            [("frequency_penalty", body.frequency_penalty), ("presence_penalty", body.presence_penalty)]
-        {
-            if value.is_some_and(|v| v != 0.0) {
-                return Err(ApiError::field(name, "is not supported (only 0)"));
-            }
-        }
         if body
             .logprobs
             .as_ref()
@@ -289,6 +288,15 @@ impl Served {
             s.min_p = p;
         }
         s.seed = body.seed.unwrap_or(seed);
+        let p = &mut request.penalties;
+        p.frequency_penalty = body.frequency_penalty.unwrap_or(p.frequency_penalty);
+        p.presence_penalty = body.presence_penalty.unwrap_or(p.presence_penalty);
+        p.repetition_penalty = body.repetition_penalty.unwrap_or(p.repetition_penalty);
+        p.repetition_context_size = body.repetition_context_size.unwrap_or(p.repetition_context_size);
+        if let Some(bias) = &body.logit_bias {
+            p.logit_bias = Penalties::parse_logit_bias(bias).map_err(|e| ApiError::field("logit_bias", e))?;
+        }
+        p.validate(self.ready.vocab as usize).map_err(|(field, why)| ApiError::field(field, why))?;
         let stops = match body.stop {
             None => Vec::new(),
             Some(Stop::One(s)) => vec![s],

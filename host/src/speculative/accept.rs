@@ -37,13 +37,22 @@ pub(super) fn accept(
     let mut accepted = 0;
     for i in 0..=drafts.len() {
         let draft = drafts.get(i).copied();
-        let (token, took_draft) = match (verify, draft, &q, window.row(i)) {
-            (Verify::Rejection, Some(d), Some(q), Some(row)) => {
-                rejection_step(row, &q[i * row.len()..(i + 1) * row.len()], d, request, step + i as u64)?
+        // Position i extends the prompt and the tokens kept so far, this window's included.
+        let before = (&request.prompt[..], &row.tokens[..]);
+        let rejecting = match (verify, draft, &q) {
+            (Verify::Rejection, Some(d), Some(q)) => {
+                window.penalized_row(i, &request.penalties, before).map(|target| (d, q, target))
             }
-            _ => {
+            _ => None,
+        };
+        let (token, took_draft) = match rejecting {
+            Some((d, q, target)) => {
+                let v = target.len();
+                rejection_step(&target, &q[i * v..(i + 1) * v], d, request, step + i as u64)?
+            }
+            None => {
                 let t = window
-                    .token(i, &request.sampling, step + i as u64)
+                    .token_after(i, &request.sampling, step + i as u64, &request.penalties, before)
                     .map_err(|e| GenerateError::sampling_at(step as usize + i, e))?;
                 (t, draft == Some(t))
             }
@@ -156,6 +165,7 @@ mod tests {
             prompt: vec![2],
             max_tokens,
             sampling: SamplingParams { temperature, seed: 3, ..Default::default() },
+            penalties: Default::default(),
             eos: vec![EOS],
         }
     }

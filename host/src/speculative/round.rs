@@ -65,6 +65,7 @@ pub(super) fn round(
             let rejection = batch.config.verify == Verify::Rejection && drafted.has_probabilities(i);
             WindowRow {
                 params,
+                penalized: batch.requests[r].penalties.any(),
                 first_step: rows[r].tokens.len() as u64,
                 distributions: rejection && !params.is_greedy(),
             }

@@ -58,7 +58,13 @@ pub fn assert_rejection_keeps_the_first_token_distribution(
     let mut drafted = 0;
     for batch in 0..batches {
         let requests: Vec<Request> = (0..rows)
-            .map(|r| Request { prompt: prompt.clone(), max_tokens: 3, sampling: params(batch * rows + r), eos: vec![] })
+            .map(|r| Request {
+                prompt: prompt.clone(),
+                max_tokens: 3,
+                sampling: params(batch * rows + r),
+                penalties: Default::default(),
+                eos: vec![],
+            })
             .collect();
         let config = SpecConfig::new(gamma, Verify::Rejection);
         for g in generate_speculative_rows(model, drafter, &requests, config, |_, _| {}).unwrap() {
