@@ -194,7 +194,8 @@ pub fn penalized_token(
     before: (&[u32], &[u32]),
     step: u64,
 ) -> Result<u32, SampleError> {
-    let logits = kernels::row_major(&logits.as_dtype(mlx_rs::Dtype::Float32)?)?;
+    // Widened on the host, as a window's logits are (an MLX conversion costs a round trip).
+    let logits = kernels::row_major(logits)?;
     kernels::with_floats(&logits, |row| {
         check_finite(row)?;
         Ok(choose_penalized(row, params, penalties, before, step))
