@@ -9,6 +9,7 @@ use serde_json::Value;
 
 use crate::generate::{check_request, generate, Flow, GenerateError, Generation, Request, Stats, StopReason};
 use crate::run::{Overrides, RunError, RunOptions, Session};
+use crate::sampling::Penalties;
 use crate::speculative::LiveBatch;
 
 #[derive(Debug, thiserror::Error)]
@@ -29,6 +30,12 @@ struct Line {
     max_tokens: Option<u32>,
     temperature: Option<f32>,
     seed: Option<u64>,
+    frequency_penalty: Option<f32>,
+    presence_penalty: Option<f32>,
+    repetition_penalty: Option<f32>,
+    repetition_context_size: Option<usize>,
+    /// Token id (as a string, as in JSON requests) → bias.
+    logit_bias: Option<std::collections::BTreeMap<String, f32>>,
 }
 
 /// The result of one line, as `--output` writes it.
@@ -188,12 +195,21 @@ fn request(session: &Session, base: &Overrides, line: Line) -> Result<Request, S
     if line.prompt.is_none() && line.prompt_ids.is_none() {
         return Err("no `prompt` or `prompt_ids`".into());
     }
+    let logit_bias = match &line.logit_bias {
+        Some(bias) => Some(Penalties::parse_logit_bias(bias).map_err(|e| format!("logit_bias: {e}"))?),
+        None => base.logit_bias.clone(),
+    };
     let overrides = Overrides {
         prompt: line.prompt,
         prompt_ids: line.prompt_ids,
         max_tokens: line.max_tokens.or(base.max_tokens),
         temperature: line.temperature.or(base.temperature),
         seed: line.seed.or(base.seed),
+        frequency_penalty: line.frequency_penalty.or(base.frequency_penalty),
+        presence_penalty: line.presence_penalty.or(base.presence_penalty),
+        repetition_penalty: line.repetition_penalty.or(base.repetition_penalty),
+        repetition_context_size: line.repetition_context_size.or(base.repetition_context_size),
+        logit_bias,
         ..base.clone()
     };
     let request = session.request(&overrides).map_err(|e| e.to_string())?;

@@ -120,7 +120,7 @@ fn a_prompts_file_runs_as_one_batch_in_input_order_and_bad_lines_do_not_stop_it(
     let file = work.path().join("in.jsonl");
     let lines = [
         r#"{"id": "a", "prompt_ids": [2, 17, 40], "max_tokens": 7}"#,
-        r#"{"id": 2, "prompt_ids": [2, 5, 9, 61], "max_tokens": 5}"#,
+        r#"{"id": 2, "prompt_ids": [2, 5, 9, 61], "max_tokens": 5, "frequency_penalty": 1.5, "logit_bias": {"9": -3}}"#,
         "this is not json",
         "",
         r#"{"prompt_ids": [2, 99999]}"#,
@@ -130,24 +130,14 @@ fn a_prompts_file_runs_as_one_batch_in_input_order_and_bad_lines_do_not_stop_it(
     fs::write(&file, lines.join("\n")).unwrap();
     let dense = dense();
     let plugins = plugins_dir_with(&[&workspace_plugin("ngram")]);
-    let alone = |ids: &str, n: &str| {
-        tokens(&host(
-            &[
-                "run",
-                "--model",
-                dense.to_str().unwrap(),
-                "--prompt-ids",
-                ids,
-                "--max-tokens",
-                n,
-                "--temperature",
-                "0",
-                "--json",
-            ],
-            &[],
-        ))
+    let alone = |ids: &str, n: &str, extra: &[&str]| {
+        let model = dense.to_str().unwrap();
+        let args = ["run", "--model", model, "--prompt-ids", ids, "--max-tokens", n, "--temperature", "0", "--json"];
+        tokens(&host(&[&args[..], extra].concat(), &[]))
     };
-    let expected = [alone("2,17,40", "7"), alone("2,5,9,61", "5"), alone("2,33,7", "6")];
+    let penalized = ["--frequency-penalty", "1.5", "--logit-bias", "9=-3"];
+    let expected = [alone("2,17,40", "7", &[]), alone("2,5,9,61", "5", &penalized), alone("2,33,7", "6", &[])];
+    assert_ne!(expected[1], alone("2,5,9,61", "5", &[]), "the line's penalties change its output");
     for drafter in [None, Some("ngram")] {
         let out_file = work.path().join("out.jsonl");
         let mut args = vec!["run", "--model", dense.to_str().unwrap(), "--temperature", "0", "--prompts-file"];

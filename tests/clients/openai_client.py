@@ -39,7 +39,23 @@ def check_api(client: openai.OpenAI, model: str) -> None:
                                               temperature=0, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == answer
 
-    for bad, field in [({"temperature": 5}, "temperature"), ({"n": 2}, "n")]:
+    # Penalties and a logit bias, as the client sends them: they change the text, and the
+    # streamed text equals the whole one.
+    controls = {"frequency_penalty": 1.0, "presence_penalty": 0.5, "logit_bias": {"5": -100},
+                "extra_body": {"repetition_penalty": 1.3, "repetition_context_size": 16}}
+    penalized = client.completions.create(model=model, prompt="In the beginning", max_tokens=16, temperature=0,
+                                          **controls)
+    assert penalized.choices[0].text != text, penalized
+    chunks = client.completions.create(model=model, prompt="In the beginning", max_tokens=16, temperature=0,
+                                       stream=True, **controls)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == penalized.choices[0].text
+    chat = client.chat.completions.create(model=model, messages=messages, max_completion_tokens=16, temperature=0,
+                                          **controls)
+    assert chat.choices[0].message.content != answer, chat
+
+    bad_controls = [({"temperature": 5}, "temperature"), ({"n": 2}, "n"), ({"frequency_penalty": 3}, "frequency_penalty"),
+                    ({"logit_bias": {"999999": 1}}, "logit_bias")]
+    for bad, field in bad_controls:
         try:
             client.completions.create(model=model, prompt="x", max_tokens=4, **bad)
         except openai.UnprocessableEntityError as e:
