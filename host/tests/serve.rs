@@ -167,6 +167,49 @@ fn completions_streamed_and_not_equal_host_run() {
     assert_eq!(whole["choices"][0]["text"], penalized.as_str());
 }
 
+/// `host run`'s text for a request sampled at temperature 0.8 with `seed`.
+fn host_run_sampled(prompt: &str, max_tokens: u32, seed: u64) -> String {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests/demo-ngram.toml");
+    let out = Command::new(env!("CARGO_BIN_EXE_host"))
+        .args(["run", "--manifest", manifest.to_str().unwrap(), "--prompt", prompt, "--json"])
+        .args(["--max-tokens", &max_tokens.to_string(), "--temperature", "0.8", "--seed", &seed.to_string()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice::<Value>(&out.stdout).unwrap()["text"].as_str().unwrap().to_owned()
+}
+
+/// `n` choices: choice i is sampled with the seed `seed + i`, as `host run --seed` samples it,
+/// streamed or not, each with its own usage.
+#[test]
+fn n_choices_each_equal_the_single_run_of_their_seed() {
+    let server = Server::start(&[]);
+    let expected: Vec<String> = (0..3).map(|i| host_run_sampled(PROMPTS[1], 24, 40 + i)).collect();
+    assert!(expected[0] != expected[1] || expected[1] != expected[2], "the seeds give different texts");
+    let body = completion(PROMPTS[1], 24, json!({"n": 3, "temperature": 0.8, "seed": 40}));
+    let (status, whole) = server.post("/v1/completions", &body);
+    assert_eq!(status, 200, "{whole}");
+    let choices = whole["choices"].as_array().unwrap();
+    let texts: Vec<&str> = choices.iter().map(|c| c["text"].as_str().unwrap()).collect();
+    assert_eq!(texts, expected);
+    let indices: Vec<u64> = choices.iter().map(|c| c["index"].as_u64().unwrap()).collect();
+    assert_eq!(indices, [0, 1, 2]);
+    assert!(choices.iter().all(|c| c["usage"]["completion_tokens"] == 24), "{whole}");
+    assert_eq!(whole["usage"]["completion_tokens"], 72, "{whole}");
+
+    let body = completion(PROMPTS[1], 24, json!({"n": 3, "temperature": 0.8, "seed": 40, "stream": true}));
+    let response = ureq::post(&server.url("/v1/completions")).send_json(body).unwrap();
+    let events = sse_events(response.into_reader());
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let mut streamed = vec![String::new(); 3];
+    for chunk in &events[..events.len() - 1] {
+        let chunk: Value = serde_json::from_str(chunk).unwrap();
+        let choice = &chunk["choices"][0];
+        streamed[choice["index"].as_u64().unwrap() as usize].push_str(choice["text"].as_str().unwrap());
+    }
+    assert_eq!(streamed, expected);
+}
+
 #[test]
 fn concurrent_requests_each_equal_their_single_run() {
     let server = Server::start(&["--max-batch", "4"]);
@@ -268,7 +311,8 @@ fn bad_requests_get_openai_errors_naming_the_field() {
     check(c, r#"{"prompt": "x", "tempreature": 0}"#, 422, json!("tempreature"), "unknown field `tempreature`");
     check(c, r#"{"prompt": "x", "temperature": "hot"}"#, 422, json!("temperature"), "temperature");
     check(c, r#"{"prompt": "x", "temperature": 3}"#, 422, json!("temperature"), "[0, 2]");
-    check(c, r#"{"prompt": "x", "n": 2}"#, 422, json!("n"), "only 1");
+    check(c, r#"{"prompt": "x", "n": 17}"#, 422, json!("n"), "must be 1 to 16, got 17");
+    check(c, r#"{"prompt": "x", "n": 0}"#, 422, json!("n"), "must be 1 to 16, got 0");
     check(c, r#"{"prompt": "x", "model": "gpt-4"}"#, 404, json!("model"), "kjv-gemma4");
     check(c, r#"{"prompt": [1, 2, 999999]}"#, 422, json!("prompt"), "outside the vocabulary");
     check(c, r#"{"prompt": "x", "max_tokens": 200000}"#, 422, json!("max_tokens"), "context");

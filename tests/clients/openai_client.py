@@ -53,7 +53,16 @@ def check_api(client: openai.OpenAI, model: str) -> None:
                                           **controls)
     assert chat.choices[0].message.content != answer, chat
 
-    bad_controls = [({"temperature": 5}, "temperature"), ({"n": 2}, "n"), ({"frequency_penalty": 3}, "frequency_penalty"),
+    # n choices: choice i is sampled with seed + i, as a request of that seed alone.
+    two = client.completions.create(model=model, prompt="In the beginning", max_tokens=16, temperature=0.8, seed=7, n=2)
+    assert [c.index for c in two.choices] == [0, 1], two
+    alone = client.completions.create(model=model, prompt="In the beginning", max_tokens=16, temperature=0.8, seed=8)
+    assert two.choices[1].text == alone.choices[0].text, (two, alone)
+    chat_two = client.chat.completions.create(model=model, messages=messages, max_completion_tokens=16,
+                                              temperature=0.8, seed=7, n=2)
+    assert len(chat_two.choices) == 2 and all(c.message.content for c in chat_two.choices), chat_two
+
+    bad_controls = [({"temperature": 5}, "temperature"), ({"n": 17}, "n"), ({"frequency_penalty": 3}, "frequency_penalty"),
                     ({"logit_bias": {"999999": 1}}, "logit_bias")]
     for bad, field in bad_controls:
         try:

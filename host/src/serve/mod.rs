@@ -216,83 +216,125 @@ async fn generate(app: Arc<App>, endpoint: Endpoint, body: Bytes) -> Response {
             return e.into_response();
         }
     };
-    let (events_tx, events) = unbounded_channel();
-    let stop = Arc::new(AtomicBool::new(false));
-    let job = Job {
-        request: prepared.request.clone(),
-        events: events_tx,
-        stop: stop.clone(),
-        draft_tokens: prepared.draft_tokens,
-    };
-    app.metrics.queue_depth.inc();
-    if let Err(e) = app.jobs.try_send(job) {
-        app.metrics.queue_depth.dec();
-        app.metrics.count("rejected");
-        return match e {
-            TrySendError::Full(_) => {
-                ApiError::new(StatusCode::TOO_MANY_REQUESTS, None, "the queue is full; retry shortly").into_response()
+    // One row per choice, each with its own seed stream; they share the prompt's prefill
+    // through the prefix cache.
+    let mut choices = Vec::with_capacity(prepared.n);
+    for i in 0..prepared.n {
+        let (events_tx, events) = unbounded_channel();
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut request = prepared.request.clone();
+        request.sampling.seed = request.sampling.seed.wrapping_add(i as u64);
+        let job = Job { request, events: events_tx, stop: stop.clone(), draft_tokens: prepared.draft_tokens };
+        app.metrics.queue_depth.inc();
+        if let Err(e) = app.jobs.try_send(job) {
+            app.metrics.queue_depth.dec();
+            app.metrics.count("rejected");
+            for (_, stop) in &choices {
+                let stop: &Arc<AtomicBool> = stop;
+                stop.store(true, Ordering::Relaxed);
             }
-            TrySendError::Disconnected(_) => {
-                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, None, "the server is shutting down").into_response()
-            }
-        };
+            return match e {
+                TrySendError::Full(_) => {
+                    ApiError::new(StatusCode::TOO_MANY_REQUESTS, None, "the queue is full; retry shortly")
+                        .into_response()
+                }
+                TrySendError::Disconnected(_) => {
+                    ApiError::new(StatusCode::SERVICE_UNAVAILABLE, None, "the server is shutting down").into_response()
+                }
+            };
+        }
+        choices.push((events, stop));
     }
-    let reply = Reply { app: app.clone(), endpoint, id: reply_id(endpoint, number), created: now(), prepared };
+    let reply =
+        Arc::new(Reply { app: app.clone(), endpoint, id: reply_id(endpoint, number), created: now(), prepared });
     if reply.prepared.stream {
-        stream(reply, events, stop, received)
-    } else {
+        return stream(reply, choices, received);
+    }
+    // The rows run together in the engine; their events wait in their channels meanwhile. One
+    // that fails or loses its client ends the others.
+    let stops: Vec<Arc<AtomicBool>> = choices.iter().map(|(_, stop)| stop.clone()).collect();
+    let stop_all = || stops.iter().for_each(|stop| stop.store(true, Ordering::Relaxed));
+    let mut finished = Vec::with_capacity(choices.len());
+    for (i, (events, stop)) in choices.into_iter().enumerate() {
         let mut text = String::new();
-        let outcome = drive(&app, &reply.prepared, events, &stop, received, |piece| {
+        let timed = i == 0;
+        match drive(&app, &reply.prepared, events, &stop, received, timed, |piece| {
             text.push_str(piece);
             true
         })
-        .await;
-        match outcome {
-            Outcome::Finished(g, stopped) => {
-                app.metrics.count("ok");
-                Json(reply.whole(&text, &g, stopped)).into_response()
-            }
+        .await
+        {
+            Outcome::Finished(g, stopped) => finished.push((text, g, stopped)),
             Outcome::Failed(message) => {
+                stop_all();
                 app.metrics.count("failed");
-                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, None, message).into_response()
+                return ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, None, message).into_response();
             }
-            Outcome::Gone => StatusCode::NO_CONTENT.into_response(),
+            Outcome::Gone => {
+                stop_all();
+                return StatusCode::NO_CONTENT.into_response();
+            }
         }
     }
+    app.metrics.count("ok");
+    Json(reply.whole(&finished)).into_response()
 }
 
-/// Server-sent events: one chunk per piece of text, then the finish reason, the usage when
-/// asked for, and `[DONE]`. A client that disconnects ends its row at its next token.
-fn stream(reply: Reply, events: UnboundedReceiver<JobEvent>, stop: Arc<AtomicBool>, received: Instant) -> Response {
+/// Server-sent events: one chunk per piece of text of each choice (its `index` says which),
+/// then each choice's finish reason; once all have finished, the usage when asked for, and
+/// `[DONE]`. A client that disconnects ends its rows at their next token.
+fn stream(
+    reply: Arc<Reply>,
+    choices: Vec<(UnboundedReceiver<JobEvent>, Arc<AtomicBool>)>,
+    received: Instant,
+) -> Response {
     let (tx, rx) = unbounded_channel::<Result<SseEvent, std::convert::Infallible>>();
     let send = |tx: &UnboundedSender<_>, value: Value| tx.send(Ok(SseEvent::default().data(value.to_string()))).is_ok();
+    if reply.endpoint == Endpoint::Chat {
+        for i in 0..choices.len() {
+            send(&tx, reply.chunk(i, json!({"role": "assistant", "content": ""}), None));
+        }
+    }
+    let rows: Vec<_> = choices
+        .into_iter()
+        .enumerate()
+        .map(|(i, (events, stop))| {
+            let (reply, tx) = (reply.clone(), tx.clone());
+            tokio::spawn(async move {
+                let outcome = drive(&reply.app, &reply.prepared, events, &stop, received, i == 0, |piece| {
+                    let delta = match reply.endpoint {
+                        Endpoint::Chat => json!({"content": piece}),
+                        Endpoint::Completions => json!(piece),
+                    };
+                    send(&tx, reply.chunk(i, delta, None))
+                })
+                .await;
+                if let Outcome::Finished(g, stopped) = &outcome {
+                    let empty = if reply.endpoint == Endpoint::Chat { json!({}) } else { json!("") };
+                    send(&tx, reply.chunk(i, empty, Some(finish_reason(g, *stopped))));
+                }
+                outcome
+            })
+        })
+        .collect();
     tokio::spawn(async move {
         let app = reply.app.clone();
-        if reply.endpoint == Endpoint::Chat {
-            send(&tx, reply.chunk(json!({"role": "assistant", "content": ""}), None));
-        }
-        let outcome = drive(&app, &reply.prepared, events, &stop, received, |piece| {
-            let delta = match reply.endpoint {
-                Endpoint::Chat => json!({"content": piece}),
-                Endpoint::Completions => json!(piece),
-            };
-            send(&tx, reply.chunk(delta, None))
-        })
-        .await;
-        match outcome {
-            Outcome::Finished(g, stopped) => {
-                app.metrics.count("ok");
-                let empty = if reply.endpoint == Endpoint::Chat { json!({}) } else { json!("") };
-                send(&tx, reply.chunk(empty, Some(finish_reason(&g, stopped))));
-                if reply.prepared.include_usage {
-                    send(&tx, reply.usage_chunk(&g));
+        let mut generations = Vec::new();
+        for row in rows {
+            match row.await.unwrap_or_else(|e| Outcome::Failed(format!("a choice's task failed: {e}"))) {
+                Outcome::Finished(g, _) => generations.push(g),
+                Outcome::Failed(message) => {
+                    app.metrics.count("failed");
+                    send(&tx, ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, None, message).body());
+                    let _ = tx.send(Ok(SseEvent::default().data("[DONE]")));
+                    return;
                 }
+                Outcome::Gone => return,
             }
-            Outcome::Failed(message) => {
-                app.metrics.count("failed");
-                send(&tx, ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, None, message).body());
-            }
-            Outcome::Gone => return,
+        }
+        app.metrics.count("ok");
+        if reply.prepared.include_usage {
+            send(&tx, reply.usage_chunk(&generations));
         }
         let _ = tx.send(Ok(SseEvent::default().data("[DONE]")));
     });
@@ -315,6 +357,7 @@ async fn drive(
     mut events: UnboundedReceiver<JobEvent>,
     stop: &AtomicBool,
     received: Instant,
+    timed: bool,
     mut emit: impl FnMut(&str) -> bool,
 ) -> Outcome {
     let mut decoder = StreamDecoder::new(&app.served.tokenizer);
@@ -323,10 +366,13 @@ async fn drive(
     while let Some(event) = events.recv().await {
         match event {
             JobEvent::Token(token) => {
+                // Latencies are the first choice's: the others' events may wait in their
+                // channels until it has finished.
                 let now = Instant::now();
-                match last_token {
-                    None => app.metrics.time_to_first_token.observe((now - received).as_secs_f64()),
-                    Some(t) => app.metrics.inter_token_latency.observe((now - t).as_secs_f64()),
+                match (timed, last_token) {
+                    (false, _) => {}
+                    (true, None) => app.metrics.time_to_first_token.observe((now - received).as_secs_f64()),
+                    (true, Some(t)) => app.metrics.inter_token_latency.observe((now - t).as_secs_f64()),
                 }
                 last_token = Some(now);
                 let piece = text.push(&decoder.push(token));
@@ -371,30 +417,41 @@ impl Reply {
         }
     }
 
-    fn whole(&self, text: &str, g: &Generation, stopped: bool) -> Value {
-        let choice = match self.endpoint {
-            Endpoint::Completions => {
-                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish_reason(g, stopped)})
-            }
-            Endpoint::Chat => json!({
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": null,
-                "finish_reason": finish_reason(g, stopped),
-            }),
-        };
+    /// The response: one choice per (text, generation, whether a stop string ended it).
+    fn whole(&self, finished: &[(String, Box<Generation>, bool)]) -> Value {
+        let choices: Vec<Value> = finished
+            .iter()
+            .enumerate()
+            .map(|(i, (text, g, stopped))| {
+                let mut choice = match self.endpoint {
+                    Endpoint::Completions => json!({"index": i, "text": text, "logprobs": null}),
+                    Endpoint::Chat => {
+                        json!({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": null})
+                    }
+                };
+                choice["finish_reason"] = json!(finish_reason(g, *stopped));
+                if finished.len() > 1 {
+                    // Extension: each choice's own usage beside the request's.
+                    choice["usage"] = usage(std::slice::from_ref(g));
+                }
+                choice
+            })
+            .collect();
+        let generations: Vec<Box<Generation>> = finished.iter().map(|(_, g, _)| g.clone()).collect();
         json!({
             "id": self.id, "object": self.object(false), "created": self.created, "model": self.app.served.name,
-            "choices": [choice], "usage": usage(g),
+            "choices": choices, "usage": usage(&generations),
         })
     }
 
-    fn chunk(&self, delta: Value, finish_reason: Option<&str>) -> Value {
+    fn chunk(&self, index: usize, delta: Value, finish_reason: Option<&str>) -> Value {
         let choice = match self.endpoint {
             Endpoint::Completions => {
-                json!({"index": 0, "text": delta, "logprobs": null, "finish_reason": finish_reason})
+                json!({"index": index, "text": delta, "logprobs": null, "finish_reason": finish_reason})
             }
-            Endpoint::Chat => json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish_reason}),
+            Endpoint::Chat => {
+                json!({"index": index, "delta": delta, "logprobs": null, "finish_reason": finish_reason})
+            }
         };
         json!({
             "id": self.id, "object": self.object(true), "created": self.created, "model": self.app.served.name,
@@ -402,10 +459,10 @@ impl Reply {
         })
     }
 
-    fn usage_chunk(&self, g: &Generation) -> Value {
+    fn usage_chunk(&self, generations: &[Box<Generation>]) -> Value {
         json!({
             "id": self.id, "object": self.object(true), "created": self.created, "model": self.app.served.name,
-            "choices": [], "usage": usage(g),
+            "choices": [], "usage": usage(generations),
         })
     }
 }
@@ -417,22 +474,28 @@ fn finish_reason(g: &Generation, stopped: bool) -> &'static str {
     }
 }
 
-/// OpenAI's usage, with what speculation did under `speculative`.
-fn usage(g: &Generation) -> Value {
-    let s = &g.stats;
+/// OpenAI's usage of the choices `generations` (one prompt, counted once), with what
+/// speculation did under `speculative`, summed over the choices.
+fn usage(generations: &[Box<Generation>]) -> Value {
+    let sum = |f: fn(&crate::generate::Stats) -> usize| generations.iter().map(|g| f(&g.stats)).sum::<usize>();
+    let prompt = generations.first().map_or(0, |g| g.stats.prompt_tokens);
+    let cached = generations.iter().map(|g| g.stats.cached_prompt_tokens).max().unwrap_or(0);
+    let (generated, drafted, accepted, rounds) =
+        (sum(|s| s.generated_tokens), sum(|s| s.drafted), sum(|s| s.accepted), sum(|s| s.rounds));
+    let errors: Vec<&String> = generations.iter().filter_map(|g| g.stats.drafter_error.as_ref()).collect();
     json!({
-        "prompt_tokens": s.prompt_tokens,
-        "completion_tokens": s.generated_tokens,
-        "total_tokens": s.prompt_tokens + s.generated_tokens,
-        "prompt_tokens_details": {"cached_tokens": s.cached_prompt_tokens},
+        "prompt_tokens": prompt,
+        "completion_tokens": generated,
+        "total_tokens": prompt + generated,
+        "prompt_tokens_details": {"cached_tokens": cached},
         "speculative": {
-            "drafted_tokens": s.drafted,
-            "accepted_tokens": s.accepted,
-            "rounds": s.rounds,
-            "target_forwards": s.target_forwards,
-            "tokens_per_round": s.mean_accept_len,
-            "acceptance_rate": s.acceptance_rate,
-            "drafter_error": s.drafter_error,
+            "drafted_tokens": drafted,
+            "accepted_tokens": accepted,
+            "rounds": rounds,
+            "target_forwards": sum(|s| s.target_forwards),
+            "tokens_per_round": if rounds == 0 { 0.0 } else { (accepted + rounds) as f64 / rounds as f64 },
+            "acceptance_rate": if drafted == 0 { 0.0 } else { accepted as f64 / drafted as f64 },
+            "drafter_error": errors.first(),
         },
     })
 }

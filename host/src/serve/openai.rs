@@ -146,6 +146,8 @@ pub struct Prepared {
     pub stream: bool,
     pub include_usage: bool,
     pub draft_tokens: Option<usize>,
+    /// Choices to generate, each a row of its own with the seed `seed + i`.
+    pub n: usize,
 }
 
 /// What checking a body needs: the model's name and limits, its tokenizer and chat template.
@@ -158,6 +160,8 @@ pub struct Served {
 
 /// Stop strings per request, as OpenAI allows four; a few more cost nothing here.
 const MAX_STOPS: usize = 16;
+/// The most choices (`n`) one request may ask for: each is a row of the batch.
+pub const MAX_CHOICES: u32 = 16;
 
 /// Parses `bytes`: malformed JSON is 400, a wrong type, missing or unknown field is 422 naming it.
 pub fn parse(bytes: &[u8]) -> Result<Body, ApiError> {
@@ -211,8 +215,9 @@ impl Served {
                 ));
             }
         }
-        if body.n.is_some_and(|n| n != 1) {
-            return Err(ApiError::field("n", "only 1 is supported"));
+        let n = body.n.unwrap_or(1);
+        if !(1..=MAX_CHOICES).contains(&n) {
+            return Err(ApiError::field("n", format!("must be 1 to {MAX_CHOICES}, got {n}")));
         }
         if body
             .logprobs
@@ -322,6 +327,7 @@ impl Served {
             stream: body.stream,
             include_usage: body.stream_options.is_some_and(|o| o.include_usage),
             draft_tokens,
+            n: n as usize,
         })
     }
 
