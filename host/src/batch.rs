@@ -9,7 +9,7 @@ use serde_json::Value;
 
 use crate::generate::{check_request, generate, Flow, GenerateError, Generation, Request, Stats, StopReason};
 use crate::run::{Overrides, RunError, RunOptions, Session};
-use crate::sampling::Penalties;
+use crate::sampling::{Penalties, TokenLogprob};
 use crate::speculative::LiveBatch;
 
 #[derive(Debug, thiserror::Error)]
@@ -36,6 +36,7 @@ struct Line {
     repetition_context_size: Option<usize>,
     /// Token id (as a string, as in JSON requests) → bias.
     logit_bias: Option<std::collections::BTreeMap<String, f32>>,
+    logprobs: Option<usize>,
 }
 
 /// The result of one line, as `--output` writes it.
@@ -52,8 +53,17 @@ pub struct BatchResult {
 #[derive(Debug, Serialize)]
 #[serde(untagged)]
 pub enum Outcome {
-    Done { tokens: Vec<u32>, text: String, stop: StopReason, stats: Box<Stats> },
-    Failed { error: String },
+    Done {
+        tokens: Vec<u32>,
+        text: String,
+        stop: StopReason,
+        stats: Box<Stats>,
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        logprobs: Vec<TokenLogprob>,
+    },
+    Failed {
+        error: String,
+    },
 }
 
 /// Results in input order, each handed on as soon as it and every line before it are known.
@@ -125,6 +135,7 @@ pub fn run_batch(
         tokens: g.tokens,
         stop: g.stop,
         stats: Box::new(g.stats),
+        logprobs: g.logprobs,
     };
     let flow = || if stop() { Flow::Stop } else { Flow::Continue };
     let mut finish = |slot: usize, outcome: Result<Generation, String>| {
@@ -210,6 +221,7 @@ fn request(session: &Session, base: &Overrides, line: Line) -> Result<Request, S
         repetition_penalty: line.repetition_penalty.or(base.repetition_penalty),
         repetition_context_size: line.repetition_context_size.or(base.repetition_context_size),
         logit_bias,
+        logprobs: line.logprobs.or(base.logprobs),
         ..base.clone()
     };
     let request = session.request(&overrides).map_err(|e| e.to_string())?;

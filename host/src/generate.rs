@@ -8,7 +8,9 @@ use plugin_api::nn::layout;
 use serde::Serialize;
 
 use crate::model::{Gemma4, LayerCache, ModelError};
-use crate::sampling::{draw_token, penalized_token, Drawn, Penalties, SampleError, SamplingParams};
+use crate::sampling::{
+    draw_token, token_after, Drawn, Penalties, Prefix, SampleError, SamplingParams, TokenLogprob, MOST_TOP_LOGPROBS,
+};
 
 /// Prompt tokens per prefill forward.
 pub const PREFILL_CHUNK: usize = 512;
@@ -24,6 +26,9 @@ pub struct Request {
     /// Penalties and logit biases, applied to each position for the tokens before it.
     #[serde(default)]
     pub penalties: Penalties,
+    /// Report each token's log-probability with this many alternatives ([`Event::Logprob`]).
+    #[serde(default)]
+    pub logprobs: Option<usize>,
     pub eos: Vec<u32>,
 }
 
@@ -79,12 +84,14 @@ pub enum StopReason {
 }
 
 /// What a generation reports as it works.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Event {
     /// `done` of the prompt's `total` tokens are through the target.
     Prefill { done: usize, total: usize },
     /// The next output token.
     Token(u32),
+    /// The log-probabilities of the token that follows at once, when the request asks for them.
+    Logprob(TokenLogprob),
 }
 
 /// The caller's answer to an [`Event`]: go on, or stop with what was produced so far
@@ -139,6 +146,8 @@ pub struct Generation {
     pub tokens: Vec<u32>,
     pub stop: StopReason,
     pub stats: Stats,
+    /// Per token, when the request asked for them.
+    pub logprobs: Vec<TokenLogprob>,
 }
 
 pub fn check_request(model: &Gemma4, request: &Request) -> Result<(), GenerateError> {
@@ -161,7 +170,13 @@ pub fn check_request(model: &Gemma4, request: &Request) -> Result<(), GenerateEr
     request
         .penalties
         .validate(vocab as usize)
-        .map_err(|(field, why)| GenerateError::Sampling(format!("{field}: {why}")))
+        .map_err(|(field, why)| GenerateError::Sampling(format!("{field}: {why}")))?;
+    match request.logprobs {
+        Some(n) if n > MOST_TOP_LOGPROBS => {
+            Err(GenerateError::Sampling(format!("logprobs: at most {MOST_TOP_LOGPROBS} alternatives, got {n}")))
+        }
+        _ => Ok(()),
+    }
 }
 
 /// One row of token ids as the model takes them: [1, L] int32.
@@ -195,14 +210,15 @@ pub fn generate<R: Into<Flow>>(
         done += chunk.len();
         if on_event(Event::Prefill { done, total: request.prompt.len() }).into() == Flow::Stop {
             stats.prefill_ms = ms(started);
-            return Ok(Generation { tokens, stop: StopReason::Interrupted, stats });
+            return Ok(Generation { tokens, stop: StopReason::Interrupted, stats, logprobs: Vec::new() });
         }
     }
     let logits = logits.expect("a non-empty prompt has a chunk");
     stats.prefill_ms = ms(started);
 
     let decoding = Instant::now();
-    let mut drawn = choose(&logits, request, &tokens, 0)?;
+    let mut logprobs = Vec::new();
+    let (mut drawn, mut logprob) = choose(&logits, request, &tokens, 0)?;
     drawn.queue()?;
     let stop = loop {
         let step = tokens.len();
@@ -222,6 +238,10 @@ pub fn generate<R: Into<Flow>>(
             break StopReason::MaxTokens;
         }
         tokens.push(next);
+        if let Some(l) = logprob.take() {
+            logprobs.push(l.clone());
+            on_event(Event::Logprob(l));
+        }
         let flow = on_event(Event::Token(next)).into();
         if tokens.len() == request.max_tokens {
             break StopReason::MaxTokens;
@@ -229,7 +249,7 @@ pub fn generate<R: Into<Flow>>(
         if flow == Flow::Stop {
             break StopReason::Interrupted;
         }
-        drawn = match ahead {
+        (drawn, logprob) = match ahead {
             Some(ahead) => ahead,
             None => decode_step(model, &drawn, &mut caches, request, &tokens, step + 1)?,
         };
@@ -243,7 +263,7 @@ pub fn generate<R: Into<Flow>>(
     stats.prefill_tokens_per_s = per_second(request.prompt.len(), stats.prefill_ms);
     // The first token comes from the prefill; decode time covers the rest.
     stats.decode_tokens_per_s = per_second(tokens.len().saturating_sub(1), stats.decode_ms);
-    Ok(Generation { tokens, stop, stats })
+    Ok(Generation { tokens, stop, stats, logprobs })
 }
 
 /// One decode step: the target over `input`'s token, and the token of output position `step`
@@ -255,25 +275,35 @@ fn decode_step(
     request: &Request,
     generated: &[u32],
     step: usize,
-) -> Result<Drawn, GenerateError> {
+) -> Result<(Drawn, Option<TokenLogprob>), GenerateError> {
     let hidden = model.forward_hidden(&input.ids()?, caches, None)?;
     let logits = last_logits(model, &hidden)?;
-    let drawn = choose(&logits, request, generated, step)?;
-    drawn.queue()?;
-    Ok(drawn)
+    let chosen = choose(&logits, request, generated, step)?;
+    chosen.0.queue()?;
+    Ok(chosen)
 }
 
 /// The token of output position `step` from its logits: by [`draw_token`], or on the host
-/// with the request's penalties for the prompt and the `generated` tokens before it.
-fn choose(logits: &Array, request: &Request, generated: &[u32], step: usize) -> Result<Drawn, GenerateError> {
-    let drawn = match request.penalties.any() {
-        true => {
-            let before = (&request.prompt[..], generated);
-            penalized_token(logits, &request.sampling, &request.penalties, before, step as u64).map(Drawn::Read)
-        }
-        false => draw_token(logits, &request.sampling, step as u64),
+/// after the prompt and the `generated` tokens (penalties, log-probabilities).
+fn choose(
+    logits: &Array,
+    request: &Request,
+    generated: &[u32],
+    step: usize,
+) -> Result<(Drawn, Option<TokenLogprob>), GenerateError> {
+    let prefix = request.prefix(generated);
+    let chosen = match prefix.on_host() {
+        true => token_after(logits, &request.sampling, &prefix, step as u64).map(|(t, l)| (Drawn::Read(t), l)),
+        false => draw_token(logits, &request.sampling, step as u64).map(|d| (d, None)),
     };
-    drawn.map_err(|e| GenerateError::sampling_at(step, e))
+    chosen.map_err(|e| GenerateError::sampling_at(step, e))
+}
+
+impl Request {
+    /// What choosing the token after the prompt and `generated` needs besides the logits.
+    pub fn prefix<'a>(&'a self, generated: &'a [u32]) -> Prefix<'a> {
+        Prefix { prompt: &self.prompt, generated, penalties: &self.penalties, logprobs: self.logprobs }
+    }
 }
 
 /// Logits [1, V] of the last position of hidden [1, L, H], cut on the host (an MLX op would

@@ -110,6 +110,10 @@ struct RunArgs {
     /// Biases added to tokens' logits, -100 to 100: ID=BIAS,… (-100 bans a token).
     #[arg(long, value_delimiter = ',', value_name = "ID=BIAS", value_parser = parse_logit_bias)]
     logit_bias: Option<Vec<(u32, f32)>>,
+    /// Each token's log-probability and its N most likely alternatives (0 to 20), in the --json
+    /// output and the --prompts-file results.
+    #[arg(long, value_name = "N")]
+    logprobs: Option<usize>,
     /// Tokens the drafter proposes per round (overrides the manifest's).
     #[arg(long, value_name = "N")]
     draft_tokens: Option<u32>,
@@ -618,6 +622,7 @@ fn run_manifest(args: RunArgs, quiet: bool) -> Result<()> {
             repetition_penalty: args.repetition_penalty,
             repetition_context_size: args.repetition_context_size,
             logit_bias: args.logit_bias,
+            logprobs: args.logprobs,
         },
         plugins_dir: plugins_dir::resolve(args.dir.plugins_dir),
         compare_plain: args.compare_plain,

@@ -148,6 +148,8 @@ pub struct Generation {
     pub repetition_context_size: Option<usize>,
     /// Token id (a key) → bias added to its logit, −100 to 100.
     pub logit_bias: std::collections::BTreeMap<String, f32>,
+    /// Report each token's log-probability with this many alternatives (`host run --json`).
+    pub logprobs: Option<usize>,
 }
 
 impl Default for Generation {
@@ -167,6 +169,7 @@ impl Default for Generation {
             repetition_penalty: None,
             repetition_context_size: None,
             logit_bias: Default::default(),
+            logprobs: None,
         }
     }
 }

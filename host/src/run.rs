@@ -12,7 +12,7 @@ use crate::manifest::{DraftTokens, Manifest, ManifestError};
 use crate::model::{Gemma4, ModelError};
 use crate::plugin::{DrafterError, LoadedDrafter, SelectError};
 use crate::plugins_dir::PluginsDir;
-use crate::sampling::{Penalties, SamplingParams};
+use crate::sampling::{Penalties, SamplingParams, TokenLogprob};
 use crate::speculative::{generate_speculative, probe_open, SpecConfig, Verify, AUTO_MOST};
 use crate::tokenizer::{StreamDecoder, Tokenizer, TokenizerError};
 
@@ -94,6 +94,7 @@ pub fn run(options: &RunOptions, mut on_event: impl FnMut(RunEvent) -> Flow) -> 
                 on_event(RunEvent::Text(&piece))
             }
         }
+        Event::Logprob(_) => Flow::Continue,
     };
     let generation = match session.speculation() {
         None => generate(&session.model, &request, on_generate),
@@ -125,6 +126,7 @@ pub fn run(options: &RunOptions, mut on_event: impl FnMut(RunEvent) -> Flow) -> 
         tokens: generation.tokens,
         stop: generation.stop,
         stats: generation.stats,
+        logprobs: generation.logprobs,
         plain,
     })
 }
@@ -211,6 +213,8 @@ pub struct Overrides {
     pub repetition_penalty: Option<f32>,
     pub repetition_context_size: Option<usize>,
     pub logit_bias: Option<Vec<(u32, f32)>>,
+    /// Report each token's log-probability with this many alternatives.
+    pub logprobs: Option<usize>,
 }
 
 /// Sampling defaults and end-of-sequence ids from the checkpoint's generation_config.json.
@@ -340,7 +344,8 @@ pub fn resolve_request(
     eos.sort_unstable();
     eos.dedup();
     let max_tokens = overrides.max_tokens.unwrap_or(g.max_tokens) as usize;
-    Ok(Request { prompt, max_tokens, sampling, penalties, eos })
+    let logprobs = overrides.logprobs.or(g.logprobs);
+    Ok(Request { prompt, max_tokens, sampling, penalties, logprobs, eos })
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -444,6 +449,10 @@ pub struct RunOutput {
     pub text: String,
     pub stop: StopReason,
     pub stats: Stats,
+    /// Per token, with `--logprobs`: `token`, `logprob` and the `top` alternatives as
+    /// [id, logprob] pairs.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub logprobs: Vec<TokenLogprob>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub plain: Option<PlainComparison>,
 }

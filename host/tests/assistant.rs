@@ -79,6 +79,7 @@ fn greedy_output_with_the_assistant_equals_plain_decoding_past_the_window() {
             max_tokens: 60,
             sampling: SamplingParams::default(),
             penalties: Default::default(),
+            logprobs: None,
             eos: vec![],
         };
         assert!(request.prompt.len() + request.max_tokens > 3 * model.config.sliding_window);

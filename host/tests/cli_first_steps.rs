@@ -119,7 +119,7 @@ fn a_prompts_file_runs_as_one_batch_in_input_order_and_bad_lines_do_not_stop_it(
     let work = tempfile::tempdir().unwrap();
     let file = work.path().join("in.jsonl");
     let lines = [
-        r#"{"id": "a", "prompt_ids": [2, 17, 40], "max_tokens": 7}"#,
+        r#"{"id": "a", "prompt_ids": [2, 17, 40], "max_tokens": 7, "logprobs": 1}"#,
         r#"{"id": 2, "prompt_ids": [2, 5, 9, 61], "max_tokens": 5, "frequency_penalty": 1.5, "logit_bias": {"9": -3}}"#,
         "this is not json",
         "",
@@ -154,6 +154,10 @@ fn a_prompts_file_runs_as_one_batch_in_input_order_and_bad_lines_do_not_stop_it(
         let lines: Vec<u64> = results.iter().map(|r| r["line"].as_u64().unwrap()).collect();
         assert_eq!(lines, [1, 2, 3, 5, 6, 7], "{drafter:?}");
         assert_eq!((&results[0]["id"], &results[1]["id"]), (&serde_json::json!("a"), &serde_json::json!(2)));
+        let logprobs = results[0]["logprobs"].as_array().unwrap();
+        assert_eq!(logprobs.len(), 7, "{}", results[0]);
+        assert!(logprobs.iter().all(|l| l["top"].as_array().unwrap().len() == 1), "{}", results[0]);
+        assert!(results[1].get("logprobs").is_none(), "only the line that asks gets them");
         for (result, expected) in [&results[0], &results[1], &results[5]].into_iter().zip(&expected) {
             let got: Vec<u64> = result["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect();
             assert_eq!(&got, expected, "{drafter:?}: each row equals its single run");

@@ -80,6 +80,7 @@ fn greedy_output_with_deepspec_equals_plain_decoding_past_the_window() {
             max_tokens: 60,
             sampling: SamplingParams::default(),
             penalties: Default::default(),
+            logprobs: None,
             eos: vec![],
         };
         let plain = generate(&model, &request, |_| {}).unwrap();

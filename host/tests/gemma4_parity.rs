@@ -105,6 +105,7 @@ fn check_model(name: &str, model_dir: &Path, oracle_dir: &Path, wraps: usize, to
         max_tokens: o.tokens.len(),
         sampling: SamplingParams::default(),
         penalties: Default::default(),
+        logprobs: None,
         eos: vec![],
     };
     let generated = generate(&model, &request, |_| {}).unwrap();

@@ -229,6 +229,7 @@ fn nan_weights_stop_generation_naming_the_step_and_check_model_names_the_tensor(
         max_tokens: 8,
         sampling: SamplingParams::default(),
         penalties: Default::default(),
+        logprobs: None,
         eos: vec![],
     };
     let e = generate(&model, &request, |_| {}).unwrap_err().to_string();

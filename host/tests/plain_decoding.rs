@@ -33,6 +33,7 @@ fn a_step_is_built_on_the_last_token_before_it_is_read() {
             max_tokens: 2,
             sampling: params,
             penalties: Default::default(),
+            logprobs: None,
             eos: vec![],
         };
         let plain = generate(&model, &request, |_| ()).unwrap().tokens;
@@ -65,6 +66,7 @@ fn a_step_queued_past_the_end_is_not_counted() {
         max_tokens: 16,
         sampling: SamplingParams::default(),
         penalties: Default::default(),
+        logprobs: None,
         eos: vec![],
     };
     let plain = generate(&model, &request, |_| ()).unwrap().tokens;

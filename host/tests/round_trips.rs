@@ -55,6 +55,7 @@ fn plain_decoding_waits_once_per_token() {
             max_tokens: 24,
             sampling: params,
             penalties: Default::default(),
+            logprobs: None,
             eos: vec![],
         };
         let mut counts = Vec::new();
@@ -103,6 +104,7 @@ fn a_speculative_round_waits_once() {
                 max_tokens: 40,
                 sampling: params,
                 penalties: Default::default(),
+                logprobs: None,
                 eos: vec![],
             };
             let plain = generate(&model, &request, |_| ()).unwrap().tokens;
@@ -227,6 +229,7 @@ fn device_drafts_share_the_rounds_wait() {
             max_tokens: 40,
             sampling: params,
             penalties: Default::default(),
+            logprobs: None,
             eos: vec![],
         };
         let plain = generate(&model, &request, |_| ()).unwrap().tokens;

@@ -210,6 +210,51 @@ fn n_choices_each_equal_the_single_run_of_their_seed() {
     assert_eq!(streamed, expected);
 }
 
+/// Log-probabilities in OpenAI's shapes: completions' parallel lists, chat's `content` list;
+/// streamed, the chunks' together equal the whole response's.
+#[test]
+fn logprobs_come_in_openais_shapes_streamed_and_not() {
+    let server = Server::start(&[]);
+    let (status, whole) = server.post("/v1/completions", &completion(PROMPTS[2], 12, json!({"logprobs": 2})));
+    assert_eq!(status, 200, "{whole}");
+    let l = &whole["choices"][0]["logprobs"];
+    let values: Vec<f64> = l["token_logprobs"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+    assert_eq!(values.len(), 12, "{l}");
+    assert_eq!(l["tokens"].as_array().unwrap().len(), 12);
+    assert!(values.iter().all(|&v| v <= 0.0), "{l}");
+    let top = l["top_logprobs"].as_array().unwrap();
+    assert!(top.iter().all(|t| t.as_object().unwrap().len() == 2), "{l}");
+    let offsets: Vec<u64> = l["text_offset"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+    assert!(offsets[0] == 0 && offsets.windows(2).all(|w| w[0] <= w[1]), "{offsets:?}");
+
+    let body = completion(PROMPTS[2], 12, json!({"logprobs": 2, "stream": true}));
+    let events = sse_events(ureq::post(&server.url("/v1/completions")).send_json(body).unwrap().into_reader());
+    let mut streamed = Vec::new();
+    for chunk in &events[..events.len() - 1] {
+        let chunk: Value = serde_json::from_str(chunk).unwrap();
+        if let Some(v) = chunk["choices"][0]["logprobs"]["token_logprobs"].as_array() {
+            streamed.extend(v.iter().map(|v| v.as_f64().unwrap()));
+        }
+    }
+    assert_eq!(streamed, values);
+
+    let body = json!({"messages": [{"role": "user", "content": "Who made the heaven?"}], "max_tokens": 6,
+                      "temperature": 0, "logprobs": true, "top_logprobs": 3});
+    let (status, chat) = server.post("/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{chat}");
+    let content = chat["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len(), 6, "{chat}");
+    for entry in content {
+        let token = entry["token"].as_str().unwrap();
+        let bytes: Vec<u8> = entry["bytes"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap() as u8).collect();
+        assert_eq!(bytes, token.as_bytes());
+        let top = entry["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3, "{entry}");
+        // Greedy: the token is the most likely.
+        assert_eq!(top[0]["logprob"], entry["logprob"], "{entry}");
+    }
+}
+
 #[test]
 fn concurrent_requests_each_equal_their_single_run() {
     let server = Server::start(&["--max-batch", "4"]);
@@ -324,6 +369,13 @@ fn bad_requests_get_openai_errors_naming_the_field() {
     check(chat, r#"{"messages": []}"#, 422, json!("messages"), "at least one");
     check(c, r#"{"prompt": "x", "draft_tokens": 9}"#, 422, json!("draft_tokens"), "1 to the server's 4");
     check(c, "null", 422, Value::Null, "the body must be a JSON object");
+    check(c, r#"{"prompt": "x", "logprobs": 21}"#, 422, json!("logprobs"), "from 0 to 20");
+    check(c, r#"{"prompt": "x", "top_logprobs": 2}"#, 422, json!("top_logprobs"), "chat/completions");
+    let ask = r#"{"role": "user", "content": "x"}"#;
+    let chat_logprobs = format!(r#"{{"messages": [{ask}], "logprobs": 3}}"#);
+    check("/v1/chat/completions", &chat_logprobs, 422, json!("logprobs"), "true or false");
+    let chat_top = format!(r#"{{"messages": [{ask}], "top_logprobs": 3}}"#);
+    check("/v1/chat/completions", &chat_top, 422, json!("top_logprobs"), "needs \"logprobs\": true");
     check(c, r#"{"prompt": "x", "frequency_penalty": 2.5}"#, 422, json!("frequency_penalty"), "-2 to 2, got 2.5");
     check(c, r#"{"prompt": "x", "repetition_penalty": 0}"#, 422, json!("repetition_penalty"), "above 0");
     check(c, r#"{"prompt": "x", "logit_bias": {"999999": 1}}"#, 422, json!("logit_bias"), "outside the vocabulary");

@@ -32,7 +32,14 @@ fn model(name: &str) -> Rc<Gemma4> {
 const PROMPT: [u32; 12] = [2, 17, 40, 9, 33, 17, 40, 9, 61, 5, 17, 40];
 
 fn request(max_tokens: usize, sampling: SamplingParams) -> Request {
-    Request { prompt: PROMPT.to_vec(), max_tokens, sampling, penalties: Default::default(), eos: vec![] }
+    Request {
+        prompt: PROMPT.to_vec(),
+        max_tokens,
+        sampling,
+        penalties: Default::default(),
+        logprobs: None,
+        eos: vec![],
+    }
 }
 
 fn greedy() -> SamplingParams {
@@ -222,6 +229,43 @@ fn penalties_and_bias_under_speculation_equal_plain_decoding() {
                 if drafter.kind() == "adversary" && gamma > 1 {
                     assert!(g.stats.accepted_by_position.get(1).is_some_and(|&a| a > 0.0), "{:?}", g.stats);
                 }
+            }
+        }
+    }
+}
+
+/// Log-probabilities reported under speculation are the target's at each position, as plain
+/// decoding reports them (within 1e-4), greedy and sampled, with and without penalties.
+#[test]
+fn logprobs_under_speculation_equal_plain_decodings() {
+    let m = model("dense");
+    for sampling in [greedy(), sampled(11)] {
+        for penalized in [false, true] {
+            let mut r = Request { logprobs: Some(5), ..request(40, sampling) };
+            if penalized {
+                r.penalties = penalties();
+            }
+            let plain = generate(&m, &r, |_| {}).unwrap();
+            assert_eq!(plain.logprobs.len(), plain.tokens.len());
+            for (l, &t) in plain.logprobs.iter().zip(&plain.tokens) {
+                assert_eq!(l.token, t);
+                assert_eq!(l.top.len(), 5);
+                assert!(l.logprob <= 0.0 && l.top.windows(2).all(|w| w[0].1 >= w[1].1), "{l:?}");
+                if sampling.is_greedy() {
+                    assert_eq!((l.top[0].0, l.top[0].1), (t, l.logprob), "greedy takes the most likely");
+                }
+            }
+            for drafter in [ngram(), adversary(5, &plain.tokens)] {
+                let g = spec(&m, &drafter, &r, 4);
+                assert_eq!(g.tokens, plain.tokens, "{}", drafter.kind());
+                for (a, b) in g.logprobs.iter().zip(&plain.logprobs) {
+                    assert_eq!((a.token, a.top.len()), (b.token, b.top.len()));
+                    assert!((a.logprob - b.logprob).abs() < 1e-4, "{a:?} {b:?}");
+                    for (x, y) in a.top.iter().zip(&b.top) {
+                        assert!(x.0 == y.0 && (x.1 - y.1).abs() < 1e-4, "{a:?} {b:?}");
+                    }
+                }
+                assert_eq!(g.logprobs.len(), plain.logprobs.len());
             }
         }
     }
@@ -475,6 +519,7 @@ fn rejection_sampling_emits_the_targets_distribution() {
                 max_tokens: 2,
                 sampling: params(batch * rows + r),
                 penalties: Default::default(),
+                logprobs: None,
                 eos: vec![],
             })
             .collect();
@@ -520,6 +565,7 @@ fn four_rows_in_one_batch_equal_four_single_runs() {
             max_tokens: 30 + 17 * i,
             sampling: if i % 2 == 0 { greedy() } else { sampled(i as u64) },
             penalties: Default::default(),
+            logprobs: None,
             eos: vec![],
         })
         .collect();
@@ -547,6 +593,7 @@ fn rows_joining_and_leaving_mid_flight_equal_single_runs() {
             max_tokens: 20 + 9 * i,
             sampling: if i % 2 == 0 { greedy() } else { sampled(40 + i as u64) },
             penalties: if i % 3 == 1 { penalties() } else { Default::default() },
+            logprobs: None,
             eos: vec![],
         })
         .collect();
@@ -568,6 +615,7 @@ fn rows_joining_and_leaving_mid_flight_on_the_bfloat16_demo_target_equal_single_
             max_tokens: 40 + 11 * i,
             sampling: if i % 2 == 0 { greedy() } else { sampled(40 + i as u64) },
             penalties: if i % 3 == 1 { penalties() } else { Default::default() },
+            logprobs: None,
             eos: vec![],
         })
         .collect();
@@ -703,6 +751,7 @@ fn a_prompt_extending_a_cached_one_gives_the_same_output() {
                     max_tokens: 40,
                     sampling,
                     penalties: Default::default(),
+                    logprobs: None,
                     eos: vec![],
                 };
                 batch.join(i, request.clone(), |_| Flow::Continue).unwrap();
@@ -753,7 +802,14 @@ fn greedy_speculation_on_the_bfloat16_demo_target_equals_plain_greedy() {
     for text in openings {
         let prompt = tokenizer.encode(text).unwrap();
         assert!(prompt.len() > 32 && prompt[0] == 2, "{prompt:?}");
-        let r = Request { prompt, max_tokens: 160, sampling: greedy(), penalties: Default::default(), eos: vec![] };
+        let r = Request {
+            prompt,
+            max_tokens: 160,
+            sampling: greedy(),
+            penalties: Default::default(),
+            logprobs: None,
+            eos: vec![],
+        };
         let expected = plain(&m, &r);
         for gamma in [1, 3] {
             let g = spec(&m, &ngram(), &r, gamma);

@@ -116,6 +116,7 @@ fn greedy_output_equals_plain_decoding_and_tau_holds() {
             max_tokens: 256,
             sampling: SamplingParams::default(),
             penalties: Default::default(),
+            logprobs: None,
             eos: vec![],
         };
         let plain = generate(&model, &request, |_| {}).unwrap();
@@ -156,6 +157,7 @@ fn a_drafter_that_sat_out_rounds_catches_up() {
         max_tokens,
         sampling: SamplingParams::default(),
         penalties: Default::default(),
+        logprobs: None,
         eos: vec![],
     };
     // Rows 0 and 1 outlast rows 2 to 4, which keep five rows sharing the rounds for 70 tokens.
@@ -219,6 +221,7 @@ fn drafters_run_their_products_on_the_hosts_helper() {
         max_tokens: 24,
         sampling: SamplingParams::default(),
         penalties: Default::default(),
+        logprobs: None,
         eos: vec![],
     };
     for t in TRAINED {

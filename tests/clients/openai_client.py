@@ -53,6 +53,17 @@ def check_api(client: openai.OpenAI, model: str) -> None:
                                           **controls)
     assert chat.choices[0].message.content != answer, chat
 
+    # Log-probabilities: completions' lists and chat's content entries, greedy's the most likely.
+    scored = client.completions.create(model=model, prompt="In the beginning", max_tokens=8, temperature=0, logprobs=2)
+    lp = scored.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8, lp
+    assert all(max(top.values()) == value for top, value in zip(lp.top_logprobs, lp.token_logprobs)), lp
+    scored_chat = client.chat.completions.create(model=model, messages=messages, max_completion_tokens=8,
+                                                 temperature=0, logprobs=True, top_logprobs=3)
+    content = scored_chat.choices[0].logprobs.content
+    assert len(content) == 8 and all(len(c.top_logprobs) == 3 for c in content), content
+    assert all(c.top_logprobs[0].logprob == c.logprob and c.bytes == list(c.token.encode()) for c in content), content
+
     # n choices: choice i is sampled with seed + i, as a request of that seed alone.
     two = client.completions.create(model=model, prompt="In the beginning", max_tokens=16, temperature=0.8, seed=7, n=2)
     assert [c.index for c in two.choices] == [0, 1], two

@@ -153,6 +153,7 @@ pub fn check(setup: &Setup) -> Report {
         max_tokens: setup.max_tokens,
         sampling,
         penalties: Default::default(),
+        logprobs: None,
         eos: Vec::new(),
     };
     let greedy = SamplingParams::default();

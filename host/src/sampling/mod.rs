@@ -12,10 +12,12 @@ use mlx_rs::Array;
 
 mod filters;
 mod gumbel;
+mod logprobs;
 pub mod on_device;
 mod penalties;
 
 pub use gumbel::gumbel_argmax;
+pub use logprobs::{token_logprob, TokenLogprob, MOST_TOP_LOGPROBS};
 pub use penalties::{Penalties, REPETITION_CONTEXT};
 
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -185,44 +187,65 @@ fn host_token(logits: &Array, params: &SamplingParams, step: u64) -> Result<u32,
     })?
 }
 
-/// The token for output position `step` from logits [V] (or [1, .., V]) moved by `penalties`
-/// for the tokens before it, read on the host on every route.
-pub fn penalized_token(
+/// The token for output position `step` from logits [V] (or [1, .., V]) after `prefix` (moved
+/// by its penalties), with its log-probabilities where asked for; chosen on the host on every
+/// route.
+pub fn token_after(
     logits: &Array,
     params: &SamplingParams,
-    penalties: &Penalties,
-    before: (&[u32], &[u32]),
+    prefix: &Prefix,
     step: u64,
-) -> Result<u32, SampleError> {
+) -> Result<(u32, Option<TokenLogprob>), SampleError> {
     // Widened on the host, as a window's logits are (an MLX conversion costs a round trip).
     let logits = kernels::row_major(logits)?;
     kernels::with_floats(&logits, |row| {
         check_finite(row)?;
-        Ok(choose_penalized(row, params, penalties, before, step))
+        Ok(choose_after(row, params, prefix, step))
     })?
 }
 
-/// The token chosen from `logits` moved by `penalties` after `before` (prompt, generated).
-fn choose_penalized(
-    logits: &[f32],
-    params: &SamplingParams,
-    penalties: &Penalties,
-    before: (&[u32], &[u32]),
-    step: u64,
-) -> u32 {
-    let mut moved = logits.to_vec();
-    penalties.apply(&mut moved, before.0, before.1);
-    match params.is_greedy() {
+/// What a position's token is chosen with besides its logits, where the host chooses it: the
+/// tokens before it, the request's penalties, and how many alternatives to report with it.
+pub struct Prefix<'a> {
+    pub prompt: &'a [u32],
+    pub generated: &'a [u32],
+    pub penalties: &'a Penalties,
+    /// Report the token's log-probability with this many alternatives.
+    pub logprobs: Option<usize>,
+}
+
+impl Prefix<'_> {
+    /// Whether the host must choose the token from the logits.
+    pub fn on_host(&self) -> bool {
+        self.penalties.any() || self.logprobs.is_some()
+    }
+
+    /// `logits` moved by the penalties for the tokens before.
+    fn moved<'l>(&self, logits: &'l [f32]) -> std::borrow::Cow<'l, [f32]> {
+        if !self.penalties.any() {
+            return logits.into();
+        }
+        let mut moved = logits.to_vec();
+        self.penalties.apply(&mut moved, self.prompt, self.generated);
+        moved.into()
+    }
+}
+
+/// The token chosen from `logits` after `prefix`, and its log-probabilities where asked for.
+fn choose_after(logits: &[f32], params: &SamplingParams, prefix: &Prefix, step: u64) -> (u32, Option<TokenLogprob>) {
+    let moved = prefix.moved(logits);
+    let token = match params.is_greedy() {
         true => kernels::argmax::first_max(&moved),
         false => draw(&moved, params, step),
-    }
+    };
+    (token, prefix.logprobs.map(|top| token_logprob(&moved, params, token, top)))
 }
 
 /// What the accept step needs of one row of a verify window.
 pub struct WindowRow<'a> {
     pub params: &'a SamplingParams,
-    /// Whether the row's logits are moved by penalties: its tokens are then chosen on the host,
-    /// position by position, from its logits.
+    /// Whether the row's logits are moved by penalties or its log-probabilities reported: its
+    /// tokens are then chosen on the host, position by position, from its logits.
     pub penalized: bool,
     /// The output step of the window's first position.
     pub first_step: u64,
@@ -329,37 +352,25 @@ impl WindowTokens {
         self.logits.as_ref().map(|l| &l[i * self.vocab..(i + 1) * self.vocab])
     }
 
-    /// Position `i`'s logits moved by `penalties` for the tokens before it (prompt, generated),
-    /// where the window has them.
-    pub fn penalized_row(
-        &self,
-        i: usize,
-        penalties: &Penalties,
-        before: (&[u32], &[u32]),
-    ) -> Option<std::borrow::Cow<'_, [f32]>> {
-        let row = self.row(i)?;
-        if !penalties.any() {
-            return Some(row.into());
-        }
-        let mut moved = row.to_vec();
-        penalties.apply(&mut moved, before.0, before.1);
-        Some(moved.into())
+    /// Position `i`'s logits moved by the penalties for the tokens before it, where the window
+    /// has them.
+    pub fn row_after(&self, i: usize, prefix: &Prefix) -> Option<std::borrow::Cow<'_, [f32]>> {
+        self.row(i).map(|row| prefix.moved(row))
     }
 
-    /// [`Self::token`] with `penalties` for the tokens before position `i` (prompt, generated).
+    /// [`Self::token`] after `prefix`, with its log-probabilities where asked for.
     pub fn token_after(
         &self,
         i: usize,
         params: &SamplingParams,
         step: u64,
-        penalties: &Penalties,
-        before: (&[u32], &[u32]),
-    ) -> Result<u32, SampleError> {
-        if !penalties.any() {
-            return self.token(i, params, step);
+        prefix: &Prefix,
+    ) -> Result<(u32, Option<TokenLogprob>), SampleError> {
+        if !prefix.on_host() {
+            return Ok((self.token(i, params, step)?, None));
         }
-        let row = self.row(i).expect("a penalized window keeps its logits");
-        Ok(choose_penalized(row, params, penalties, before, step))
+        let row = self.row(i).expect("a window chosen on the host keeps its logits");
+        Ok(choose_after(row, params, prefix, step))
     }
 
     /// The target's token at position `i`, output step `step` (`first_step + i`).

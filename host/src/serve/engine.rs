@@ -13,6 +13,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use super::metrics::Metrics;
 use crate::generate::{Event, Flow, Generation, Request};
 use crate::run::{RunError, RunOptions, Session};
+use crate::sampling::TokenLogprob;
 use crate::speculative::{LiveBatch, SpecConfig, Verify};
 
 /// A request for the engine, with where its tokens go.
@@ -27,7 +28,9 @@ pub struct Job {
 
 pub enum JobEvent {
     Token(u32),
-    Done(Generation),
+    /// The log-probabilities of the token that follows, when the request asks for them.
+    Logprob(TokenLogprob),
+    Done(Box<Generation>),
     /// The request could not be served (the message says why).
     Failed(String),
 }
@@ -150,7 +153,14 @@ pub fn run(
         }
         metrics.batch_size.set(batch.len() as i64);
         let result = batch.round(|id, event| {
-            let Event::Token(token) = event else { return Flow::Continue };
+            let token = match event {
+                Event::Token(token) => token,
+                Event::Logprob(l) => {
+                    let _ = waiting[&id].events.send(JobEvent::Logprob(l));
+                    return Flow::Continue;
+                }
+                Event::Prefill { .. } => return Flow::Continue,
+            };
             let job = &waiting[&id];
             let delivered = job.events.send(JobEvent::Token(token)).is_ok();
             let stop = decisions.leaving.contains(&id)
@@ -166,7 +176,7 @@ pub fn run(
                 for (id, generation) in finished {
                     let job = waiting.remove(&id).expect("every row has its job");
                     metrics.finished(&generation.stats);
-                    if job.events.send(JobEvent::Done(generation)).is_err() {
+                    if job.events.send(JobEvent::Done(Box::new(generation))).is_err() {
                         metrics.count("cancelled");
                     }
                 }

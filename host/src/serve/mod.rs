@@ -27,6 +27,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use crate::chat::ChatTemplate;
 use crate::generate::{Generation, StopReason};
 use crate::run::{RunError, RunOptions};
+use crate::sampling::TokenLogprob;
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 use engine::{Job, JobEvent};
 use metrics::Metrics;
@@ -256,15 +257,16 @@ async fn generate(app: Arc<App>, endpoint: Endpoint, body: Bytes) -> Response {
     let stop_all = || stops.iter().for_each(|stop| stop.store(true, Ordering::Relaxed));
     let mut finished = Vec::with_capacity(choices.len());
     for (i, (events, stop)) in choices.into_iter().enumerate() {
-        let mut text = String::new();
+        let (mut text, mut logprobs) = (String::new(), Vec::new());
         let timed = i == 0;
-        match drive(&app, &reply.prepared, events, &stop, received, timed, |piece| {
+        match drive(&app, &reply.prepared, events, &stop, received, timed, |piece, l| {
             text.push_str(piece);
+            logprobs.extend(l);
             true
         })
         .await
         {
-            Outcome::Finished(g, stopped) => finished.push((text, g, stopped)),
+            Outcome::Finished(g, stopped) => finished.push(Choice { text, logprobs, generation: g, stopped }),
             Outcome::Failed(message) => {
                 stop_all();
                 app.metrics.count("failed");
@@ -301,12 +303,17 @@ fn stream(
         .map(|(i, (events, stop))| {
             let (reply, tx) = (reply.clone(), tx.clone());
             tokio::spawn(async move {
-                let outcome = drive(&reply.app, &reply.prepared, events, &stop, received, i == 0, |piece| {
+                let mut offset = 0;
+                let outcome = drive(&reply.app, &reply.prepared, events, &stop, received, i == 0, |piece, l| {
                     let delta = match reply.endpoint {
                         Endpoint::Chat => json!({"content": piece}),
                         Endpoint::Completions => json!(piece),
                     };
-                    send(&tx, reply.chunk(i, delta, None))
+                    let mut chunk = reply.chunk(i, delta, None);
+                    if reply.prepared.request.logprobs.is_some() {
+                        chunk["choices"][0]["logprobs"] = reply.logprobs(&l, &mut offset);
+                    }
+                    send(&tx, chunk)
                 })
                 .await;
                 if let Outcome::Finished(g, stopped) = &outcome {
@@ -341,6 +348,15 @@ fn stream(
     Sse::new(tokio_stream::wrappers::UnboundedReceiverStream::new(rx)).into_response()
 }
 
+/// A finished choice: its text, the log-probabilities of its tokens when asked for, its
+/// generation, and whether a stop string ended it.
+struct Choice {
+    text: String,
+    logprobs: Vec<TokenLogprob>,
+    generation: Box<Generation>,
+    stopped: bool,
+}
+
 enum Outcome {
     /// The generation, and whether a stop string ended its text.
     Finished(Box<Generation>, bool),
@@ -358,9 +374,11 @@ async fn drive(
     stop: &AtomicBool,
     received: Instant,
     timed: bool,
-    mut emit: impl FnMut(&str) -> bool,
+    mut emit: impl FnMut(&str, Vec<TokenLogprob>) -> bool,
 ) -> Outcome {
     let mut decoder = StreamDecoder::new(&app.served.tokenizer);
+    // Log-probabilities of tokens whose text has not been emitted yet.
+    let mut pending = Vec::new();
     let mut text = StopText::new(prepared.stops.clone());
     let mut last_token: Option<Instant> = None;
     while let Some(event) = events.recv().await {
@@ -376,7 +394,7 @@ async fn drive(
                 }
                 last_token = Some(now);
                 let piece = text.push(&decoder.push(token));
-                if !piece.is_empty() && !emit(&piece) {
+                if !piece.is_empty() && !emit(&piece, std::mem::take(&mut pending)) {
                     return Outcome::Gone;
                 }
                 if text.stopped() {
@@ -387,12 +405,13 @@ async fn drive(
                 let stopped = text.stopped();
                 if !stopped {
                     let rest = text.push(&decoder.finish()) + &text.finish();
-                    if !rest.is_empty() && !emit(&rest) {
+                    if (!rest.is_empty() || !pending.is_empty()) && !emit(&rest, std::mem::take(&mut pending)) {
                         return Outcome::Gone;
                     }
                 }
-                return Outcome::Finished(Box::new(generation), stopped);
+                return Outcome::Finished(generation, stopped);
             }
+            JobEvent::Logprob(l) => pending.push(l),
             JobEvent::Failed(message) => return Outcome::Failed(message),
         }
     }
@@ -417,27 +436,29 @@ impl Reply {
         }
     }
 
-    /// The response: one choice per (text, generation, whether a stop string ended it).
-    fn whole(&self, finished: &[(String, Box<Generation>, bool)]) -> Value {
+    /// The response, one choice per finished row.
+    fn whole(&self, finished: &[Choice]) -> Value {
         let choices: Vec<Value> = finished
             .iter()
             .enumerate()
-            .map(|(i, (text, g, stopped))| {
+            .map(|(i, c)| {
                 let mut choice = match self.endpoint {
-                    Endpoint::Completions => json!({"index": i, "text": text, "logprobs": null}),
-                    Endpoint::Chat => {
-                        json!({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": null})
-                    }
+                    Endpoint::Completions => json!({"index": i, "text": c.text}),
+                    Endpoint::Chat => json!({"index": i, "message": {"role": "assistant", "content": c.text}}),
                 };
-                choice["finish_reason"] = json!(finish_reason(g, *stopped));
+                choice["logprobs"] = match self.prepared.request.logprobs {
+                    Some(_) => self.logprobs(&c.logprobs, &mut 0),
+                    None => Value::Null,
+                };
+                choice["finish_reason"] = json!(finish_reason(&c.generation, c.stopped));
                 if finished.len() > 1 {
                     // Extension: each choice's own usage beside the request's.
-                    choice["usage"] = usage(std::slice::from_ref(g));
+                    choice["usage"] = usage(std::slice::from_ref(&c.generation));
                 }
                 choice
             })
             .collect();
-        let generations: Vec<Box<Generation>> = finished.iter().map(|(_, g, _)| g.clone()).collect();
+        let generations: Vec<Box<Generation>> = finished.iter().map(|c| c.generation.clone()).collect();
         json!({
             "id": self.id, "object": self.object(false), "created": self.created, "model": self.app.served.name,
             "choices": choices, "usage": usage(&generations),
@@ -457,6 +478,47 @@ impl Reply {
             "id": self.id, "object": self.object(true), "created": self.created, "model": self.app.served.name,
             "choices": [choice],
         })
+    }
+
+    /// OpenAI's `logprobs` of `items`: chat's `content` list, or completions' parallel lists
+    /// with each token's character offset, counted on from `offset` (the text before them).
+    fn logprobs(&self, items: &[TokenLogprob], offset: &mut usize) -> Value {
+        let tokenizer = &self.app.served.tokenizer;
+        let piece = |id: u32| tokenizer.decode(&[id]);
+        match self.endpoint {
+            Endpoint::Chat => {
+                let entry = |id: u32, logprob: f32| {
+                    let token = piece(id);
+                    json!({"token": token, "logprob": logprob, "bytes": token.as_bytes()})
+                };
+                let content: Vec<Value> = items
+                    .iter()
+                    .map(|l| {
+                        let mut e = entry(l.token, l.logprob);
+                        e["top_logprobs"] = l.top.iter().map(|&(t, lp)| entry(t, lp)).collect();
+                        e
+                    })
+                    .collect();
+                json!({"content": content, "refusal": null})
+            }
+            Endpoint::Completions => {
+                let tokens: Vec<String> = items.iter().map(|l| piece(l.token)).collect();
+                let text_offset: Vec<usize> = tokens
+                    .iter()
+                    .map(|t| {
+                        let at = *offset;
+                        *offset += t.chars().count();
+                        at
+                    })
+                    .collect();
+                let top: Vec<Value> = items
+                    .iter()
+                    .map(|l| Value::Object(l.top.iter().map(|&(t, lp)| (piece(t), json!(lp))).collect()))
+                    .collect();
+                let token_logprobs: Vec<f32> = items.iter().map(|l| l.logprob).collect();
+                json!({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": text_offset})
+            }
+        }
     }
 
     fn usage_chunk(&self, generations: &[Box<Generation>]) -> Value {

@@ -4,12 +4,12 @@
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
-use serde_json::json;
+use serde_json::{json, Value};
 
 use super::engine::Ready;
 use crate::chat::{ChatTemplate, Message};
 use crate::generate::Request;
-use crate::sampling::Penalties;
+use crate::sampling::{Penalties, MOST_TOP_LOGPROBS};
 use crate::tokenizer::Tokenizer;
 
 #[derive(Debug)]
@@ -89,7 +89,10 @@ pub struct Body {
     repetition_context_size: Option<usize>,
     /// Token id (as a string, OpenAI's form) → bias, −100 to 100.
     logit_bias: Option<std::collections::BTreeMap<String, f32>>,
+    /// Chat: whether to report log-probabilities; completions: how many alternatives.
     logprobs: Option<serde_json::Value>,
+    /// Chat: how many alternatives, with `logprobs: true`.
+    top_logprobs: Option<u32>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -158,6 +161,29 @@ pub struct Served {
     pub template: ChatTemplate,
 }
 
+/// How many alternatives a request's log-probabilities report (`None`: none): chat's
+/// `logprobs: true` with `top_logprobs`, completions' `logprobs` as a number.
+fn logprobs_of(endpoint: Endpoint, logprobs: Option<&Value>, top: Option<u32>) -> Result<Option<usize>, ApiError> {
+    let most = MOST_TOP_LOGPROBS as u64;
+    let count = |field: &'static str, n: Option<u64>| match n {
+        Some(n) if n <= most => Ok(n as usize),
+        _ => Err(ApiError::field(field, format!("must be an integer from 0 to {most}"))),
+    };
+    match (endpoint, logprobs) {
+        (Endpoint::Chat, None | Some(Value::Null | Value::Bool(false))) => match top {
+            None => Ok(None),
+            Some(_) => Err(ApiError::field("top_logprobs", "needs \"logprobs\": true")),
+        },
+        (Endpoint::Chat, Some(Value::Bool(true))) => Ok(Some(count("top_logprobs", Some(top.unwrap_or(0) as u64))?)),
+        (Endpoint::Chat, Some(_)) => Err(ApiError::field("logprobs", "must be true or false")),
+        (Endpoint::Completions, _) if top.is_some() => {
+            Err(ApiError::field("top_logprobs", "belongs to /v1/chat/completions; send `logprobs: N` here"))
+        }
+        (Endpoint::Completions, None | Some(Value::Null)) => Ok(None),
+        (Endpoint::Completions, Some(n)) => Ok(Some(count("logprobs", n.as_u64())?)),
+    }
+}
+
 /// Stop strings per request, as OpenAI allows four; a few more cost nothing here.
 const MAX_STOPS: usize = 16;
 /// The most choices (`n`) one request may ask for: each is a row of the batch.
@@ -219,13 +245,7 @@ impl Served {
         if !(1..=MAX_CHOICES).contains(&n) {
             return Err(ApiError::field("n", format!("must be 1 to {MAX_CHOICES}, got {n}")));
         }
-        if body
-            .logprobs
-            .as_ref()
-            .is_some_and(|v| !matches!(v, serde_json::Value::Null | serde_json::Value::Bool(false)))
-        {
-            return Err(ApiError::field("logprobs", "is not supported"));
-        }
+        let logprobs = logprobs_of(endpoint, body.logprobs.as_ref(), body.top_logprobs)?;
         if body.stream_options.is_some() && !body.stream {
             return Err(ApiError::field("stream_options", "is only allowed with \"stream\": true"));
         }
@@ -243,7 +263,7 @@ impl Served {
                 ("messages", self.chat_prompt(body.messages)?)
             }
         };
-        let mut request = Request { prompt, ..self.ready.defaults.clone() };
+        let mut request = Request { prompt, logprobs, ..self.ready.defaults.clone() };
         if let Some(max) = body.max_completion_tokens.or(body.max_tokens) {
             let name = if body.max_completion_tokens.is_some() { "max_completion_tokens" } else { "max_tokens" };
             if max == 0 {

@@ -6,7 +6,7 @@ use kernels::{row_major, with_floats};
 
 use super::{Row, Verify};
 use crate::generate::{Flow, GenerateError, Request, StopReason};
-use crate::sampling::{filtered_logprobs, gumbel_argmax, step_key, uniform, WindowTokens};
+use crate::sampling::{filtered_logprobs, gumbel_argmax, step_key, token_logprob, uniform, TokenLogprob, WindowTokens};
 use plugin_api::sdk::Proposal;
 
 /// Walks one row's window (W ≥ drafts + 1 positions), emitting the tokens it keeps and
@@ -18,7 +18,7 @@ pub(super) fn accept(
     proposal: &Proposal,
     window: &WindowTokens,
     verify: Verify,
-    mut emit: impl FnMut(u32) -> Flow,
+    mut emit: impl FnMut(u32, Option<TokenLogprob>) -> Flow,
 ) -> Result<usize, GenerateError> {
     let drafts = &proposal.tokens;
     let step = row.tokens.len() as u64;
@@ -38,23 +38,22 @@ pub(super) fn accept(
     for i in 0..=drafts.len() {
         let draft = drafts.get(i).copied();
         // Position i extends the prompt and the tokens kept so far, this window's included.
-        let before = (&request.prompt[..], &row.tokens[..]);
+        let prefix = request.prefix(&row.tokens);
         let rejecting = match (verify, draft, &q) {
-            (Verify::Rejection, Some(d), Some(q)) => {
-                window.penalized_row(i, &request.penalties, before).map(|target| (d, q, target))
-            }
+            (Verify::Rejection, Some(d), Some(q)) => window.row_after(i, &prefix).map(|target| (d, q, target)),
             _ => None,
         };
-        let (token, took_draft) = match rejecting {
+        let (token, took_draft, logprob) = match rejecting {
             Some((d, q, target)) => {
                 let v = target.len();
-                rejection_step(&target, &q[i * v..(i + 1) * v], d, request, step + i as u64)?
+                let (t, took) = rejection_step(&target, &q[i * v..(i + 1) * v], d, request, step + i as u64)?;
+                (t, took, prefix.logprobs.map(|top| token_logprob(&target, &request.sampling, t, top)))
             }
             None => {
-                let t = window
-                    .token_after(i, &request.sampling, step + i as u64, &request.penalties, before)
+                let (t, logprob) = window
+                    .token_after(i, &request.sampling, step + i as u64, &prefix)
                     .map_err(|e| GenerateError::sampling_at(step as usize + i, e))?;
-                (t, draft == Some(t))
+                (t, draft == Some(t), logprob)
             }
         };
         if took_draft {
@@ -67,7 +66,8 @@ pub(super) fn accept(
             break;
         }
         row.tokens.push(token);
-        let flow = emit(token);
+        row.logprobs.extend(logprob.clone());
+        let flow = emit(token, logprob);
         if row.tokens.len() == request.max_tokens {
             row.stop = Some(StopReason::MaxTokens);
             break;
@@ -166,6 +166,7 @@ mod tests {
             max_tokens,
             sampling: SamplingParams { temperature, seed: 3, ..Default::default() },
             penalties: Default::default(),
+            logprobs: None,
             eos: vec![EOS],
         }
     }
@@ -178,7 +179,7 @@ mod tests {
         let mut row = Row::new(request, 4);
         let mut emitted = Vec::new();
         let window = WindowTokens::new(logits, &request.sampling).unwrap();
-        let n = accept(&mut row, request, proposal, &window, Verify::Match, |t| {
+        let n = accept(&mut row, request, proposal, &window, Verify::Match, |t, _| {
             emitted.push(t);
             Flow::Continue
         })
@@ -241,7 +242,7 @@ mod tests {
         let window = Array::from_slice(&logits.repeat(4), &[4, V as i32]);
         let mut row = Row::new(&request, 4);
         let window = WindowTokens::new(&window, &request.sampling).unwrap();
-        let n = accept(&mut row, &request, &proposal, &window, Verify::Rejection, |_| Flow::Continue).unwrap();
+        let n = accept(&mut row, &request, &proposal, &window, Verify::Rejection, |_, _| Flow::Continue).unwrap();
         assert_eq!(n, 3);
         assert_eq!(row.tokens[..3], [0, 3, 6]);
     }
@@ -261,7 +262,7 @@ mod tests {
             let window = Array::from_slice(&logits.repeat(2), &[2, V as i32]);
             let mut row = Row::new(&request, 4);
             let window = WindowTokens::new(&window, &request.sampling).unwrap();
-            let n = accept(&mut row, &request, &proposal, &window, Verify::Rejection, |_| Flow::Continue).unwrap();
+            let n = accept(&mut row, &request, &proposal, &window, Verify::Rejection, |_, _| Flow::Continue).unwrap();
             assert_eq!((n, row.tokens.clone()), (0, vec![5]), "seed {seed}");
         }
     }

@@ -108,6 +108,8 @@ struct Row {
     by_position: Vec<(usize, usize)>,
     /// The same, weighted toward recent rounds, for `"auto"` draft lengths.
     acceptance: depth::Acceptance,
+    /// Per token, when the request asks for them.
+    logprobs: Vec<crate::sampling::TokenLogprob>,
 }
 
 impl Row {
@@ -119,6 +121,7 @@ impl Row {
             stats: Stats { prompt_tokens: request.prompt.len(), ..Stats::default() },
             by_position: vec![(0, 0); draft_tokens],
             acceptance: depth::Acceptance::default(),
+            logprobs: Vec::new(),
         }
     }
 
@@ -147,7 +150,8 @@ impl Row {
         s.drafted_by_position = self.by_position.iter().map(|&(d, _)| d).take_while(|&d| d > 0).collect();
         s.prefill_tokens_per_s = per_second(s.prompt_tokens, prefill_ms);
         s.decode_tokens_per_s = per_second(self.tokens.len(), decode_ms);
-        Generation { tokens: self.tokens, stop: self.stop.unwrap_or(StopReason::MaxTokens), stats: s }
+        let stop = self.stop.unwrap_or(StopReason::MaxTokens);
+        Generation { tokens: self.tokens, stop, stats: s, logprobs: self.logprobs }
     }
 }
 

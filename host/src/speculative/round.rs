@@ -65,7 +65,7 @@ pub(super) fn round(
             let rejection = batch.config.verify == Verify::Rejection && drafted.has_probabilities(i);
             WindowRow {
                 params,
-                penalized: batch.requests[r].penalties.any(),
+                penalized: batch.requests[r].prefix(&[]).on_host(),
                 first_step: rows[r].tokens.len() as u64,
                 distributions: rejection && !params.is_greedy(),
             }
@@ -79,7 +79,10 @@ pub(super) fn round(
     let mut accepted = Vec::with_capacity(batch.active.len());
     for ((&r, proposal), window) in batch.active.iter().zip(&proposals).zip(&targets) {
         let verify = batch.config.verify;
-        accepted.push(accept(&mut rows[r], &batch.requests[r], proposal, window, verify, |t| {
+        accepted.push(accept(&mut rows[r], &batch.requests[r], proposal, window, verify, |t, logprob| {
+            if let Some(l) = logprob {
+                on_event(r, Event::Logprob(l));
+            }
             on_event(r, Event::Token(t))
         })?);
     }

@@ -63,6 +63,7 @@ pub fn assert_rejection_keeps_the_first_token_distribution(
                 max_tokens: 3,
                 sampling: params(batch * rows + r),
                 penalties: Default::default(),
+                logprobs: None,
                 eos: vec![],
             })
             .collect();
