@@ -29,12 +29,14 @@ pub fn plugins_dir_with(libraries: &[&Path]) -> tempfile::TempDir {
 }
 
 /// Rejection-mode speculation with `drafter` emits, as the first token of 900 rows (one seed
-/// each), the target's own distribution over its top 4 tokens at temperature 1: no token
-/// outside them, and a chi-square with 3 degrees of freedom under 16.27 (significance 0.001).
+/// each), the target's own distribution over its top 4 tokens at temperature 1, after
+/// `penalties`: no token outside them, and a chi-square with 3 degrees of freedom under 16.27
+/// (significance 0.001).
 pub fn assert_rejection_keeps_the_first_token_distribution(
     model: &std::rc::Rc<host::model::Gemma4>,
     drafter: &host::plugin::LoadedDrafter,
     gamma: usize,
+    penalties: &host::sampling::Penalties,
 ) {
     use host::generate::Request;
     use host::sampling::SamplingParams;
@@ -48,7 +50,9 @@ pub fn assert_rejection_keeps_the_first_token_distribution(
     let ids = Array::from_slice(&prompt.iter().map(|&t| t as i32).collect::<Vec<_>>(), &[1, prompt.len() as i32]);
     let hidden = model.forward_hidden(&ids, &mut caches, None).unwrap();
     let logits = host::generate::last_logits(model, &hidden).unwrap();
-    let lp = host::sampling::filtered_logprobs(logits.as_dtype(Dtype::Float32).unwrap().as_slice::<f32>(), &params(0));
+    let mut logits = logits.as_dtype(Dtype::Float32).unwrap().as_slice::<f32>().to_vec();
+    penalties.apply(&mut logits, &prompt, &[]);
+    let lp = host::sampling::filtered_logprobs(&logits, &params(0));
     let p: Vec<(usize, f64)> =
         lp.iter().enumerate().filter(|(_, x)| x.is_finite()).map(|(i, &x)| (i, (x as f64).exp())).collect();
     let total: f64 = p.iter().map(|(_, x)| x).sum();
@@ -62,7 +66,7 @@ pub fn assert_rejection_keeps_the_first_token_distribution(
                 prompt: prompt.clone(),
                 max_tokens: 3,
                 sampling: params(batch * rows + r),
-                penalties: Default::default(),
+                penalties: penalties.clone(),
                 logprobs: None,
                 eos: vec![],
             })
