@@ -195,6 +195,10 @@ fn n_choices_each_equal_the_single_run_of_their_seed() {
     let indices: Vec<u64> = choices.iter().map(|c| c["index"].as_u64().unwrap()).collect();
     assert_eq!(indices, [0, 1, 2]);
     assert!(choices.iter().all(|c| c["usage"]["completion_tokens"] == 24), "{whole}");
+    // The later choices take the prompt's prefill from the prefix cache.
+    let cached: Vec<u64> =
+        choices.iter().map(|c| c["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap()).collect();
+    assert!(cached[1] > 0 && cached[2] > 0, "{cached:?}");
     assert_eq!(whole["usage"]["completion_tokens"], 72, "{whole}");
 
     let body = completion(PROMPTS[1], 24, json!({"n": 3, "temperature": 0.8, "seed": 40, "stream": true}));
