@@ -300,6 +300,11 @@ fn choose(
 }
 
 impl Request {
+    /// Whether its tokens are chosen on the host from the logits (penalties, log-probabilities).
+    pub fn chosen_on_host(&self) -> bool {
+        self.prefix(&[]).on_host()
+    }
+
     /// What choosing the token after the prompt and `generated` needs besides the logits.
     pub fn prefix<'a>(&'a self, generated: &'a [u32]) -> Prefix<'a> {
         Prefix { prompt: &self.prompt, generated, penalties: &self.penalties, logprobs: self.logprobs }

@@ -246,7 +246,7 @@ pub struct WindowRow<'a> {
     pub params: &'a SamplingParams,
     /// Whether the row's logits are moved by penalties or its log-probabilities reported: its
     /// tokens are then chosen on the host, position by position, from its logits.
-    pub penalized: bool,
+    pub on_host: bool,
     /// The output step of the window's first position.
     pub first_step: u64,
     /// Whether the accept step reads each position's distribution (rejection sampling).
@@ -271,7 +271,7 @@ impl WindowTokens {
     #[cfg(test)]
     pub fn new(logits: &Array, params: &SamplingParams) -> Result<WindowTokens, SampleError> {
         let shape = logits.shape();
-        let row = WindowRow { params, penalized: false, first_step: 0, distributions: !params.is_greedy() };
+        let row = WindowRow { params, on_host: false, first_step: 0, distributions: !params.is_greedy() };
         let rows = WindowTokens::rows(&logits.reshape(&[1, shape[0], shape[1]])?, &[row], &[])?;
         Ok(rows.into_iter().next().expect("one row"))
     }
@@ -291,7 +291,7 @@ impl WindowTokens {
         };
         if kernels::route::on_cpu() {
             let span = |b: usize| b * width * vocab..(b + 1) * width * vocab;
-            let sampled = rows.iter().any(|r| !r.params.is_greedy() || r.penalized);
+            let sampled = rows.iter().any(|r| !r.params.is_greedy() || r.on_host);
             // Widened on the host rather than by an MLX conversion, whose round trip is a large
             // share of sampling a small vocabulary.
             let logits = kernels::row_major(logits)?;
@@ -306,7 +306,7 @@ impl WindowTokens {
                 check_finite(all)?;
                 let one = |b: usize| {
                     let logits = &all[span(b)];
-                    match rows[b].params.is_greedy() && !rows[b].penalized {
+                    match rows[b].params.is_greedy() && !rows[b].on_host {
                         true => window(b, Some(logits.chunks(vocab).map(kernels::argmax::first_max).collect()), None),
                         false => window(b, None, Some(logits.to_vec())),
                     }
@@ -320,10 +320,10 @@ impl WindowTokens {
         let mut distributions = Vec::new();
         for (b, row) in rows.iter().enumerate() {
             let own = index_0(logits, b)?;
-            if !row.params.is_greedy() && !row.penalized {
+            if !row.params.is_greedy() && !row.on_host {
                 sampled.push((b, on_device::window_tokens(&own, row.params, row.first_step)?));
             }
-            if row.distributions || row.penalized {
+            if row.distributions || row.on_host {
                 distributions.push((b, own.as_dtype(mlx_rs::Dtype::Float32)?));
             }
         }
@@ -340,7 +340,7 @@ impl WindowTokens {
         }
         for (b, logits) in distributions {
             out[b].logits = Some(logits.as_slice::<f32>().to_vec());
-            if rows[b].penalized {
+            if rows[b].on_host {
                 out[b].chosen = None;
             }
         }

@@ -65,7 +65,7 @@ pub(super) fn round(
             let rejection = batch.config.verify == Verify::Rejection && drafted.has_probabilities(i);
             WindowRow {
                 params,
-                penalized: batch.requests[r].prefix(&[]).on_host(),
+                on_host: batch.requests[r].chosen_on_host(),
                 first_step: rows[r].tokens.len() as u64,
                 distributions: rejection && !params.is_greedy(),
             }
