@@ -217,35 +217,10 @@ async fn generate(app: Arc<App>, endpoint: Endpoint, body: Bytes) -> Response {
             return e.into_response();
         }
     };
-    // One row per choice, each with its own seed stream; they share the prompt's prefill
-    // through the prefix cache.
-    let mut choices = Vec::with_capacity(prepared.n);
-    for i in 0..prepared.n {
-        let (events_tx, events) = unbounded_channel();
-        let stop = Arc::new(AtomicBool::new(false));
-        let mut request = prepared.request.clone();
-        request.sampling.seed = request.sampling.seed.wrapping_add(i as u64);
-        let job = Job { request, events: events_tx, stop: stop.clone(), draft_tokens: prepared.draft_tokens };
-        app.metrics.queue_depth.inc();
-        if let Err(e) = app.jobs.try_send(job) {
-            app.metrics.queue_depth.dec();
-            app.metrics.count("rejected");
-            for (_, stop) in &choices {
-                let stop: &Arc<AtomicBool> = stop;
-                stop.store(true, Ordering::Relaxed);
-            }
-            return match e {
-                TrySendError::Full(_) => {
-                    ApiError::new(StatusCode::TOO_MANY_REQUESTS, None, "the queue is full; retry shortly")
-                        .into_response()
-                }
-                TrySendError::Disconnected(_) => {
-                    ApiError::new(StatusCode::SERVICE_UNAVAILABLE, None, "the server is shutting down").into_response()
-                }
-            };
-        }
-        choices.push((events, stop));
-    }
+    let choices = match submit(&app, &prepared) {
+        Ok(choices) => choices,
+        Err(refused) => return refused.into_response(),
+    };
     let reply =
         Arc::new(Reply { app: app.clone(), endpoint, id: reply_id(endpoint, number), created: now(), prepared });
     if reply.prepared.stream {
@@ -280,6 +255,39 @@ async fn generate(app: Arc<App>, endpoint: Endpoint, body: Bytes) -> Response {
     }
     app.metrics.count("ok");
     Json(reply.whole(&finished)).into_response()
+}
+
+/// A choice's events from the engine, and the flag that stops its row.
+type Row = (UnboundedReceiver<JobEvent>, Arc<AtomicBool>);
+
+/// Queues one row per choice, each with its own seed stream (`seed + i`); they share the
+/// prompt's prefill through the prefix cache. When the queue refuses one, the rows already
+/// queued are stopped and the response says why.
+fn submit(app: &App, prepared: &Prepared) -> Result<Vec<Row>, ApiError> {
+    let mut rows: Vec<Row> = Vec::with_capacity(prepared.n);
+    for i in 0..prepared.n {
+        let (events_tx, events) = unbounded_channel();
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut request = prepared.request.clone();
+        request.sampling.seed = request.sampling.seed.wrapping_add(i as u64);
+        let job = Job { request, events: events_tx, stop: stop.clone(), draft_tokens: prepared.draft_tokens };
+        app.metrics.queue_depth.inc();
+        if let Err(e) = app.jobs.try_send(job) {
+            app.metrics.queue_depth.dec();
+            app.metrics.count("rejected");
+            rows.iter().for_each(|(_, stop)| stop.store(true, Ordering::Relaxed));
+            return Err(match e {
+                TrySendError::Full(_) => {
+                    ApiError::new(StatusCode::TOO_MANY_REQUESTS, None, "the queue is full; retry shortly")
+                }
+                TrySendError::Disconnected(_) => {
+                    ApiError::new(StatusCode::SERVICE_UNAVAILABLE, None, "the server is shutting down")
+                }
+            });
+        }
+        rows.push((events, stop));
+    }
+    Ok(rows)
 }
 
 /// Server-sent events: one chunk per piece of text of each choice (its `index` says which),
