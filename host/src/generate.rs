@@ -225,7 +225,7 @@ pub fn generate<R: Into<Flow>>(
         // On a device, the next step is built from this token while it is still being computed
         // and queued before the host reads it, as mlx-lm does: the device never waits for the
         // host between steps. Past an end it computes one step that is dropped.
-        // (Penalties choose on the host, after the token before is read.)
+        // (A token chosen on the host, for penalties or log-probabilities, is read already.)
         let ahead = match drawn.on_device() && step + 1 < request.max_tokens {
             true => Some(decode_step(model, &drawn, &mut caches, request, &tokens, step + 1)?),
             false => None,
