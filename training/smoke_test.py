@@ -170,8 +170,10 @@ def main() -> None:
                         str(script.parent / "trained"), "--data", str(Path(tmp) / "data")], check=True)
         report = json.loads((script.parent / "trained" / "config.json").read_text())
         assert report["vocab_size"] == tt.PRESETS["tiny"]["config"]["vocab_size"], report
-        assert (report["held_out_agreement"] >
-                report["held_out_agreement_of_the_most_common_token"]), report
+        # A tiny target whose greedy continuations are one token throughout leaves nothing to
+        # beat: the most common token already agrees everywhere, and so must the table.
+        assert (report["held_out_agreement"] > report["held_out_agreement_of_the_most_common_token"]
+                or report["held_out_agreement"] == 1.0), report
         assert (script.parent / "trained" / "next_tokens.safetensors").exists()
         print(f"smoke: a new kind's trainer agrees with the target on "
               f"{report['held_out_agreement']:.0%} of held-out tokens (the most common token: "
