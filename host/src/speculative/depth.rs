@@ -9,8 +9,6 @@
 //! rows of a round share one depth: the verify window is padded to its longest row, so a
 //! shorter draft in one row would save the target nothing.
 
-use super::SpecConfig;
-
 /// The most tokens a row drafts under "auto" (the caches' rollback room is sized for it).
 pub const AUTO_MOST: usize = 8;
 
@@ -225,13 +223,6 @@ pub(super) fn choose_depth(rows: &[([f64; AUTO_MOST], usize)], most: usize, cost
         }
     }
     best.0
-}
-
-impl SpecConfig {
-    /// A fixed draft length.
-    pub fn new(draft_tokens: usize, verify: super::Verify) -> SpecConfig {
-        SpecConfig { draft_tokens, verify, auto: false }
-    }
 }
 
 /// The draft length as reports print it: "3", or "auto (up to 8)".

@@ -49,6 +49,13 @@ pub struct SpecConfig {
     pub auto: bool,
 }
 
+impl SpecConfig {
+    /// A fixed draft length.
+    pub fn new(draft_tokens: usize, verify: Verify) -> SpecConfig {
+        SpecConfig { draft_tokens, verify, auto: false }
+    }
+}
+
 /// Opens a drafter against the target without generating: a pairing the drafter refuses, or
 /// one the host cannot serve, fails here, before any request.
 pub fn probe_open(model: &Rc<Gemma4>, drafter: &LoadedDrafter) -> Result<(), DrafterError> {
