@@ -18,7 +18,7 @@ pub const PREFILL_CHUNK: usize = 512;
 /// window lets decode steps attend without a mask.
 const PLAIN_SLACK: usize = 0;
 
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
 pub struct Request {
     pub prompt: Vec<u32>,
     pub max_tokens: usize,

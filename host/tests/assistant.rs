@@ -78,9 +78,7 @@ fn greedy_output_with_the_assistant_equals_plain_decoding_past_the_window() {
             prompt: vec![2, 17, 40, 9, 33, 17, 40, 9, 61, 5],
             max_tokens: 60,
             sampling: SamplingParams::default(),
-            penalties: Default::default(),
-            logprobs: None,
-            eos: vec![],
+            ..Default::default()
         };
         assert!(request.prompt.len() + request.max_tokens > 3 * model.config.sliding_window);
         let plain = generate(&model, &request, |_| {}).unwrap();

@@ -67,9 +67,7 @@ fn greedy_output_with_dspark_equals_plain_decoding_past_the_window() {
         prompt: vec![2, 17, 40, 9, 33, 17, 40, 9, 61, 5],
         max_tokens: 60,
         sampling: SamplingParams::default(),
-        penalties: Default::default(),
-        logprobs: None,
-        eos: vec![],
+        ..Default::default()
     };
     let plain = generate(&model, &request, |_| {}).unwrap();
     for gamma in [1, 2, 4] {

@@ -104,9 +104,7 @@ fn check_model(name: &str, model_dir: &Path, oracle_dir: &Path, wraps: usize, to
         prompt: o.prompt.clone(),
         max_tokens: o.tokens.len(),
         sampling: SamplingParams::default(),
-        penalties: Default::default(),
-        logprobs: None,
-        eos: vec![],
+        ..Default::default()
     };
     let generated = generate(&model, &request, |_| {}).unwrap();
     assert_eq!(generated.tokens, o.tokens, "{name}: the decoding loop differs from mlx-lm");

@@ -224,14 +224,8 @@ fn nan_weights_stop_generation_naming_the_step_and_check_model_names_the_tensor(
     });
     host::runtime::init();
     let model = load(&dir).expect("NaN weights load; generation finds them");
-    let request = Request {
-        prompt: vec![2, 17, 40],
-        max_tokens: 8,
-        sampling: SamplingParams::default(),
-        penalties: Default::default(),
-        logprobs: None,
-        eos: vec![],
-    };
+    let request =
+        Request { prompt: vec![2, 17, 40], max_tokens: 8, sampling: SamplingParams::default(), ..Default::default() };
     let e = generate(&model, &request, |_| {}).unwrap_err().to_string();
     assert!(e.contains("logits for output token 0 are NaN or infinite"), "{e}");
 

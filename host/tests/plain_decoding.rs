@@ -28,14 +28,7 @@ fn a_step_is_built_on_the_last_token_before_it_is_read() {
     let model = load(&dir).unwrap();
     let sampled = SamplingParams { temperature: 0.8, top_p: 0.9, seed: 3, ..Default::default() };
     for params in [SamplingParams::default(), sampled] {
-        let request = Request {
-            prompt: PROMPT.to_vec(),
-            max_tokens: 2,
-            sampling: params,
-            penalties: Default::default(),
-            logprobs: None,
-            eos: vec![],
-        };
+        let request = Request { prompt: PROMPT.to_vec(), max_tokens: 2, sampling: params, ..Default::default() };
         let plain = generate(&model, &request, |_| ()).unwrap().tokens;
         let mut caches = model.make_caches(1, 0);
         let prompt_logits =
@@ -61,14 +54,8 @@ fn a_step_queued_past_the_end_is_not_counted() {
     host::runtime::init();
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/gemma4/ple-kvshare");
     let model = load(&dir).unwrap();
-    let request = Request {
-        prompt: PROMPT.to_vec(),
-        max_tokens: 16,
-        sampling: SamplingParams::default(),
-        penalties: Default::default(),
-        logprobs: None,
-        eos: vec![],
-    };
+    let request =
+        Request { prompt: PROMPT.to_vec(), max_tokens: 16, sampling: SamplingParams::default(), ..Default::default() };
     let plain = generate(&model, &request, |_| ()).unwrap().tokens;
     let at = (1..plain.len()).find(|&i| !plain[..i].contains(&plain[i])).expect("a token not seen before it");
     let ended = generate(&model, &Request { eos: vec![plain[at]], ..request }, |_| ()).unwrap();

@@ -50,14 +50,7 @@ fn plain_decoding_waits_once_per_token() {
     host::runtime::init();
     let model = load(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/gemma4/ple-kvshare")).unwrap();
     for params in settings() {
-        let request = Request {
-            prompt: PROMPT.to_vec(),
-            max_tokens: 24,
-            sampling: params,
-            penalties: Default::default(),
-            logprobs: None,
-            eos: vec![],
-        };
+        let request = Request { prompt: PROMPT.to_vec(), max_tokens: 24, sampling: params, ..Default::default() };
         let mut counts = Vec::new();
         generate(&model, &request, waits_at_tokens(&mut counts)).unwrap();
         assert_eq!(counts.len(), 24);
@@ -99,14 +92,7 @@ fn pairings() -> Vec<(&'static str, Pairing)> {
 fn a_speculative_round_waits_once() {
     for (name, (model, drafter, prompt)) in pairings() {
         for params in settings() {
-            let request = Request {
-                prompt: prompt.clone(),
-                max_tokens: 40,
-                sampling: params,
-                penalties: Default::default(),
-                logprobs: None,
-                eos: vec![],
-            };
+            let request = Request { prompt: prompt.clone(), max_tokens: 40, sampling: params, ..Default::default() };
             let plain = generate(&model, &request, |_| ()).unwrap().tokens;
             rounds_wait(name, &model, &drafter, &request, &plain, per_step());
         }
@@ -224,14 +210,7 @@ impl GroupedDraftProvider for ScriptedRows {
 fn device_drafts_share_the_rounds_wait() {
     let (model, _, prompt) = demo("ngram", None, "");
     for params in settings() {
-        let request = Request {
-            prompt: prompt.clone(),
-            max_tokens: 40,
-            sampling: params,
-            penalties: Default::default(),
-            logprobs: None,
-            eos: vec![],
-        };
+        let request = Request { prompt: prompt.clone(), max_tokens: 40, sampling: params, ..Default::default() };
         let plain = generate(&model, &request, |_| ()).unwrap().tokens;
         let options = format!("script = {plain:?}");
         let drafter = LoadedDrafter::load_root(sdk::root_module::<Scripted>(), "scripted", None, &options).unwrap();

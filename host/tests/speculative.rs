@@ -32,14 +32,7 @@ fn model(name: &str) -> Rc<Gemma4> {
 const PROMPT: [u32; 12] = [2, 17, 40, 9, 33, 17, 40, 9, 61, 5, 17, 40];
 
 fn request(max_tokens: usize, sampling: SamplingParams) -> Request {
-    Request {
-        prompt: PROMPT.to_vec(),
-        max_tokens,
-        sampling,
-        penalties: Default::default(),
-        logprobs: None,
-        eos: vec![],
-    }
+    Request { prompt: PROMPT.to_vec(), max_tokens, sampling, ..Default::default() }
 }
 
 fn greedy() -> SamplingParams {
@@ -521,9 +514,7 @@ fn rejection_sampling_emits_the_targets_distribution() {
                 prompt: PROMPT.to_vec(),
                 max_tokens: 2,
                 sampling: params(batch * rows + r),
-                penalties: Default::default(),
-                logprobs: None,
-                eos: vec![],
+                ..Default::default()
             })
             .collect();
         let config = SpecConfig::new(1, Verify::Rejection);
@@ -567,9 +558,7 @@ fn four_rows_in_one_batch_equal_four_single_runs() {
             prompt: p.clone(),
             max_tokens: 30 + 17 * i,
             sampling: if i % 2 == 0 { greedy() } else { sampled(i as u64) },
-            penalties: Default::default(),
-            logprobs: None,
-            eos: vec![],
+            ..Default::default()
         })
         .collect();
     for gamma in [2, 4] {
@@ -596,8 +585,7 @@ fn rows_joining_and_leaving_mid_flight_equal_single_runs() {
             max_tokens: 20 + 9 * i,
             sampling: if i % 2 == 0 { greedy() } else { sampled(40 + i as u64) },
             penalties: if i % 3 == 1 { penalties() } else { Default::default() },
-            logprobs: None,
-            eos: vec![],
+            ..Default::default()
         })
         .collect();
     join_and_leave_mid_flight(&model("ple-kvshare"), &requests);
@@ -618,8 +606,7 @@ fn rows_joining_and_leaving_mid_flight_on_the_bfloat16_demo_target_equal_single_
             max_tokens: 40 + 11 * i,
             sampling: if i % 2 == 0 { greedy() } else { sampled(40 + i as u64) },
             penalties: if i % 3 == 1 { penalties() } else { Default::default() },
-            logprobs: None,
-            eos: vec![],
+            ..Default::default()
         })
         .collect();
     join_and_leave_mid_flight(&m, &requests);
@@ -749,14 +736,7 @@ fn a_prompt_extending_a_cached_one_gives_the_same_output() {
                 LiveBatch::new(&m, with_drafter.then_some(&drafter), config).unwrap().with_prefix_cache(64 << 20);
             let mut outputs = Vec::new();
             for (i, prompt) in [&first, &longer].into_iter().enumerate() {
-                let request = Request {
-                    prompt: prompt.clone(),
-                    max_tokens: 40,
-                    sampling,
-                    penalties: Default::default(),
-                    logprobs: None,
-                    eos: vec![],
-                };
+                let request = Request { prompt: prompt.clone(), max_tokens: 40, sampling, ..Default::default() };
                 batch.join(i, request.clone(), |_| Flow::Continue).unwrap();
                 let mut done = Vec::new();
                 while !batch.is_empty() {
@@ -805,14 +785,7 @@ fn greedy_speculation_on_the_bfloat16_demo_target_equals_plain_greedy() {
     for text in openings {
         let prompt = tokenizer.encode(text).unwrap();
         assert!(prompt.len() > 32 && prompt[0] == 2, "{prompt:?}");
-        let r = Request {
-            prompt,
-            max_tokens: 160,
-            sampling: greedy(),
-            penalties: Default::default(),
-            logprobs: None,
-            eos: vec![],
-        };
+        let r = Request { prompt, max_tokens: 160, sampling: greedy(), ..Default::default() };
         let expected = plain(&m, &r);
         for gamma in [1, 3] {
             let g = spec(&m, &ngram(), &r, gamma);

@@ -111,14 +111,7 @@ fn greedy_output_equals_plain_decoding_and_tau_holds() {
     let drafters: Vec<_> = TRAINED.iter().map(|t| drafter(t, &model)).collect();
     let mut counts = vec![(0, 0); TRAINED.len()];
     for prompt in prompts(&tokenizer) {
-        let request = Request {
-            prompt,
-            max_tokens: 256,
-            sampling: SamplingParams::default(),
-            penalties: Default::default(),
-            logprobs: None,
-            eos: vec![],
-        };
+        let request = Request { prompt, max_tokens: 256, sampling: SamplingParams::default(), ..Default::default() };
         let plain = generate(&model, &request, |_| {}).unwrap();
         for ((t, drafter), (generated, forwards)) in TRAINED.iter().zip(&drafters).zip(&mut counts) {
             let config = SpecConfig::new(t.gamma, Verify::Match);
@@ -156,9 +149,7 @@ fn a_drafter_that_sat_out_rounds_catches_up() {
         prompt: prompts[i].clone(),
         max_tokens,
         sampling: SamplingParams::default(),
-        penalties: Default::default(),
-        logprobs: None,
-        eos: vec![],
+        ..Default::default()
     };
     // Rows 0 and 1 outlast rows 2 to 4, which keep five rows sharing the rounds for 70 tokens.
     let requests = [request(0, 150), request(1, 150), request(2, 70), request(2, 70), request(2, 70)];
@@ -216,14 +207,7 @@ fn threads_named(name: &str) -> usize {
 fn drafters_run_their_products_on_the_hosts_helper() {
     let (model, tokenizer) = target();
     let prompt = prompts(&tokenizer).remove(0);
-    let request = Request {
-        prompt,
-        max_tokens: 24,
-        sampling: SamplingParams::default(),
-        penalties: Default::default(),
-        logprobs: None,
-        eos: vec![],
-    };
+    let request = Request { prompt, max_tokens: 24, sampling: SamplingParams::default(), ..Default::default() };
     for t in TRAINED {
         let config = SpecConfig::new(t.gamma, Verify::Match);
         let spec = generate_speculative(&model, &drafter(t, &model), &request, config, |_| {}).unwrap();

@@ -152,9 +152,7 @@ pub fn check(setup: &Setup) -> Report {
         prompt: prompt.clone(),
         max_tokens: setup.max_tokens,
         sampling,
-        penalties: Default::default(),
-        logprobs: None,
-        eos: Vec::new(),
+        ..Request::default()
     };
     let greedy = SamplingParams::default();
     let sampled = |seed| SamplingParams { temperature: 0.8, top_p: 0.95, seed, ..SamplingParams::default() };

@@ -165,9 +165,8 @@ mod tests {
             prompt: vec![2],
             max_tokens,
             sampling: SamplingParams { temperature, seed: 3, ..Default::default() },
-            penalties: Default::default(),
-            logprobs: None,
             eos: vec![EOS],
+            ..Default::default()
         }
     }
 

@@ -48,9 +48,8 @@ impl Acceptance {
     pub fn record(&mut self, drafted: usize, accepted: usize) {
         if drafted == 0 {
             // Evidence fades while the row does not draft, so that it tries again.
-            for counts in [&mut self.after_hit, &mut self.after_miss] {
-                counts.reached.iter_mut().chain(&mut counts.accepted).for_each(|c| *c *= DECAY);
-            }
+            self.after_hit.fade();
+            self.after_miss.fade();
             return;
         }
         if self.missed { &mut self.after_miss } else { &mut self.after_hit }.record(drafted, accepted);
@@ -66,11 +65,18 @@ impl Acceptance {
 
 impl Counts {
     fn record(&mut self, drafted: usize, accepted: usize) {
-        for k in 0..AUTO_MOST {
-            let reached = k < drafted && k <= accepted;
-            self.reached[k] = self.reached[k] * DECAY + f64::from(u8::from(reached));
-            self.accepted[k] = self.accepted[k] * DECAY + f64::from(u8::from(k < accepted));
+        self.fade();
+        for k in 0..accepted.min(AUTO_MOST) {
+            self.accepted[k] += 1.0;
         }
+        for k in 0..drafted.min(accepted + 1).min(AUTO_MOST) {
+            self.reached[k] += 1.0;
+        }
+    }
+
+    /// Weighs what the counts hold by [`DECAY`].
+    fn fade(&mut self) {
+        self.reached.iter_mut().chain(&mut self.accepted).for_each(|c| *c *= DECAY);
     }
 
     /// Each position's acceptance once the drafts before it were accepted, from the counts
@@ -126,7 +132,12 @@ impl RoundCosts {
 
     /// A verify forward over `tokens` window tokens (all rows together).
     pub fn verify(&self, tokens: usize) -> f64 {
-        (self.fixed + self.per_token * tokens as f64) * self.scale
+        self.measured(tokens) * self.scale
+    }
+
+    /// The measurement's line at `tokens`.
+    fn measured(&self, tokens: usize) -> f64 {
+        self.fixed + self.per_token * tokens as f64
     }
 
     /// Drafting `depth` tokens and committing the round: the line through the rounds' times,
@@ -144,7 +155,7 @@ impl RoundCosts {
         if !self.learns {
             return;
         }
-        let predicted = self.verify(tokens) / self.scale;
+        let predicted = self.measured(tokens);
         if predicted > 0.0 && verify_ms.is_finite() {
             self.scale += LEARNING_RATE * (verify_ms / predicted - self.scale);
         }

@@ -67,8 +67,7 @@ pub fn assert_rejection_keeps_the_first_token_distribution(
                 max_tokens: 3,
                 sampling: params(batch * rows + r),
                 penalties: penalties.clone(),
-                logprobs: None,
-                eos: vec![],
+                ..Default::default()
             })
             .collect();
         let config = SpecConfig::new(gamma, Verify::Rejection);
