@@ -17,8 +17,11 @@
 //!   for one row; without the widening the loads are the limit. Each product of two bfloat16
 //!   values is exact in float32, so every step is a float32 multiply-add as in the other routes,
 //!   in another order.
-//! - quantized weights where the CPU has AVX-512 ([`crate::quantized_avx512`]): dequantized in
-//!   registers straight from their packed bytes;
+//! - quantized weights times bfloat16 activations where the CPU has AVX-512 BF16
+//!   ([`crate::quantized_bf16_avx512`]): per group, scale · Σ q·x + bias · Σ x, the integers made
+//!   bfloat16 in registers and multiplied 32 at a time by `vdpbf16ps`;
+//! - other quantized products where the CPU has AVX-512 ([`crate::quantized_avx512`]):
+//!   dequantized in registers straight from their packed bytes;
 //! - quantized weights on other CPUs with AVX2 ([`crate::quantized_f32_avx2`]): per group,
 //!   scale · Σ q·x + bias · Σ x;
 //! - AVX2 with FMA for everything else where the CPU has it; up to six rows of half-precision
@@ -80,6 +83,15 @@ pub fn product(
             if activations_quantized(&w, k) {
                 // SAFETY: the CPU has AVX2, FMA and F16C, and the loops take this format (checked).
                 unsafe { super::quantized_avx2::product(x, rows, k, w, outputs, n, y) };
+                return;
+            }
+            let bf16_rows = x_dtype == Dtype::Bfloat16;
+            if bf16_rows
+                && super::quantized_bf16_avx512::takes(w.bits, w.group)
+                && super::quantized_bf16_avx512::available()
+            {
+                // SAFETY: the CPU has the features and the loops take this format (checked).
+                unsafe { super::quantized_bf16_avx512::product(x, rows, k, w, outputs, n, y) };
                 return;
             }
             if super::quantized_avx512::takes(w.bits, w.group) && super::quantized_avx512::available() {

@@ -508,27 +508,30 @@ mod tests {
     #[test]
     fn quantized_products_equal_mlxs_float32_product_for_every_format_and_row_count() {
         for scale_dtype in [Dtype::Float32, Dtype::Bfloat16, Dtype::Float16] {
-            for (bits, group_size) in [(4, 32), (4, 64), (4, 128), (8, 32), (8, 64), (8, 128)] {
+            // Rows of 160 end in part of a block of the AVX-512 BF16 loops (128 4-bit or 64 8-bit
+            // elements).
+            let formats = [(4, 32, 256), (4, 64, 256), (4, 128, 256), (8, 32, 256), (8, 64, 256), (8, 128, 256)];
+            for (bits, group_size, k) in formats.into_iter().chain([(4, 32, 160), (8, 32, 160)]) {
                 // 52 outputs: whole register tiles and a tail.
-                let w = normal(&[52, 256], 5).as_dtype(scale_dtype).unwrap();
+                let w = normal(&[52, k], 5).as_dtype(scale_dtype).unwrap();
                 let (wq, scales, biases) = mlx_rs::ops::quantize(&w, group_size, bits).unwrap();
                 assert_eq!(scales.dtype(), scale_dtype);
                 let q = Quantization { group_size, bits };
                 let (packed, s, b) = (slice::<u32>(&wq).unwrap(), params(&scales).unwrap(), params(&biases).unwrap());
                 let weight =
                     dot::Quantized { packed, scales: s, biases: b, bits: bits as u32, group: group_size as usize };
-                let tolerance = tolerance(Weight::Quantized(weight), 256);
+                let tolerance = tolerance(Weight::Quantized(weight), k as usize);
                 for x_dtype in [Dtype::Float32, Dtype::Bfloat16, Dtype::Float16] {
                     // Half-precision rows beyond MAX_ROWS too: these loops serve every row count.
                     let extra = if x_dtype == Dtype::Float32 { None } else { Some(40) };
                     for rows in ROWS.into_iter().chain(extra) {
-                        let x = normal(&[rows, 256], 6 + rows as u64).as_dtype(x_dtype).unwrap();
+                        let x = normal(&[rows, k], 6 + rows as u64).as_dtype(x_dtype).unwrap();
                         let ours = small_product(&x, &wq, Some(&scales), Some(&biases), Some(q)).unwrap().unwrap();
                         assert_eq!(ours.dtype(), x_dtype);
                         let d = beyond_one_rounding(&ours, &mlx_in_float32(&x, &wq, &scales, &biases, q));
                         assert!(
                             d <= tolerance,
-                            "{bits} bits, group {group_size}, {scale_dtype:?}, {x_dtype:?}, {rows} rows: {d}"
+                            "{bits} bits, group {group_size}, k {k}, {scale_dtype:?}, {x_dtype:?}, {rows} rows: {d}"
                         );
                     }
                 }
@@ -573,13 +576,18 @@ mod tests {
         let floats: Vec<f32> = (0..n * k).map(|i| ((i * 53 % 97) as f32 - 48.0) / 40.0).collect();
         for w in [quantized(4), quantized(8), Weight::Bf16(&halves), Weight::F16(&halves), Weight::F32(&floats)] {
             let dispatched = |x: &[f32], rows, y: &mut [f32]| dot::product(x, Dtype::Float32, rows, k, w, 0..n, n, y);
+            // Rows of bfloat16 values, which take their own loops where the CPU has AVX-512 BF16.
+            let bf16_rows = |x: &[f32], rows, y: &mut [f32]| {
+                let x: Vec<f32> = x.iter().map(|&v| crate::arrays::round_to(Dtype::Bfloat16, v)).collect();
+                dot::product(&x, Dtype::Bfloat16, rows, k, w, 0..n, n, y)
+            };
             // The AVX2 loops too, which a CPU with AVX-512 does not take.
             #[cfg(target_arch = "x86_64")]
             // SAFETY: called only where the CPU has AVX2, FMA and F16C (checked below).
             let avx2 = |x: &[f32], rows, y: &mut [f32]| unsafe { dot::avx2::product(x, rows, k, w, 0..n, n, y) };
             type Product<'a> = &'a dyn Fn(&[f32], usize, &mut [f32]);
             #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
-            let mut routes: Vec<(&str, Product)> = vec![("dispatched", &dispatched)];
+            let mut routes: Vec<(&str, Product)> = vec![("dispatched", &dispatched), ("bfloat16 rows", &bf16_rows)];
             #[cfg(target_arch = "x86_64")]
             if crate::simd::has!("avx2") && crate::simd::has!("fma") && crate::simd::has!("f16c") {
                 routes.push(("AVX2", &avx2));
