@@ -98,12 +98,17 @@ unsafe fn sum_lanes_16(v: [__m512; 16]) -> __m512 {
 
 /// Asks for the line at element `i` of each of `rows` rows of `k` elements from `first`: where
 /// a register tile reads its own rows, in the rows after them (see `dot`'s `RegisterTile`).
+///
+/// Into L2, not L1: a core tracks few more misses into L1 than its loads make themselves, so
+/// requests for L1 wait behind them, where L2 takes many more at once. On Zen 4 decoding a 1.3B
+/// model went from 24 to 34 tok/s in 4 bits and from 11 to 15 in bfloat16 (`host run`, two runs
+/// each way), on the AVX2 loops too.
 #[inline(always)]
 pub fn prefetch_lines<T>(first: *const T, k: usize, rows: usize, i: usize) {
     for j in 0..rows {
         // SAFETY: a prefetch is a hint that never faults, whatever the address; SSE is part of
         // x86-64.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(first.wrapping_add(j * k + i).cast()) };
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(first.wrapping_add(j * k + i).cast()) };
     }
 }
 
