@@ -118,8 +118,8 @@ pub fn product(
 /// Whether quantized products of `w` (rows of `k`) take the integer loops, which round the
 /// activations to 8 bits ([`crate::quantized_avx2`]): asked for with
 /// `HOST_QUANTIZED_ACTIVATIONS=int8`, on any x86 CPU with AVX2 (with AVX-512 too: the user
-/// asked; weights repacked for AMX keep the tile unit). Otherwise quantized products sum the
-/// float32 products of dequantized weights.
+/// asked; weights repacked for AMX keep the tile unit). Otherwise quantized products sum in
+/// float32, on the activations as they are.
 pub fn activations_quantized(w: &Quantized, k: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
     {

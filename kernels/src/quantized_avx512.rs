@@ -1,5 +1,6 @@
 //! MLX affine-quantized weights (4 and 8 bits) times float32 rows, on AVX-512: the route of
-//! [`super::dot::product`] for quantized weights where the CPU has it.
+//! [`super::dot::product`] for quantized weights where the CPU has it, except for bfloat16
+//! activations on CPUs with AVX-512 BF16 ([`crate::quantized_bf16_avx512`]).
 //!
 //! Each weight is dequantized as MLX does (w = scale · q + bias, one multiply-add in float32)
 //! straight from its packed bytes into a register and multiplied into every row of x in the
@@ -12,11 +13,8 @@
 //! and the high nibbles the odd ones, so x is split once per call into the same even and odd
 //! halves of every 32 elements, and each half multiplies its own vector of weights.
 //!
-//! Two alternatives lose to this: for bfloat16 rows, `vdpbf16ps` on the integers themselves
-//! (exact in bfloat16, 32 per instruction), with scale and bias applied per group as MLX's Metal
-//! kernels do, is slower at every row count from one to sixteen (Zen 4); for 4-bit weights, each
-//! group's sixteen values made once and looked up by nibble (`vpermps`) is no faster, on Zen 4
-//! or on a Xeon with AMX.
+//! For 4-bit weights, each group's sixteen values made once and looked up by nibble (`vpermps`)
+//! is no faster, on Zen 4 or on a Xeon with AMX.
 
 use std::arch::x86_64::*;
 
