@@ -9,7 +9,7 @@
 //! each step is a float32 addition as in the other routes, in another order. The loops dequantizing
 //! into float32 ([`crate::quantized_avx512`]) spend a conversion and a multiply-add per weight
 //! before the product, which held a 4-bit product of one row below the machine's read rate and
-//! prefill at a quarter of the bfloat16 loops' speed.
+//! one of sixteen rows at half the bfloat16 loops' multiply-adds per second (Zen 4).
 //!
 //! Making the bfloat16 weights:
 //! - 4 bits: each 16-bit word of W holds four nibbles. Shifted right by 0, 4, 8 or 12, a word's
