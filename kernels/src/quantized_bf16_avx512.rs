@@ -33,7 +33,8 @@
 use std::arch::x86_64::*;
 
 use crate::lanes::{prefetch_lines, store_sums};
-use crate::weight::{Params, Quantized};
+use crate::weight::Quantized;
+use crate::widen_avx2::prefetch_params;
 
 /// Packed bytes per block: one 512-bit load.
 const BLOCK_BYTES: usize = 64;
@@ -155,8 +156,8 @@ pub unsafe fn product(
         let mut o = outputs.start;
         while o < outputs.end {
             let width = W_BLOCK.min(outputs.end - o);
-            let ahead = (o + PARAMS_AHEAD * W_BLOCK).min(outputs.end);
-            prefetch_params(&w, ahead * groups..(ahead + width).min(outputs.end) * groups);
+            let later = (o + PARAMS_AHEAD * W_BLOCK).min(outputs.end);
+            prefetch_params::<_MM_HINT_T1>(&w, k, later..(later + width).min(outputs.end));
             crate::widen_avx2::widen_params(w.scales, o * groups, &mut scales[..width * groups]);
             crate::widen_avx2::widen_params(w.biases, o * groups, &mut biases[..width * groups]);
             let ahead = width.min(outputs.end - o - width);
@@ -193,21 +194,6 @@ pub unsafe fn product(
                 m0 += block;
             }
             o += width;
-        }
-    }
-}
-
-/// Asks for the scales and biases `params` (indices into both) to be brought into L2.
-#[inline(always)]
-fn prefetch_params(w: &Quantized, params: std::ops::Range<usize>) {
-    for p in [w.scales, w.biases] {
-        let (base, size) = match p {
-            Params::F32(p) => (p.as_ptr() as *const u8, 4),
-            Params::Bf16(p) | Params::F16(p) => (p.as_ptr() as *const u8, 2),
-        };
-        for at in (params.start * size..params.end * size).step_by(64) {
-            // SAFETY: a prefetch is a hint that never faults, whatever the address.
-            unsafe { _mm_prefetch::<_MM_HINT_T1>(base.wrapping_add(at) as *const i8) };
         }
     }
 }

@@ -29,8 +29,8 @@
 use std::arch::x86_64::*;
 
 use crate::lanes::prefetch_lines;
-use crate::weight::{Params, Quantized, Weight};
-use crate::widen_avx2::{bias_terms, horizontal_sum, prefetch_rows, widen_params};
+use crate::weight::{Quantized, Weight};
+use crate::widen_avx2::{bias_terms, horizontal_sum, prefetch_params, prefetch_rows, widen_params};
 
 /// Weights per step of the loops: two vectors of eight.
 const STEP: usize = 16;
@@ -114,7 +114,11 @@ pub unsafe fn product(
                 widen_params(w.biases, o * groups, &mut biases[..count]);
             }
             // The next PARAMS_ROWS rows' scales and biases, a tile's worth at a time.
-            prefetch_params(&w, k, (o + PARAMS_ROWS).min(outputs.end)..(o + PARAMS_ROWS + width).min(outputs.end));
+            prefetch_params::<_MM_HINT_T0>(
+                &w,
+                k,
+                (o + PARAMS_ROWS).min(outputs.end)..(o + PARAMS_ROWS + width).min(outputs.end),
+            );
             let params = (o - params_from) * groups..(o - params_from + width) * groups;
             let bytes = (w.packed.as_ptr() as *const u8).add(o * row_bytes);
             if !widened.is_empty() {
@@ -156,23 +160,6 @@ pub unsafe fn product(
                 m0 += block;
             }
             o += width;
-        }
-    }
-}
-
-/// Asks for the scales and biases of W's rows `rows` (of `k`) while the rows before them are
-/// multiplied: each is read once per product, so it comes from memory (a prefetch never
-/// faults).
-#[inline(always)]
-unsafe fn prefetch_params(w: &Quantized, k: usize, rows: std::ops::Range<usize>) {
-    let groups = k / w.group;
-    for params in [w.scales, w.biases] {
-        let (base, size) = match params {
-            Params::F32(p) => (p.as_ptr() as *const u8, 4),
-            Params::Bf16(p) | Params::F16(p) => (p.as_ptr() as *const u8, 2),
-        };
-        for at in (rows.start * groups * size..rows.end * groups * size).step_by(64) {
-            _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(at) as *const i8);
         }
     }
 }

@@ -3,7 +3,7 @@
 
 use std::arch::x86_64::*;
 
-use crate::weight::{Params, Weight};
+use crate::weight::{Params, Quantized, Weight};
 
 /// Asks for W's rows `rows` (the next block) to be brought into cache while the current
 /// block is multiplied: each weight is read once per product, so it comes from memory, and
@@ -18,6 +18,24 @@ pub unsafe fn prefetch_rows(w: Weight, k: usize, rows: std::ops::Range<usize>) {
     };
     for at in (rows.start * row_bytes..rows.end * row_bytes).step_by(64) {
         _mm_prefetch::<_MM_HINT_T0>(base.add(at) as *const i8);
+    }
+}
+
+/// Asks for the scales and biases of W's rows `rows` (of `k`) into the cache level `HINT`
+/// names, while the rows before them are multiplied: each is read once per product, so it comes
+/// from memory.
+#[inline(always)]
+pub fn prefetch_params<const HINT: i32>(w: &Quantized, k: usize, rows: std::ops::Range<usize>) {
+    let groups = k / w.group;
+    for params in [w.scales, w.biases] {
+        let (base, size) = match params {
+            Params::F32(p) => (p.as_ptr() as *const u8, 4),
+            Params::Bf16(p) | Params::F16(p) => (p.as_ptr() as *const u8, 2),
+        };
+        for at in (rows.start * groups * size..rows.end * groups * size).step_by(64) {
+            // SAFETY: a prefetch is a hint that never faults, whatever the address.
+            unsafe { _mm_prefetch::<HINT>(base.wrapping_add(at) as *const i8) };
+        }
     }
 }
 
