@@ -21,6 +21,7 @@ use mlx_rs::{random, Array, Dtype};
 
 use crate::abi::{DraftRow, DrafterRootRef, RowGroupBox, RowState, TokenRows};
 use crate::device_draft::{DeviceDraft, DEVICE_DRAFT_ID};
+use crate::draft_tree::{DraftTree, Tree, TreeRow, DRAFT_TREE_ID};
 use crate::target::{DonorLayer, Donors, LayerKind, TargetInfo, TargetViewAbi, TargetViewAbi_TO, TargetViewBox};
 use crate::{sdk, ArrayRef, OwnedArray, PluginError, ProviderInfo};
 
@@ -231,6 +232,8 @@ pub struct Report {
     /// Tokens proposed over all rounds and rows: a drafter that never proposes passes the
     /// contract but exercises little of it.
     pub drafted: usize,
+    /// Nodes of the trees proposed (`draft-tree/1`), over all rounds and rows.
+    pub tree_nodes: usize,
 }
 
 impl Report {
@@ -385,10 +388,17 @@ fn run(root: DrafterRootRef, config: &Config, report: &mut Report) -> Option<()>
         return None;
     }
 
-    let device_draft = match device_draft_table(root) {
+    let device_draft = match extension_table::<DeviceDraft>(root, DEVICE_DRAFT_ID) {
         Ok(table) => table,
         Err(e) => {
             report.record("device-draft/1 extension", Err(e));
+            None
+        }
+    };
+    let draft_tree = match extension_table::<DraftTree>(root, DRAFT_TREE_ID) {
+        Ok(table) => table,
+        Err(e) => {
+            report.record("draft-tree/1 extension", Err(e));
             None
         }
     };
@@ -396,6 +406,35 @@ fn run(root: DrafterRootRef, config: &Config, report: &mut Report) -> Option<()>
     for round in 0..config.rounds {
         let depth = 1 + round % config.depth.max(1);
         let steps = vec![step; config.rows];
+        // Trees first, from b alone: b's chains then show that drafting a tree left its
+        // committed state as it was.
+        let mut trees = None;
+        if let Some(table) = &draft_tree {
+            let nodes = 2 * depth;
+            let mut ask = || {
+                let answer = (table.draft)(
+                    &mut b,
+                    pending.as_slice().into(),
+                    depth as u32,
+                    nodes as u32,
+                    steps.as_slice().into(),
+                );
+                answer.into_result().map_err(err).map(|t| t.into_option().map(plain_trees))
+            };
+            let checked = ask().and_then(|first| {
+                let again = ask()?;
+                check_trees(first.as_ref(), again.as_ref(), config.rows, depth, nodes, config.vocab_size)?;
+                Ok(first)
+            });
+            match checked {
+                Ok(t) => trees = t,
+                Err(e) => {
+                    report.record(&format!("draft trees (round {round})"), Err(e));
+                    return None;
+                }
+            }
+            report.record(&format!("draft trees (round {round})"), Ok(()));
+        }
         let drafted_a = a.draft(pending.as_slice().into(), depth as u32, steps.as_slice().into()).into_result();
         let drafted_b = b.draft(pending.as_slice().into(), depth as u32, steps.as_slice().into()).into_result();
         let (drafted_a, drafted_b) = match (drafted_a, drafted_b) {
@@ -426,9 +465,25 @@ fn run(root: DrafterRootRef, config: &Config, report: &mut Report) -> Option<()>
             report.record(&format!("drafts on the device (round {round})"), checked);
         }
 
-        // Simulate verification: accept a random prefix of each row's draft, then a new token.
-        let drafts = token_lists(&drafted_a);
+        // Simulate verification: accept a random prefix of each row's draft, then a new token;
+        // in every other round with trees, a random path of each row's tree, as the host
+        // commits a tree.
+        let mut drafts = token_lists(&drafted_a);
         report.drafted += drafts.iter().map(Vec::len).sum::<usize>();
+        if let Some(trees) = trees.filter(|_| round % 2 == 1) {
+            report.tree_nodes += trees.iter().map(|(t, _)| t.len()).sum::<usize>();
+            drafts = trees
+                .iter()
+                .map(|(t, _)| {
+                    let leaf = stream.next(t.len() as u32 + 1) as usize;
+                    if leaf == 0 {
+                        Vec::new()
+                    } else {
+                        t.path_to(leaf - 1).iter().map(|&i| t.tokens[i]).collect()
+                    }
+                })
+                .collect();
+        }
         let width = 1 + drafts.iter().map(Vec::len).max().unwrap_or(0);
         let mut window = Vec::with_capacity(config.rows * width);
         let mut accepted = Vec::with_capacity(config.rows);
@@ -463,10 +518,53 @@ fn run(root: DrafterRootRef, config: &Config, report: &mut Report) -> Option<()>
     Some(())
 }
 
-/// The plugin's `device-draft/1` table, if it offers one with the right layout.
-fn device_draft_table(root: DrafterRootRef) -> Result<Option<&'static DeviceDraft>, String> {
-    crate::extension::find(root, DEVICE_DRAFT_ID)
+/// The plugin's table of extension `id`, if it offers one with the right layout.
+fn extension_table<T: abi_stable::StableAbi>(root: DrafterRootRef, id: &str) -> Result<Option<&'static T>, String> {
+    crate::extension::find(root, id)
         .map_err(|report| format!("its layout differs from this crate's: {}", report.lines().next().unwrap_or("")))
+}
+
+/// Trees as the ABI carries them, in plain Rust.
+fn plain_trees(rows: RVec<TreeRow>) -> Vec<(Tree, Option<Array>)> {
+    rows.into_iter()
+        .map(|row| {
+            let (tree, p) = row.into();
+            (tree, p.map(OwnedArray::into_array))
+        })
+        .collect()
+}
+
+/// Every row's tree keeps the rules ([`Tree::check`]), its probabilities (if any) are [nodes,
+/// V], and the same inputs gave the same trees. None answered is legal, but not once of two.
+fn check_trees(
+    first: Option<&Vec<(Tree, Option<Array>)>>,
+    again: Option<&Vec<(Tree, Option<Array>)>>,
+    rows: usize,
+    depth: usize,
+    nodes: usize,
+    vocab: u32,
+) -> Result<(), String> {
+    let (first, again) = match (first, again) {
+        (None, None) => return Ok(()),
+        (Some(first), Some(again)) => (first, again),
+        _ => return Err("a tree once, none the second time for the same inputs".into()),
+    };
+    if first.len() != rows {
+        return Err(format!("{} trees for {rows} rows", first.len()));
+    }
+    for (r, (tree, p)) in first.iter().enumerate() {
+        tree.check(depth, nodes, vocab).map_err(|e| format!("row {r}: {e}"))?;
+        if let Some(p) = p {
+            if p.shape() != [tree.len() as i32, vocab as i32] {
+                return Err(format!("row {r}: probabilities of shape {:?} for {} nodes", p.shape(), tree.len()));
+            }
+        }
+    }
+    let trees = |t: &Vec<(Tree, Option<Array>)>| t.iter().map(|(t, _)| t.clone()).collect::<Vec<_>>();
+    if trees(first) != trees(again) {
+        return Err(format!("{:?} then {:?} for the same inputs", trees(first), trees(again)));
+    }
+    Ok(())
 }
 
 /// Device drafts, where a group gave them, are `draft`'s tokens: every row's `depth` of them.

@@ -60,7 +60,8 @@
 //! [`abi::DrafterRoot::extension`] (the plugin's) or `TargetViewAbi::extension` (the host's)
 //! and layout-checked on their own, so a newer host still loads older plugins (which answer
 //! that they have none) and an older host ignores what it does not know. API 1.1 added
-//! [`device_draft`], drafts left on the device. Source compatibility
+//! [`device_draft`], drafts left on the device; API 1.2 [`draft_tree`], trees of candidates
+//! verified in one forward. Source compatibility
 //! follows the same major: every public path of this crate, `plugin_api::nn::…` included,
 //! stays for its life (re-exported where an item moved), so a drafter that built against
 //! 1.x builds against any later 1.y.
@@ -81,6 +82,7 @@ pub mod config;
 pub mod conformance;
 pub mod descriptor;
 pub mod device_draft;
+pub mod draft_tree;
 pub mod error;
 pub mod extension;
 pub mod guide;

@@ -7,13 +7,20 @@ use std::marker::PhantomData;
 
 use mlx_rs::Array;
 
-use super::{DraftSource, Proposal, Snapshot};
+use super::{DraftSource, Proposal, Snapshot, TreeProposal};
+use crate::draft_tree::Tree;
 use crate::PluginError;
 
 /// How a drafter that reads only the row's text drafts.
 pub trait FromText: 'static {
     /// Up to `depth` tokens to follow `text` (the row's committed tokens, then its pending one).
     fn draft(&self, text: &[u32], depth: usize) -> Vec<u32>;
+
+    /// A tree of at most `nodes` nodes, no path longer than `depth`, to follow `text`; `None`
+    /// (the default): chains only.
+    fn draft_tree(&self, _text: &[u32], _depth: usize, _nodes: usize) -> Option<Tree> {
+        None
+    }
 }
 
 /// A row that remembers every token it committed and drafts through `D`, the row group's
@@ -48,6 +55,21 @@ impl<D: FromText> DraftSource for TextRow<D> {
         let found = drafter.draft(&self.text, depth);
         self.text.pop();
         Ok(Proposal::tokens(found))
+    }
+
+    fn draft_tree(
+        &mut self,
+        drafter: &D,
+        _row: usize,
+        pending: u32,
+        depth: usize,
+        nodes: usize,
+        _: u64,
+    ) -> Result<Option<TreeProposal>, PluginError> {
+        self.text.push(pending);
+        let found = drafter.draft_tree(&self.text, depth, nodes);
+        self.text.pop();
+        Ok(found.map(|tree| TreeProposal { tree, probabilities: None }))
     }
 
     fn commit(&mut self, _: &D, kept: &[u32], _context: Option<&Array>) -> Result<(), PluginError> {

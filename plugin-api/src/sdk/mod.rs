@@ -22,6 +22,7 @@ use crate::abi::{
     RowGroupAbi_TO, RowGroupBox, RowState, TokenRows,
 };
 use crate::device_draft::{DeviceDraft, DEVICE_DRAFT_ID};
+use crate::draft_tree::{DraftTree, Tree, TreeRow, DRAFT_TREE_ID};
 use crate::target::{Donors, TargetInfo, TargetViewBox};
 use crate::{ArrayRef, Descriptor, ErrorKind, OwnedArray, PluginError, ProviderInfo};
 
@@ -77,6 +78,18 @@ pub trait GroupedDraftProvider: 'static {
     ) -> Result<Option<Array>, PluginError> {
         Ok(None)
     }
+    /// A tree per row after its `pending` token, at most `nodes` nodes and no path longer than
+    /// `depth` (the `draft-tree/1` extension), under [`draft`](Self::draft)'s rules. The host
+    /// then commits the accepted path as a chain. `None` (the default): draft chains.
+    fn draft_tree(
+        &mut self,
+        _pending: &[u32],
+        _depth: usize,
+        _nodes: usize,
+        _steps: &[u64],
+    ) -> Result<Option<Vec<TreeProposal>>, PluginError> {
+        Ok(None)
+    }
 }
 
 pub mod lookup;
@@ -93,6 +106,21 @@ pub struct Proposal {
 impl Proposal {
     pub fn tokens(tokens: Vec<u32>) -> Self {
         Proposal { tokens, probabilities: None }
+    }
+}
+
+/// One row's tree, in plain Rust: its nodes and, when the drafter returns probabilities, the
+/// distribution each node was drawn from [nodes, V] ([`TreeRow`]).
+#[derive(Debug, Default)]
+pub struct TreeProposal {
+    pub tree: Tree,
+    pub probabilities: Option<Array>,
+}
+
+impl From<Proposal> for TreeProposal {
+    /// A chain's proposal as a tree of one branch.
+    fn from(chain: Proposal) -> Self {
+        TreeProposal { tree: Tree::chain(&chain.tokens), probabilities: chain.probabilities }
     }
 }
 
@@ -258,7 +286,8 @@ impl<P: DraftProvider> ProviderAbi for ProviderAdapter<P> {
     fn open(&self, target: TargetViewBox, rows: u32) -> RResult<RowGroupBox, PluginError> {
         guard("open", || {
             let group = self.0.open(Target::new(target), rows as usize)?;
-            // Downcastable, so that the extension `device-draft/1` finds the group behind the box.
+            // Downcastable, so that the extensions `device-draft/1` and `draft-tree/1` find the
+            // group behind the box.
             Ok(RowGroupAbi_TO::from_value(RowsAdapter(group), TD_CanDowncast))
         })
     }
@@ -339,7 +368,18 @@ extern "C" fn extension_entry<D: Drafter>(id: RStr<'_>) -> ROption<Extension> {
     if id.as_str() == DEVICE_DRAFT_ID {
         return ROption::RSome(Extension::of(DeviceDrafts::<<D::Provider as DraftProvider>::Rows>::TABLE));
     }
+    if id.as_str() == DRAFT_TREE_ID {
+        return ROption::RSome(Extension::of(TreeDrafts::<<D::Provider as DraftProvider>::Rows>::TABLE));
+    }
     catch_unwind(|| D::extension(id.as_str())).ok().flatten().into()
+}
+
+/// The group behind `group`, a box this SDK made for groups of type `R`.
+fn rows_of<'a, R: GroupedDraftProvider>(group: &'a mut RowGroupBox, call: &str) -> Result<&'a mut R, PluginError> {
+    match group.obj.downcast_as_mut::<RowsAdapter<R>>() {
+        Ok(RowsAdapter(rows)) => Ok(rows),
+        Err(_) => Err(PluginError::invalid_argument(format!("{call}: a row group this drafter did not open"))),
+    }
 }
 
 /// The `device-draft/1` table of the groups of type `R`.
@@ -356,10 +396,40 @@ extern "C" fn device_draft_entry<R: GroupedDraftProvider>(
     steps: RSlice<'_, u64>,
 ) -> RResult<ROption<OwnedArray>, PluginError> {
     guard("draft_on_device", || {
-        let Ok(RowsAdapter(rows)) = group.obj.downcast_as_mut::<RowsAdapter<R>>() else {
-            return Err(PluginError::invalid_argument("draft_on_device: a row group this drafter did not open"));
-        };
+        let rows = rows_of::<R>(group, "draft_on_device")?;
         Ok(rows.draft_on_device(pending.as_slice(), depth as usize, steps.as_slice())?.map(OwnedArray::new).into())
+    })
+}
+
+/// The `draft-tree/1` table of the groups of type `R`.
+struct TreeDrafts<R>(std::marker::PhantomData<R>);
+
+impl<R: GroupedDraftProvider> TreeDrafts<R> {
+    const TABLE: &'static DraftTree = &DraftTree { draft: draft_tree_entry::<R> };
+}
+
+extern "C" fn draft_tree_entry<R: GroupedDraftProvider>(
+    group: &mut RowGroupBox,
+    pending: RSlice<'_, u32>,
+    depth: u32,
+    nodes: u32,
+    steps: RSlice<'_, u64>,
+) -> RResult<ROption<RVec<TreeRow>>, PluginError> {
+    guard("draft_tree", || {
+        let rows = rows_of::<R>(group, "draft_tree")?;
+        let trees = rows.draft_tree(pending.as_slice(), depth as usize, nodes as usize, steps.as_slice())?;
+        Ok(trees
+            .map(|trees| {
+                trees
+                    .into_iter()
+                    .map(|t| TreeRow {
+                        tokens: t.tree.tokens.into(),
+                        parents: t.tree.parents.into(),
+                        probabilities: t.probabilities.map(OwnedArray::new).into(),
+                    })
+                    .collect()
+            })
+            .into())
     })
 }
 

@@ -6,7 +6,7 @@ use std::marker::PhantomData;
 
 use mlx_rs::Array;
 
-use super::{GroupedDraftProvider, Proposal};
+use super::{GroupedDraftProvider, Proposal, TreeProposal};
 use crate::abi::{RowState, TokenRows};
 use crate::nn::{row_span, LayerContext};
 use crate::{OwnedArray, PluginError};
@@ -55,6 +55,21 @@ pub trait DraftSource: Clone + 'static {
         _depth: usize,
         _steps: &[u64],
     ) -> Result<Option<Array>, PluginError> {
+        Ok(None)
+    }
+
+    /// A tree of at most `nodes` nodes, no path longer than `depth`, to follow `pending` (the
+    /// `draft-tree/1` extension), under [`draft`](Self::draft)'s rules. `None` (the default):
+    /// this row drafts a chain through `draft`.
+    fn draft_tree(
+        &mut self,
+        _shared: &Self::Shared,
+        _row: usize,
+        _pending: u32,
+        _depth: usize,
+        _nodes: usize,
+        _step: u64,
+    ) -> Result<Option<TreeProposal>, PluginError> {
         Ok(None)
     }
 
@@ -148,6 +163,34 @@ impl<S: DraftSource> GroupedDraftProvider for SourceRows<S> {
         self.check_rows("draft", pending.len())?;
         self.check_rows("draft's steps", steps.len())?;
         S::draft_rows_on_device(&self.shared, &mut self.rows, pending, depth, steps)
+    }
+
+    /// Each row's tree; a row without one drafts a chain (as deep as the budget allows), unless
+    /// no row has a tree.
+    fn draft_tree(
+        &mut self,
+        pending: &[u32],
+        depth: usize,
+        nodes: usize,
+        steps: &[u64],
+    ) -> Result<Option<Vec<TreeProposal>>, PluginError> {
+        self.check_rows("draft_tree", pending.len())?;
+        self.check_rows("draft_tree's steps", steps.len())?;
+        let mut trees = Vec::with_capacity(self.rows.len());
+        for (r, row) in self.rows.iter_mut().enumerate() {
+            trees.push(row.draft_tree(&self.shared, r, pending[r], depth, nodes, steps[r])?);
+        }
+        if trees.iter().all(Option::is_none) {
+            return Ok(None);
+        }
+        let mut rows = Vec::with_capacity(trees.len());
+        for (r, tree) in trees.into_iter().enumerate() {
+            rows.push(match tree {
+                Some(tree) => tree,
+                None => self.rows[r].draft(&self.shared, r, pending[r], depth.min(nodes), steps[r])?.into(),
+            });
+        }
+        Ok(Some(rows))
     }
 
     fn commit(&mut self, window: TokenRows<'_>, accepted: &[u32], context: Option<Array>) -> Result<(), PluginError> {

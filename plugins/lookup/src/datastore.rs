@@ -5,9 +5,12 @@
 //! "REST: Retrieval-Based Speculative Decoding"); llama.cpp's static lookup cache counts the
 //! same continuations in a hash table of n-grams.
 
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
 use std::ops::Range;
 use std::path::Path;
 
+use plugin_api::draft_tree::Tree;
 use plugin_api::PluginError;
 use safetensors::{Dtype as SafeDtype, SafeTensors};
 
@@ -116,22 +119,41 @@ impl Datastore {
         start..end
     }
 
-    /// Among the suffixes of `range`, which agree on their first `offset` tokens, the most
-    /// frequent token at `offset` (the lowest on ties) and its suffixes. Those are consecutive:
-    /// the range is ordered by that token, suffixes too short to have one first.
-    fn most_frequent(&self, range: Range<usize>, offset: usize) -> Option<(u32, Range<usize>)> {
+    /// The suffixes of `range`, which agree on their first `offset` tokens, grouped by their
+    /// token at `offset`, in token order: consecutive, as the range is ordered by that token
+    /// (suffixes too short to have one first, left out).
+    fn groups(&self, range: Range<usize>, offset: usize) -> Vec<(u32, Range<usize>)> {
         let suffixes = &self.suffixes[range.clone()];
         let mut at = suffixes.partition_point(|&s| self.token(s, offset).is_none());
-        let mut best: Option<(u32, Range<usize>)> = None;
+        let mut groups = Vec::new();
         while at < suffixes.len() {
             let token = self.token(suffixes[at], offset).expect("past the short suffixes");
             let end = at + suffixes[at..].partition_point(|&s| self.token(s, offset) == Some(token));
-            if best.as_ref().is_none_or(|(_, b)| end - at > b.len()) {
-                best = Some((token, range.start + at..range.start + end));
-            }
+            groups.push((token, range.start + at..range.start + end));
             at = end;
         }
+        groups
+    }
+
+    /// The most frequent token at `offset` among the suffixes of `range` (the lowest on ties)
+    /// and its suffixes.
+    fn most_frequent(&self, range: Range<usize>, offset: usize) -> Option<(u32, Range<usize>)> {
+        let mut best: Option<(u32, Range<usize>)> = None;
+        for (token, group) in self.groups(range, offset) {
+            if best.as_ref().is_none_or(|(_, b)| group.len() > b.len()) {
+                best = Some((token, group));
+            }
+        }
         best
+    }
+
+    /// The longest trailing n-gram of `text` (n at most `longest`) that occurs here, as a range
+    /// of suffixes, with n; None where no n-gram occurs.
+    fn longest_match(&self, text: &[u32], longest: usize) -> Option<(usize, Range<usize>)> {
+        (1..=longest.min(text.len()).min(SORTED))
+            .rev()
+            .map(|n| (n, self.occurrences(&text[text.len() - n..])))
+            .find(|(_, range)| !range.is_empty())
     }
 
     /// The longest trailing n-gram of `text` (n at most `longest`) that occurs here: n, and up
@@ -139,28 +161,94 @@ impl Datastore {
     /// most frequent after both, and so on, stopping where that token follows less than
     /// `min_share` of the places the draft so far occurred. (0, none) where no n-gram occurs.
     pub fn continuation(&self, text: &[u32], longest: usize, depth: usize, min_share: f64) -> (usize, Vec<u32>) {
-        for n in (1..=longest.min(text.len()).min(SORTED)).rev() {
-            let mut range = self.occurrences(&text[text.len() - n..]);
-            if range.is_empty() {
-                continue;
+        let Some((n, mut range)) = self.longest_match(text, longest) else { return (0, Vec::new()) };
+        let mut draft = Vec::new();
+        for offset in n..(n + depth).min(SORTED) {
+            let Some((token, group)) = self.most_frequent(range.clone(), offset) else { break };
+            if (group.len() as f64) < min_share * range.len() as f64 {
+                break;
             }
-            let mut draft = Vec::new();
-            for offset in n..(n + depth).min(SORTED) {
-                let Some((token, group)) = self.most_frequent(range.clone(), offset) else { break };
-                if (group.len() as f64) < min_share * range.len() as f64 {
-                    break;
-                }
-                draft.push(token);
-                range = group;
-            }
-            return (n, draft);
+            draft.push(token);
+            range = group;
         }
-        (0, Vec::new())
+        (n, draft)
+    }
+
+    /// As [`continuation`](Self::continuation), every continuation at once as a tree of at
+    /// most `nodes` nodes, the most frequent paths first (REST's trie of retrieved
+    /// continuations): each node is a token that followed its path in at least `min_share`
+    /// of the path's occurrences, and the nodes kept are those that followed the longest
+    /// n-gram most often. The n-gram's length, and the tree.
+    pub fn continuations(
+        &self,
+        text: &[u32],
+        longest: usize,
+        depth: usize,
+        nodes: usize,
+        min_share: f64,
+    ) -> (usize, Tree) {
+        let mut tree = Tree::default();
+        let Some((n, range)) = self.longest_match(text, longest) else { return (0, tree) };
+        let mut frontier = Frontier::new(self, (n + depth).min(SORTED), min_share);
+        frontier.offer(None, range, n);
+        while tree.len() < nodes {
+            let Some(c) = frontier.next() else { break };
+            let node = tree.push(c.parent, c.token);
+            frontier.offer(Some(node), c.range, c.offset + 1);
+        }
+        (n, tree)
+    }
+}
+
+/// The nodes [`Datastore::continuations`] may add next, the most frequent first.
+struct Frontier<'a> {
+    store: &'a Datastore,
+    /// The offset no path reaches.
+    end: usize,
+    min_share: f64,
+    candidates: Vec<Candidate>,
+    /// Candidates by occurrences, ties to the one found first.
+    order: BinaryHeap<(usize, Reverse<usize>)>,
+}
+
+/// A node that may follow `parent`: `token`, with the suffixes that continue its path.
+#[derive(Clone)]
+struct Candidate {
+    parent: Option<usize>,
+    token: u32,
+    range: Range<usize>,
+    offset: usize,
+}
+
+impl<'a> Frontier<'a> {
+    fn new(store: &'a Datastore, end: usize, min_share: f64) -> Self {
+        Frontier { store, end, min_share, candidates: Vec::new(), order: BinaryHeap::new() }
+    }
+
+    /// Offers the tokens that follow a path (after node `parent`) at `offset` in its suffixes
+    /// `range`, each that follows at least `min_share` of them.
+    fn offer(&mut self, parent: Option<usize>, range: Range<usize>, offset: usize) {
+        if offset >= self.end {
+            return;
+        }
+        for (token, group) in self.store.groups(range.clone(), offset) {
+            if (group.len() as f64) >= self.min_share * range.len() as f64 {
+                self.order.push((group.len(), Reverse(self.candidates.len())));
+                self.candidates.push(Candidate { parent, token, range: group, offset });
+            }
+        }
+    }
+
+    fn next(&mut self) -> Option<Candidate> {
+        let (_, Reverse(i)) = self.order.pop()?;
+        Some(self.candidates[i].clone())
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use plugin_api::draft_tree::ROOT;
+
     use super::*;
 
     /// Every suffix of a text in order: each is no greater than the next by its first
@@ -198,6 +286,26 @@ mod tests {
         let store = Datastore::new(vec![1, 2, 8, 0, 5, 2, 6]);
         assert_eq!(store.continuation(&[9, 2], 2, 1, 0.0), (1, vec![6]));
         assert_eq!(store.continuation(&[1, 2], 2, 1, 0.0), (2, vec![8]));
+    }
+
+    #[test]
+    fn a_tree_holds_the_most_frequent_paths_first() {
+        // After "1 2": "3 5" three times, "3 6" once, "4 7" twice.
+        let store = Datastore::new(vec![
+            1, 2, 3, 5, 0, 1, 2, 3, 5, 0, 1, 2, 3, 5, 0, 1, 2, 3, 6, 0, 1, 2, 4, 7, 0, 1, 2, 4, 7, 0,
+        ]);
+        let (n, tree) = store.continuations(&[9, 1, 2], 2, 2, 8, 0.0);
+        assert_eq!(n, 2);
+        // 3 (4 times), 5 after 3 (3), 4 (2), 7 after 4 (2), 6 after 3 (1).
+        assert_eq!(tree.tokens, [3, 5, 4, 7, 6]);
+        assert_eq!(tree.parents, [ROOT, 0, ROOT, 2, 0]);
+        // The budget keeps the most frequent; a share keeps rare branches out; depth bounds it.
+        assert_eq!(store.continuations(&[9, 1, 2], 2, 2, 3, 0.0).1.tokens, [3, 5, 4]);
+        assert_eq!(store.continuations(&[9, 1, 2], 2, 2, 8, 0.3).1.tokens, [3, 5, 4, 7]);
+        assert_eq!(store.continuations(&[9, 1, 2], 2, 1, 8, 0.0).1.tokens, [3, 4]);
+        // Its most frequent path is the chain's draft.
+        assert_eq!(store.continuation(&[9, 1, 2], 2, 2, 0.0), (2, vec![3, 5]));
+        assert_eq!(store.continuations(&[9, 8], 2, 2, 8, 0.0), (0, Tree::default()));
     }
 
     #[test]

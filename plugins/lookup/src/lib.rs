@@ -8,6 +8,7 @@
 use std::path::Path;
 use std::rc::Rc;
 
+use plugin_api::draft_tree::Tree;
 use plugin_api::sdk::lookup::{trailing_ngram, FromText, TextRow};
 use plugin_api::sdk::{DraftProvider, Drafter, Options, SourceRows, Target};
 use plugin_api::{Capabilities, Descriptor, PluginError, ProviderInfo};
@@ -137,12 +138,30 @@ impl FromText for Shared {
             from_text.to_vec()
         }
     }
+
+    /// The datastore's continuations as a tree and the text's continuation as a branch of it:
+    /// the source whose match is longer first, the other's nodes while the budget lasts.
+    fn draft_tree(&self, text: &[u32], depth: usize, nodes: usize) -> Option<Tree> {
+        let n = &self.settings;
+        let (in_text, from_text) = trailing_ngram(text, n.min_ngram, n.max_ngram, depth.min(nodes));
+        let (in_store, from_store) = self.store.continuations(text, n.datastore_max_ngram, depth, nodes, n.min_share);
+        let from_text = Tree::chain(from_text);
+        let (mut tree, other) = if in_store > in_text && !from_store.is_empty() {
+            (from_store, from_text)
+        } else {
+            (from_text, from_store)
+        };
+        tree.graft(&other, nodes);
+        Some(tree)
+    }
 }
 
 plugin_api::export_drafter!(Lookup);
 
 #[cfg(test)]
 mod tests {
+    use plugin_api::draft_tree::ROOT;
+
     use super::*;
 
     /// The draft of `depth` tokens to follow `text` (its last token the pending one) against
@@ -161,6 +180,23 @@ mod tests {
         assert_eq!(draft(vec![5, 6, 7, 8], &text, 2), [9, 1]);
         // No n-gram of the text recurs: the datastore's, however short its match.
         assert_eq!(draft(vec![3, 6, 7], &[1, 2, 6], 2), [7]);
+    }
+
+    #[test]
+    fn a_tree_holds_both_sources_the_longer_match_first() {
+        let shared = |store: Vec<u32>| {
+            let settings = Settings { min_ngram: 2, max_ngram: 3, datastore_max_ngram: 12, min_share: 0.0 };
+            Shared { store: Rc::new(Datastore::new(store)), settings }
+        };
+        let text = [5, 6, 9, 1, 4, 5, 6];
+        // The datastore matches "4 5 6" (longer): its path 7 8 first, then the text's 9 1.
+        let tree = shared(vec![4, 5, 6, 7, 8]).draft_tree(&text, 2, 4).unwrap();
+        assert_eq!((tree.tokens, tree.parents), (vec![7, 8, 9, 1], vec![ROOT, 0, ROOT, 2]));
+        // A tie: the text's first; the budget cuts the datastore's second node.
+        let tree = shared(vec![5, 6, 7, 8]).draft_tree(&text, 2, 3).unwrap();
+        assert_eq!(tree.tokens, [9, 1, 7]);
+        // The tree's main path is the chain's draft.
+        assert_eq!(draft(vec![5, 6, 7, 8], &text, 2), [9, 1]);
     }
 }
 
@@ -219,6 +255,7 @@ mod conformance {
         let report = check::<super::Lookup>(&config);
         assert!(report.passed(), "{report}");
         assert!(report.drafted > 0, "no tokens drafted in {} rounds", config.rounds);
+        assert!(report.tree_nodes > 0, "no trees drafted in {} rounds", config.rounds);
     }
 
     #[test]
