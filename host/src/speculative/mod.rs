@@ -24,6 +24,7 @@ mod prefill;
 mod prefix_cache;
 mod round;
 mod slot;
+pub mod tree;
 
 pub use depth::{describe_draft_tokens, AUTO_MOST};
 pub use live::LiveBatch;
