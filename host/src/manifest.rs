@@ -13,6 +13,8 @@
 //! sha256 = "…"                        # optional pin of the plugin library
 //! draft_tokens = 4                   # or "auto": fewer as more requests share a round
 //! verify = "match"                    # or "rejection" (drafters that return probabilities)
+//! tree_nodes = 16                     # optional: a tree of up to 16 drafts per row, where the
+//!                                     # drafter offers trees (docs/plugins.md)
 //!
 //! [drafter.options]                   # the plugin's own options (`host plugins inspect KIND`)
 //! max_ngram = 3
@@ -39,6 +41,9 @@ use crate::speculative::Verify;
 /// pays (a verify window costs more with every position), and bounded so that no request can
 /// make the host allocate for millions of positions.
 pub const MAX_DRAFT_TOKENS: u32 = 64;
+
+/// The most nodes a row's tree of drafts may hold: each is a row of the verify forward.
+pub const MAX_TREE_NODES: u32 = 64;
 
 /// A manifest error: the file, the line when known, and one line of what is wrong.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -86,6 +91,7 @@ struct DrafterSection {
     draft_tokens: Option<Spanned<toml::Value>>,
     #[serde(default = "default_verify")]
     verify: Verify,
+    tree_nodes: Option<Spanned<u32>>,
     options: Option<Spanned<toml::Table>>,
 }
 
@@ -206,6 +212,8 @@ pub struct DrafterSpec {
     pub draft_tokens: DraftTokens,
     /// `match` (coupled draws, any drafter) or `rejection` (needs draft probabilities).
     pub verify: Verify,
+    /// The most nodes of a row's tree of drafts; 0: chains.
+    pub tree_nodes: usize,
     /// The plugin's options, as TOML text for the plugin.
     pub options: toml::Table,
     /// Line of each option key, for messages.
@@ -255,6 +263,7 @@ impl Source {
                 sha256: None,
                 draft_tokens: DraftTokens::Fixed(DEFAULT_DRAFT_TOKENS),
                 verify: default_verify(),
+                tree_nodes: 0,
                 options: toml::Table::new(),
                 option_lines: Vec::new(),
             });
@@ -372,6 +381,14 @@ impl Manifest {
                         }
                     }
                 };
+                let tree_nodes = match d.tree_nodes {
+                    None => 0,
+                    Some(n) if (1..=MAX_TREE_NODES).contains(n.get_ref()) => *n.get_ref() as usize,
+                    Some(n) => {
+                        let message = format!("drafter.tree_nodes: must be 1 to {MAX_TREE_NODES}, got {}", n.get_ref());
+                        return Err(at(Some(n.span()), message));
+                    }
+                };
                 let (options, option_lines) = match d.options {
                     None => (toml::Table::new(), Vec::new()),
                     Some(spanned) => {
@@ -388,6 +405,7 @@ impl Manifest {
                     sha256,
                     draft_tokens,
                     verify: d.verify,
+                    tree_nodes,
                     options,
                     option_lines,
                 })

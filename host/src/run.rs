@@ -173,7 +173,9 @@ impl Session {
             probe_open(&model, d)?;
             match options.overrides.draft_tokens {
                 Some(n) if n == 0 || n > crate::manifest::MAX_DRAFT_TOKENS => return Err(RunError::DraftTokens(n)),
-                Some(n) => *config = SpecConfig::new(n as usize, config.verify),
+                Some(n) => {
+                    *config = SpecConfig { tree_nodes: config.tree_nodes, ..SpecConfig::new(n as usize, config.verify) }
+                }
                 None => {}
             }
             depth_warnings(&d.info, config).into_iter().for_each(&mut warn);
@@ -403,7 +405,8 @@ pub fn load_drafter(
     // the target's do (see `model::load`): 3 to 9 MB for the demo drafters. Failing to empty it
     // costs memory only.
     let _ = mlx_rs::memory::clear_cache();
-    let config = spec_config(spec.draft_tokens, spec.verify, &drafter.info);
+    let config =
+        SpecConfig { tree_nodes: spec.tree_nodes, ..spec_config(spec.draft_tokens, spec.verify, &drafter.info) };
     Ok(Some((drafter, config)))
 }
 

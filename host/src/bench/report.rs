@@ -173,7 +173,7 @@ fn setup(options: &BenchOptions) -> Result<Setup, RunError> {
     if let Some((d, config)) = &mut drafter {
         probe_open(&model, d)?;
         if let Some(n) = options.draft_tokens {
-            *config = spec_config(n, config.verify, &d.info);
+            *config = SpecConfig { tree_nodes: config.tree_nodes, ..spec_config(n, config.verify, &d.info) };
         }
     }
     Ok((manifest, model, request, drafter))

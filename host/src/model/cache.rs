@@ -102,6 +102,36 @@ impl LayerCache {
         }
     }
 
+    /// What the cache holds for each row, as the nodes of a tree of drafts read it
+    /// ([`Prefix`]); nothing is written. None before the first write.
+    pub fn prefix(&self) -> Result<Option<Prefix>, Exception> {
+        let (Some(keys), Some(values)) = (&self.keys, &self.values) else { return Ok(None) };
+        let (keys, values, positions) = match self.window {
+            // A full cache holds position p at slot p.
+            None => {
+                let positions = self.offsets.iter().map(|&o| (0..o as i32).collect()).collect();
+                (keys.clone(), values.clone(), positions)
+            }
+            Some(_) => in_position_order(keys.clone(), values.clone(), &self.slot_positions)?,
+        };
+        let mut rows = Vec::with_capacity(self.rows());
+        for (r, (row, &offset)) in positions.into_iter().zip(&self.offsets).enumerate() {
+            // The slots from the first place (a multiple of the period) to the row's last
+            // position: the next key, at `offset`, follows them in its own lane.
+            let base = row.iter().copied().find(|&p| p >= 0).map_or(offset as i32, |p| p - p % PERIOD);
+            let len = (offset as i32 - base).max(0) as usize;
+            let cut = |a: &Array| -> Result<Array, Exception> {
+                kernels::row_major(&a.try_index((r as i32..r as i32 + 1, .., ..len as i32, ..))?)
+            };
+            let (k, v) = if len == 0 { (None, None) } else { (Some(cut(&keys)?), Some(cut(&values)?)) };
+            let mut held = row;
+            held.truncate(len);
+            held.resize(len, -1);
+            rows.push(PrefixRow { keys: k, values: v, positions: held });
+        }
+        Ok(Some(Prefix { window: self.window, rows }))
+    }
+
     /// Forgets the last `n[r]` positions written to row r.
     pub fn rollback(&mut self, n: &[usize]) -> Result<(), CacheError> {
         for (r, &n) in n.iter().enumerate() {
@@ -312,6 +342,30 @@ impl LayerCache {
             row.resize(slots, -1);
         }
         Ok(())
+    }
+}
+
+/// A cache's rows as a tree's nodes read them ([`LayerCache::prefix`]): per row, the keys and
+/// values [1, H, len, D] in position order from a multiple of [`PERIOD`] up to the row's last
+/// position, so that keys laid after them fall in the lanes the row's next positions take.
+pub struct Prefix {
+    /// The attention window for sliding layers.
+    pub window: Option<usize>,
+    pub rows: Vec<PrefixRow>,
+}
+
+pub struct PrefixRow {
+    /// None where the row holds nothing.
+    pub keys: Option<Array>,
+    pub values: Option<Array>,
+    /// The position each slot holds (-1: none).
+    pub positions: Vec<i32>,
+}
+
+impl PrefixRow {
+    /// Which slots a query at `position` reads: positions before it, within the window.
+    pub fn visible(&self, position: i32, window: Option<usize>) -> impl Iterator<Item = bool> + '_ {
+        self.positions.iter().map(move |&p| p >= 0 && p < position && window.is_none_or(|w| position - p < w as i32))
     }
 }
 

@@ -8,9 +8,12 @@ use plugin_api::nn::layout::{add, index_axis_2, reshape, scale, swap_axes_1_2};
 use plugin_api::nn::ops::{attention_over_slots, geglu, rms_norm, scalar, softcap, Mask};
 use plugin_api::nn::{Embedding, Linear, Rope};
 
+use std::rc::Rc;
+
 use super::cache::LayerCache;
 use super::config::{Gemma4Config, LayerType};
 use super::error::ModelError;
+use super::tree::{TreeKv, TreeLayout};
 use crate::distributed::Group;
 
 pub struct Attention {
@@ -109,14 +112,25 @@ pub struct Taps {
     pub captured: Vec<Array>,
 }
 
-/// One layer's K/V as attention reads them (their first `slots` slots), shared with the layers
-/// that reuse them.
+/// One layer's K/V as attention reads them, shared with the layers that reuse them: their
+/// first `slots` slots, or a tree forward's.
 #[derive(Clone)]
-struct SharedKv {
-    keys: Array,
-    values: Array,
-    slots: usize,
-    mask: Mask,
+enum SharedKv {
+    Slots { keys: Array, values: Array, slots: usize, mask: Mask },
+    Tree(Rc<TreeKv>),
+}
+
+/// Where a forward's keys and values go: written into the caches after what they hold, or, for
+/// a tree of drafts, read beside them ([`TreeLayout`]).
+enum Writes<'a> {
+    Caches(&'a mut [LayerCache]),
+    Tree(&'a TreeLayout, &'a [LayerCache]),
+}
+
+/// A layer's part of [`Writes`].
+enum LayerWrite<'a> {
+    Cache(Option<&'a mut LayerCache>),
+    Tree(&'a TreeLayout, Option<&'a LayerCache>),
 }
 
 impl Gemma4 {
@@ -196,13 +210,39 @@ impl Gemma4 {
         &self,
         ids: &Array,
         caches: &mut [LayerCache],
-        mut taps: Option<&mut Taps>,
+        taps: Option<&mut Taps>,
     ) -> Result<Array, ModelError> {
+        Ok(self.forward_with(ids, Writes::Caches(caches), taps)?.0)
+    }
+
+    /// The final-normed hidden states [N, 1, H] of the node rows of trees of drafts, ids
+    /// [N, 1] laid out by `layout` over what `caches` hold, which stay as they are; with each
+    /// cache's layer's keys and values of every node row [N, Hkv, 1, D], from which the
+    /// accepted paths are written.
+    pub fn forward_tree(
+        &self,
+        ids: &Array,
+        layout: &TreeLayout,
+        caches: &[LayerCache],
+        taps: Option<&mut Taps>,
+    ) -> Result<(Array, Vec<(Array, Array)>), ModelError> {
+        self.forward_with(ids, Writes::Tree(layout, caches), taps)
+    }
+
+    fn forward_with(
+        &self,
+        ids: &Array,
+        mut writes: Writes,
+        mut taps: Option<&mut Taps>,
+    ) -> Result<(Array, Vec<(Array, Array)>), ModelError> {
         let c = &self.config;
         let rows = ids.shape()[0] as usize;
-        let offsets: Vec<i32> = match caches.first() {
-            Some(cache) => cache.offsets().iter().map(|&o| o as i32).collect(),
-            None => vec![0; rows],
+        let offsets: Vec<i32> = match &writes {
+            Writes::Caches(caches) => match caches.first() {
+                Some(cache) => cache.offsets().iter().map(|&o| o as i32).collect(),
+                None => vec![0; rows],
+            },
+            Writes::Tree(layout, _) => layout.positions.clone(),
         };
         let mut h = self.embed(ids, true)?;
         let per_layer = self.per_layer_inputs(ids, &h)?;
@@ -210,9 +250,12 @@ impl Gemma4 {
         let mut shared: Vec<Option<SharedKv>> = vec![None; self.layers.len()];
         for (i, layer) in self.layers.iter().enumerate() {
             let source = self.kv_source[i];
-            let cache = caches.get_mut(i).filter(|_| source == i);
+            let write = match &mut writes {
+                Writes::Caches(caches) => LayerWrite::Cache(caches.get_mut(i).filter(|_| source == i)),
+                Writes::Tree(layout, caches) => LayerWrite::Tree(layout, caches.get(i).filter(|_| source == i)),
+            };
             let per_layer = per_layer.as_ref().map(|p| (p, i));
-            let (out, kv) = layer.forward(&h, &offsets, cache, shared[source].clone(), per_layer, self)?;
+            let (out, kv) = layer.forward(&h, &offsets, write, shared[source].clone(), per_layer, self)?;
             h = out;
             if source == i {
                 shared[i] = Some(kv);
@@ -229,7 +272,17 @@ impl Gemma4 {
                 t.captured.push(h.clone());
             }
         }
-        Ok(h)
+        // The tree's keys and values of each cached layer.
+        let written = match writes {
+            Writes::Caches(_) => Vec::new(),
+            Writes::Tree(_, caches) => (0..caches.len())
+                .filter_map(|i| match &shared[i] {
+                    Some(SharedKv::Tree(kv)) => Some((kv.keys.clone(), kv.values.clone())),
+                    _ => None,
+                })
+                .collect(),
+        };
+        Ok((h, written))
     }
 
     fn per_layer_inputs(&self, ids: &Array, h: &Array) -> Result<Option<Array>, Exception> {
@@ -258,14 +311,14 @@ impl DecoderLayer {
         &self,
         x: &Array,
         offsets: &[i32],
-        cache: Option<&mut LayerCache>,
+        write: LayerWrite,
         shared: Option<SharedKv>,
         per_layer: Option<(&Array, usize)>,
         model: &Gemma4,
     ) -> Result<(Array, SharedKv), ModelError> {
         let (eps, group) = (model.config.rms_norm_eps, model.group);
         let r = rms_norm(x, Some(&self.input_layernorm), eps)?;
-        let (attn, kv) = self.self_attn.forward(&r, offsets, cache, shared, eps)?;
+        let (attn, kv) = self.self_attn.forward(&r, offsets, write, shared, eps)?;
         let attn = sum_over_ranks(group, attn)?;
         let h = add(x, &rms_norm(&attn, Some(&self.post_attention_layernorm), eps)?)?;
 
@@ -309,11 +362,15 @@ impl Attention {
         &self,
         x: &Array,
         offsets: &[i32],
-        cache: Option<&mut LayerCache>,
+        write: LayerWrite,
         shared: Option<SharedKv>,
         eps: f32,
     ) -> Result<(Array, SharedKv), ModelError> {
         let [b, l] = [x.shape()[0], x.shape()[1]];
+        let write_layout = match &write {
+            LayerWrite::Tree(layout, _) => Some(*layout),
+            LayerWrite::Cache(_) => None,
+        };
         let q = reshape(&self.q_proj.forward(x)?, &[b, l, self.n_heads, self.head_dim])?;
         let q = swap_axes_1_2(&rms_norm(&q, Some(&self.q_norm), eps)?)?;
         let q = self.rope.apply_rows(&q, offsets)?;
@@ -328,22 +385,31 @@ impl Attention {
                 };
                 let k = self.rope.apply_rows(&swap_axes_1_2(&rms_norm(&k, Some(k_norm), eps)?)?, offsets)?;
                 let v = swap_axes_1_2(&rms_norm(&v, None, eps)?)?;
-                match cache {
-                    Some(cache) => {
+                match write {
+                    LayerWrite::Cache(Some(cache)) => {
                         let f = cache.write(&k, &v)?;
-                        SharedKv { keys: f.keys, values: f.values, slots: f.slots, mask: f.mask }
+                        SharedKv::Slots { keys: f.keys, values: f.values, slots: f.slots, mask: f.mask }
                     }
-                    None => SharedKv {
+                    LayerWrite::Cache(None) => SharedKv::Slots {
                         mask: if l == 1 { Mask::All } else { Mask::Causal },
                         slots: l as usize,
                         keys: k,
                         values: v,
                     },
+                    LayerWrite::Tree(layout, cache) => SharedKv::Tree(Rc::new(TreeKv::new(layout, &k, &v, cache)?)),
                 }
             }
             _ => return Err(ModelError::Internal("a KV-sharing layer ran before its donor".into())),
         };
-        let out = attention_over_slots(&q, &kv.keys, &kv.values, kv.slots, 1.0, &kv.mask)?;
+        let out = match (&kv, &write_layout) {
+            (SharedKv::Slots { keys, values, slots, mask }, _) => {
+                attention_over_slots(&q, keys, values, *slots, 1.0, mask)?
+            }
+            (SharedKv::Tree(tree), Some(layout)) => tree.attend(&q, layout, 1.0)?,
+            (SharedKv::Tree(_), None) => {
+                return Err(ModelError::Internal("a tree's keys reached a forward without a tree".into()))
+            }
+        };
         let out = reshape(&swap_axes_1_2(&out)?, &[b, l, self.n_heads * self.head_dim])?;
         Ok((self.o_proj.forward(&out)?, kv))
     }

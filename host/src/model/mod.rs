@@ -6,9 +6,11 @@ pub mod error;
 pub mod gemma4;
 pub mod load;
 pub mod shard;
+pub mod tree;
 
 pub use cache::LayerCache;
 pub use config::Gemma4Config;
 pub use error::ModelError;
 pub use gemma4::{Gemma4, Taps};
 pub use load::load;
+pub use tree::TreeLayout;

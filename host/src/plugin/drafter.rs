@@ -7,7 +7,8 @@ use abi_stable::std_types::{ROption, RVec};
 use mlx_rs::{Array, Dtype};
 use plugin_api::abi::{DrafterRootRef, ProviderBox, RowGroupBox, RowState, TokenRows};
 use plugin_api::device_draft::{DeviceDraft, DEVICE_DRAFT_ID};
-use plugin_api::sdk::Proposal;
+use plugin_api::draft_tree::{DraftTree, DRAFT_TREE_ID};
+use plugin_api::sdk::{Proposal, TreeProposal};
 use plugin_api::target::TargetViewBox;
 use plugin_api::{ArrayRef, PluginError, ProviderInfo};
 
@@ -42,6 +43,8 @@ pub struct LoadedDrafter {
     pub info: ProviderInfo,
     /// Its groups' drafts left on the device, where the plugin offers them (API 1.1).
     device_draft: Option<&'static DeviceDraft>,
+    /// Its groups' trees of drafts, where the plugin offers them (API 1.2).
+    draft_tree: Option<&'static DraftTree>,
 }
 
 impl LoadedDrafter {
@@ -65,7 +68,9 @@ impl LoadedDrafter {
         let info = provider.info();
         let device_draft = super::load::extension::<DeviceDraft>(root, DEVICE_DRAFT_ID)
             .map_err(|reason| DrafterError::InvalidAnswer { kind: kind.clone(), call: "load", reason })?;
-        Ok(LoadedDrafter { kind, provider, info, device_draft })
+        let draft_tree = super::load::extension::<DraftTree>(root, DRAFT_TREE_ID)
+            .map_err(|reason| DrafterError::InvalidAnswer { kind: kind.clone(), call: "load", reason })?;
+        Ok(LoadedDrafter { kind, provider, info, device_draft, draft_tree })
     }
 
     /// The plugin kind this drafter comes from.
@@ -81,8 +86,13 @@ impl LoadedDrafter {
             call: "open",
             error,
         })?;
-        let device_draft = self.device_draft;
-        Ok(DrafterGroup { kind: self.kind.clone(), group, rows, vocab_size, poisoned: false, device_draft })
+        let (device_draft, draft_tree) = (self.device_draft, self.draft_tree);
+        Ok(DrafterGroup { kind: self.kind.clone(), group, rows, vocab_size, poisoned: false, device_draft, draft_tree })
+    }
+
+    /// Whether its library offers trees of drafts (the extension `draft-tree/1`).
+    pub fn drafts_trees(&self) -> bool {
+        self.draft_tree.is_some()
     }
 }
 
@@ -94,6 +104,7 @@ pub struct DrafterGroup {
     vocab_size: u32,
     poisoned: bool,
     device_draft: Option<&'static DeviceDraft>,
+    draft_tree: Option<&'static DraftTree>,
 }
 
 impl DrafterGroup {
@@ -143,6 +154,46 @@ impl DrafterGroup {
         };
         self.poisoned = true;
         Err(DrafterError::InvalidAnswer { kind: self.kind.clone(), call: "draft_on_device", reason })
+    }
+
+    /// A tree per row after its pending token, at most `nodes` nodes and `depth` deep (the
+    /// extension `draft-tree/1`), validated: one per row, each keeping the tree's rules
+    /// (`Tree::check`), probabilities (if any) [nodes, vocab]. `None` where the drafter offers
+    /// no trees or drafts chains this round.
+    pub fn draft_tree(
+        &mut self,
+        pending: &[u32],
+        depth: usize,
+        nodes: usize,
+        steps: &[u64],
+    ) -> Result<Option<Vec<TreeProposal>>, DrafterError> {
+        let Some(table) = self.draft_tree else { return Ok(None) };
+        self.live()?;
+        let answer =
+            (table.draft)(&mut self.group, pending.into(), depth as u32, nodes as u32, steps.into()).into_result();
+        let Some(rows) = self.checked("draft_tree", answer)?.into_option() else { return Ok(None) };
+        let trees = rows.into_iter().map(|row| {
+            let (tree, p) = row.into();
+            TreeProposal { tree, probabilities: p.map(plugin_api::OwnedArray::into_array) }
+        });
+        let trees: Vec<TreeProposal> = trees.collect();
+        let checked = if trees.len() != self.rows {
+            Err(format!("{} trees for {} rows", trees.len(), self.rows))
+        } else {
+            trees.iter().enumerate().try_for_each(|(r, t)| {
+                t.tree.check(depth, nodes, self.vocab_size).map_err(|e| format!("row {r}: {e}"))?;
+                match &t.probabilities {
+                    Some(p) if p.shape() != [t.tree.len() as i32, self.vocab_size as i32] => {
+                        Err(format!("row {r}: probabilities of shape {:?} for {} nodes", p.shape(), t.tree.len()))
+                    }
+                    _ => Ok(()),
+                }
+            })
+        };
+        checked.map(|()| Some(trees)).map_err(|reason| {
+            self.poisoned = true;
+            DrafterError::InvalidAnswer { kind: self.kind.clone(), call: "draft_tree", reason }
+        })
     }
 
     /// Refuses device drafts, once read, whose ids fall outside the vocabulary.

@@ -373,11 +373,16 @@ impl WindowTokens {
         Ok(choose_after(row, params, prefix, step))
     }
 
-    /// The target's token at position `i`, output step `step` (`first_step + i`).
+    /// The target's token at position `i`, drawn as output step `step`: `first_step + i` in a
+    /// chain's window, the node's depth past `first_step` in a tree's (whose tokens are chosen
+    /// with the window only where greedy).
     pub fn token(&self, i: usize, params: &SamplingParams, step: u64) -> Result<u32, SampleError> {
-        debug_assert_eq!(step, self.first_step + i as u64, "position {i} of a window from step {}", self.first_step);
         match &self.chosen {
-            Some(tokens) => Ok(tokens[i]),
+            Some(tokens) => {
+                let drawn_there = params.is_greedy() || step == self.first_step + i as u64;
+                debug_assert!(drawn_there, "position {i} of a window from step {}, asked at {step}", self.first_step);
+                Ok(tokens[i])
+            }
             None => Ok(draw(self.row(i).expect("a window keeps its tokens or its logits"), params, step)),
         }
     }

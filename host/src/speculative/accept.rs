@@ -123,13 +123,13 @@ fn rejection_step(
 }
 
 /// Keeps rejection draws apart from the coupled draws of the same step.
-const REJECTION_STREAM: u64 = 0x5EC0_17AB_1E5A_3B1D;
+pub(super) const REJECTION_STREAM: u64 = 0x5EC0_17AB_1E5A_3B1D;
 
 /// The tokens not removed (above -inf), in order, and softmax(logprobs / T) in double
 /// precision, 0 for removed tokens. Those get no exponential each: after top-p they are nearly
 /// the whole vocabulary, and a double-precision exponential per token was a third of a
 /// rejection step. Their zeros would not change the sum, so the result is the same.
-fn softmax_at_temperature(logprobs: &[f32], temperature: f32) -> (Vec<usize>, Vec<f32>) {
+pub(super) fn softmax_at_temperature(logprobs: &[f32], temperature: f32) -> (Vec<usize>, Vec<f32>) {
     let scaled = |x: f32| x as f64 / temperature as f64;
     let support: Vec<usize> = (0..logprobs.len()).filter(|&t| logprobs[t] > f32::NEG_INFINITY).collect();
     let max = support.iter().map(|&t| scaled(logprobs[t])).fold(f64::NEG_INFINITY, f64::max);

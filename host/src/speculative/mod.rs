@@ -25,6 +25,7 @@ mod prefix_cache;
 mod round;
 mod slot;
 pub mod tree;
+mod tree_round;
 
 pub use depth::{describe_draft_tokens, AUTO_MOST};
 pub use live::LiveBatch;
@@ -48,12 +49,15 @@ pub struct SpecConfig {
     /// `draft_tokens = "auto"`: each round drafts as deep as its rows' acceptance and the
     /// measured costs make pay ([`depth`]).
     pub auto: bool,
+    /// The most nodes of a row's tree of drafts, where the drafter offers trees and the target
+    /// verifies them ([`tree_round`]); 0: chains.
+    pub tree_nodes: usize,
 }
 
 impl SpecConfig {
-    /// A fixed draft length.
+    /// A fixed draft length, chains.
     pub fn new(draft_tokens: usize, verify: Verify) -> SpecConfig {
-        SpecConfig { draft_tokens, verify, auto: false }
+        SpecConfig { draft_tokens, verify, auto: false, tree_nodes: 0 }
     }
 }
 
@@ -218,16 +222,29 @@ fn forward(
     ids: &Array,
     taps: &Taps,
 ) -> Result<(Array, Option<Array>), GenerateError> {
+    with_context(taps, |t| Ok(model.forward_hidden(ids, caches, t)?))
+}
+
+/// `run`'s forward (hidden states, and whatever else it returns) with the drafter's context
+/// ([`forward`]).
+fn with_context<T>(
+    taps: &Taps,
+    run: impl FnOnce(Option<&mut LayerTaps>) -> Result<T, GenerateError>,
+) -> Result<(T, Option<Array>), GenerateError>
+where
+    T: Hidden,
+{
     let taps = match taps {
-        Taps::None => return Ok((model.forward_hidden(ids, caches, None)?, None)),
+        Taps::None => return Ok((run(None)?, None)),
         Taps::Final => {
-            let hidden = model.forward_hidden(ids, caches, None)?;
-            return Ok((hidden.clone(), Some(hidden)));
+            let out = run(None)?;
+            let hidden = out.hidden().clone();
+            return Ok((out, Some(hidden)));
         }
         Taps::Layers(layers) => layers,
     };
     let mut t = LayerTaps { layers: taps.to_vec(), captured: Vec::new() };
-    let hidden = model.forward_hidden(ids, caches, Some(&mut t))?;
+    let out = run(Some(&mut t))?;
     // Captured in layer order; the drafter wants them in its tap order.
     let mut layers = taps.to_vec();
     layers.sort_unstable();
@@ -235,7 +252,24 @@ fn forward(
     let ordered: Vec<&Array> =
         taps.iter().map(|l| &t.captured[layers.binary_search(l).expect("every tap captured")]).collect();
     let axis = ordered.first().map_or(0, |a| a.ndim().saturating_sub(1));
-    Ok((hidden, Some(plugin_api::nn::layout::concat(&ordered, axis)?)))
+    Ok((out, Some(plugin_api::nn::layout::concat(&ordered, axis)?)))
+}
+
+/// A forward's result, whose final hidden states are the context of a drafter that taps none.
+trait Hidden {
+    fn hidden(&self) -> &Array;
+}
+
+impl Hidden for Array {
+    fn hidden(&self) -> &Array {
+        self
+    }
+}
+
+impl<T> Hidden for (Array, T) {
+    fn hidden(&self) -> &Array {
+        &self.0
+    }
 }
 
 fn per_second(tokens: usize, ms: f64) -> f64 {

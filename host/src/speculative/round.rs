@@ -1,5 +1,5 @@
 //! One round of the verify loop for every active row: draft → verify (one target forward) →
-//! accept per row → rollback → commit.
+//! accept per row → rollback → commit. Rows that draft trees take [`tree_round`] instead.
 
 use std::cell::RefCell;
 use std::time::Instant;
@@ -10,6 +10,7 @@ use mlx_rs::Array;
 use super::accept::accept;
 use super::catch_up::CatchUp;
 use super::slot::DrafterSlot;
+use super::tree_round::{draft_trees, tree_round};
 use super::{forward, Row, SpecConfig, Taps, Verify};
 use crate::generate::{Event, Flow, GenerateError, Request};
 use crate::model::{Gemma4, LayerCache};
@@ -46,6 +47,9 @@ pub(super) fn round(
 ) -> Result<RoundTimes, GenerateError> {
     let pending: Vec<u32> = batch.active.iter().map(|&r| rows[r].pending).collect();
     let drafting = Instant::now();
+    if let Some(trees) = draft_trees(batch, rows, &pending, slot, catch_up)? {
+        return tree_round(batch, rows, &pending, trees, ms_since(drafting), slot, on_event);
+    }
     let drafted = draft(batch, rows, &pending, slot, catch_up)?;
     let draft_ms = ms_since(drafting);
     let verifying = Instant::now();
@@ -109,7 +113,7 @@ pub(super) fn round(
     Ok(RoundTimes { depth: width - 1, window_tokens: batch.active.len() * width, draft_ms, verify_ms })
 }
 
-fn ms_since(start: Instant) -> f64 {
+pub(super) fn ms_since(start: Instant) -> f64 {
     start.elapsed().as_secs_f64() * 1e3
 }
 

@@ -3,7 +3,139 @@
 //! the pending token and after every node; a path is then accepted node by node from the
 //! pending token down, as a chain is, choosing among a node's children instead of taking one.
 
+use kernels::{row_major, with_floats};
 use plugin_api::draft_tree::Tree;
+use plugin_api::sdk::TreeProposal;
+
+use super::accept::{softmax_at_temperature, REJECTION_STREAM};
+use super::{Row, Verify};
+use crate::generate::{Flow, GenerateError, Request, StopReason};
+use crate::sampling::{filtered_logprobs, step_key, token_logprob, uniform, TokenLogprob, WindowTokens};
+
+/// The accept step of one row's tree: the path the target keeps ([`match_path`], or
+/// [`rejection_path`] when the drafter gave probabilities), its tokens and the target's token
+/// after it emitted as `accept` emits a chain's, stopping at an end-of-sequence token,
+/// `max_tokens` or a stop. Window position 0 is after the pending token, position u + 1 after
+/// node u; a node at depth d is output step `row.tokens.len() + d`. Returns the path.
+pub(super) fn accept_tree(
+    row: &mut Row,
+    request: &Request,
+    proposal: &TreeProposal,
+    window: &WindowTokens,
+    verify: Verify,
+    mut emit: impl FnMut(u32, Option<TokenLogprob>) -> Flow,
+) -> Result<Vec<usize>, GenerateError> {
+    let tree = &proposal.tree;
+    let step = row.tokens.len() as u64;
+    let depths = tree.depths();
+    let deepest = depths.iter().copied().max().unwrap_or(0);
+    row.stats.rounds += 1;
+    row.stats.target_forwards += 1;
+    row.stats.drafted += tree.len();
+    for d in row.by_position.iter_mut().take(deepest) {
+        d.0 += 1;
+    }
+    let sampling = &request.sampling;
+    let position = |at: Option<usize>| at.map_or(0, |u| u + 1);
+    let depth = |at: Option<usize>| at.map_or(0, |u| depths[u]) as u64;
+    // The tokens before the position after node `at`: the row's, then the path's.
+    let before = |at: Option<usize>| -> Vec<u32> {
+        let path = at.map(|u| tree.path_to(u)).unwrap_or_default();
+        row.tokens.iter().copied().chain(path.iter().map(|&n| tree.tokens[n])).collect()
+    };
+    let mut failed = None;
+    let mut plain = |at: Option<usize>| -> (u32, Option<TokenLogprob>) {
+        let tokens = before(at);
+        let s = step + depth(at);
+        match window.token_after(position(at), sampling, s, &request.prefix(&tokens)) {
+            Ok(chosen) => chosen,
+            Err(e) => {
+                failed.get_or_insert(GenerateError::sampling_at(s as usize, e));
+                (0, None)
+            }
+        }
+    };
+    let q = match (verify, &proposal.probabilities) {
+        (Verify::Rejection, Some(q)) if !sampling.is_greedy() => Some(with_floats(&row_major(q)?, <[f32]>::to_vec)?),
+        _ => None,
+    };
+    let (path, last) = match &q {
+        None => {
+            let (path, _) = match_path(tree, |at| plain(at).0);
+            let last = plain(path.last().copied());
+            (path, last)
+        }
+        Some(q) => {
+            let target = |at: Option<usize>| {
+                let tokens = before(at);
+                let logits = window.row_after(position(at), &request.prefix(&tokens));
+                let lp = filtered_logprobs(logits.as_deref().unwrap_or(&[]), sampling);
+                softmax_at_temperature(&lp, sampling.temperature).1.into_iter().map(f64::from).collect()
+            };
+            let keys =
+                |d: usize, k: usize| uniform(step_key(sampling.seed ^ REJECTION_STREAM, step + d as u64), k as u64);
+            let mut drawn = None;
+            let (path, token) = rejection_path(tree, q, target, keys, |at| {
+                let chosen = plain(at);
+                drawn = Some(chosen.clone());
+                chosen.0
+            });
+            let logprob = match drawn.filter(|(t, _)| *t == token) {
+                Some((_, logprob)) => logprob,
+                None => request.logprobs.and_then(|top| {
+                    let at = path.last().copied();
+                    let tokens = before(at);
+                    let logits = window.row_after(position(at), &request.prefix(&tokens))?;
+                    Some(token_logprob(&logits, sampling, token, top))
+                }),
+            };
+            (path, (token, logprob))
+        }
+    };
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    // Each path token with its log-probability, then the target's own token.
+    let mut tokens: Vec<(u32, Option<TokenLogprob>, bool)> = Vec::with_capacity(path.len() + 1);
+    for (i, &n) in path.iter().enumerate() {
+        let at = if i == 0 { None } else { Some(path[i - 1]) };
+        let logprob = request.logprobs.and_then(|top| {
+            let before = before(at);
+            let logits = window.row_after(position(at), &request.prefix(&before))?;
+            Some(token_logprob(&logits, sampling, tree.tokens[n], top))
+        });
+        tokens.push((tree.tokens[n], logprob, true));
+    }
+    tokens.push((last.0, last.1, false));
+    let mut accepted = 0;
+    for (i, (token, logprob, drafted)) in tokens.into_iter().enumerate() {
+        if drafted {
+            accepted += 1;
+            row.by_position[i].1 += 1;
+            row.stats.accepted += 1;
+        }
+        if request.eos.contains(&token) {
+            row.stop = Some(StopReason::Eos);
+            break;
+        }
+        row.tokens.push(token);
+        row.logprobs.extend(logprob.clone());
+        let flow = emit(token, logprob);
+        if row.tokens.len() == request.max_tokens {
+            row.stop = Some(StopReason::MaxTokens);
+            break;
+        }
+        if flow == Flow::Stop {
+            row.stop = Some(StopReason::Interrupted);
+            break;
+        }
+    }
+    if let Some(&last) = row.tokens.last() {
+        row.pending = last;
+    }
+    row.acceptance.record(deepest, accepted);
+    Ok(path[..accepted].to_vec())
+}
 
 /// Match: from the pending token down, the child whose token is the target's own token after
 /// its parent, while there is one. `target(None)` is the target's token after the pending
@@ -27,41 +159,46 @@ pub fn match_path(tree: &Tree, mut target: impl FnMut(Option<usize>) -> u32) -> 
 /// Rejection over several candidates (SpecInfer's multi-step speculative sampling): after a
 /// node, with the target's distribution p there, each child c in turn is accepted with
 /// probability min(1, p(c)/q_c(c)), q_c the distribution it was drawn from (`q`, [nodes, V]);
-/// a rejected child leaves p ← normalize(max(p − q_c, 0)) for the next. Where every child is
-/// rejected, or at a leaf, the token is drawn from p. Each step is a speculative sampling step
-/// for the p it starts from, so the token kept at every depth is distributed as the target's
-/// own, whether siblings were drawn with replacement or without (q_c then zero at earlier
-/// siblings' tokens). `target(u)` is the target's distribution after node u (None: after the
-/// pending token); `uniform(depth, k)` a uniform draw in [0, 1) for the k-th decision at that
-/// depth. The path and the token after it.
+/// a rejected child leaves p ← max(p − q_c, 0), normalized, for the next. Where every child is
+/// rejected the token is drawn from what is left of p; at a leaf, or where nothing is left,
+/// `plain(node)` draws it as plain decoding would. Each step is a speculative sampling step for
+/// the p it starts from, so the token kept at every depth is distributed as the target's own,
+/// whether siblings were drawn with replacement or without (q_c then zero at earlier siblings'
+/// tokens). `target(u)` is the target's distribution after node u (None: after the pending
+/// token); `uniform(depth, k)` a uniform draw in [0, 1) for the k-th decision at that depth.
+/// A chain is decided exactly as `accept`'s rejection step decides it. The path and the token
+/// after it.
 pub fn rejection_path(
     tree: &Tree,
     q: &[f32],
     mut target: impl FnMut(Option<usize>) -> Vec<f64>,
     mut uniform: impl FnMut(usize, usize) -> f64,
+    mut plain: impl FnMut(Option<usize>) -> u32,
 ) -> (Vec<usize>, u32) {
     let vocab = if tree.is_empty() { 0 } else { q.len() / tree.len() };
     let mut path = Vec::new();
     let mut at = None;
     loop {
         let depth = path.len();
-        let mut p = target(at);
         let children: Vec<usize> = (0..tree.len()).filter(|&i| tree.parent(i) == at).collect();
+        if children.is_empty() {
+            return (path, plain(at));
+        }
+        // What is left of p, and its mass (p itself, of mass 1, before any rejection).
+        let (mut left, mut mass) = (target(at), 1.0);
         let mut accepted = None;
         for (k, &c) in children.iter().enumerate() {
             let qc = &q[c * vocab..(c + 1) * vocab];
             let token = tree.tokens[c] as usize;
-            let (pc, qt) = (p[token], qc[token] as f64);
+            let (pc, qt) = (left[token] / mass, qc[token] as f64);
             if qt <= 0.0 || uniform(depth, k) < (pc / qt).min(1.0) {
                 accepted = Some(c);
                 break;
             }
-            let residual: Vec<f64> = p.iter().zip(qc).map(|(&p, &q)| (p - q as f64).max(0.0)).collect();
-            let mass: f64 = residual.iter().sum();
-            // p = q_c exactly (mass 0) accepts with probability 1 above; rounding may leave
-            // a sliver, where p stays as it was.
-            if mass > 1e-12 {
-                p = residual.into_iter().map(|r| r / mass).collect();
+            left = left.iter().zip(qc).map(|(&l, &q)| (l / mass - q as f64).max(0.0)).collect();
+            mass = left.iter().sum();
+            if mass <= 1e-12 {
+                return (path, plain(at));
             }
         }
         match accepted {
@@ -69,14 +206,15 @@ pub fn rejection_path(
                 path.push(c);
                 at = Some(c);
             }
-            None => return (path, draw(&p, uniform(depth, children.len()))),
+            None => return (path, draw(&left, mass, uniform(depth, children.len()))),
         }
     }
 }
 
-/// The token at which the running sum of `p` passes `u` · Σp (the last with mass, at the end).
-fn draw(p: &[f64], u: f64) -> u32 {
-    let mut left = u * p.iter().sum::<f64>();
+/// The token at which the running sum of `p` passes `u` · `mass` (the last with mass, at the
+/// end): `accept`'s residual draw.
+fn draw(p: &[f64], mass: f64, u: f64) -> u32 {
+    let mut left = u * mass;
     for (t, &pt) in p.iter().enumerate() {
         if left < pt {
             return t as u32;
@@ -137,7 +275,7 @@ mod tests {
         for _ in 0..k {
             let sum: f64 = left.iter().sum();
             let normalized: Vec<f64> = left.iter().map(|x| x / sum).collect();
-            let t = draw(&normalized, u.next());
+            let t = draw(&normalized, 1.0, u.next());
             drawn.push((t, normalized.iter().map(|&x| x as f32).collect()));
             left[t as usize] = 0.0;
         }
@@ -167,12 +305,10 @@ mod tests {
                 rows.extend(qc);
             }
             let decisions: Vec<f64> = (0..24).map(|_| u.next()).collect();
-            let (path, bonus) = rejection_path(
-                &tree,
-                &rows,
-                |at| if at.is_none() { p1.to_vec() } else { p2.to_vec() },
-                |depth, k| decisions[depth * 8 + k],
-            );
+            let target = |at: Option<usize>| if at.is_none() { p1.to_vec() } else { p2.to_vec() };
+            let leaf_draw = decisions[20];
+            let plain = |at: Option<usize>| draw(&target(at), 1.0, leaf_draw);
+            let (path, bonus) = rejection_path(&tree, &rows, target, |depth, k| decisions[depth * 8 + k], plain);
             accepted_nodes += path.len();
             let tokens: Vec<u32> = path.iter().map(|&n| tree.tokens[n]).chain([bonus]).collect();
             first[tokens[0] as usize] += 1;
@@ -203,11 +339,11 @@ mod tests {
         let q = [0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0];
         // The target draws only token 2: token 1 is always rejected, then 2 always accepted.
         for k in 0..10 {
-            let (path, bonus) = rejection_path(&t, &q, |_| vec![0.0, 0.0, 1.0, 0.0], |_, _| k as f64 / 10.0);
+            let (path, bonus) = rejection_path(&t, &q, |_| vec![0.0, 0.0, 1.0, 0.0], |_, _| k as f64 / 10.0, |_| 2);
             assert_eq!((path, bonus), (vec![1], 2));
         }
         // The target draws only token 3: both rejected, 3 drawn from what is left.
-        let (path, bonus) = rejection_path(&t, &q, |_| vec![0.0, 0.0, 0.0, 1.0], |_, _| 0.5);
+        let (path, bonus) = rejection_path(&t, &q, |_| vec![0.0, 0.0, 0.0, 1.0], |_, _| 0.5, |_| 0);
         assert_eq!((path, bonus), (vec![], 3));
     }
 }
