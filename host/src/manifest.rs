@@ -632,6 +632,21 @@ mod tests {
     }
 
     #[test]
+    fn tree_nodes_is_a_count_and_chains_without_it() {
+        let dir = temp("tree-nodes");
+        let with = |line: &str| {
+            manifest_in(dir.path(), &format!("[target]\nmodel = \"model\"\n[drafter]\nkind = \"x\"\n{line}\n"))
+        };
+        assert_eq!(with("").unwrap().drafter.unwrap().tree_nodes, 0);
+        assert_eq!(with("tree_nodes = 16").unwrap().drafter.unwrap().tree_nodes, 16);
+        for bad in ["0", "65"] {
+            let e = with(&format!("tree_nodes = {bad}")).unwrap_err();
+            assert_eq!(e.line, Some(5), "{bad}");
+            assert!(e.message.contains(&format!("drafter.tree_nodes: must be 1 to 64, got {bad}")), "{e}");
+        }
+    }
+
+    #[test]
     fn draft_tokens_is_a_count_or_auto() {
         let dir = temp("draft-tokens");
         let with = |value: &str| {

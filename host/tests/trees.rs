@@ -267,3 +267,177 @@ fn a_drafter_without_trees_drafts_chains_in_a_host_that_asks_for_trees() {
     assert_eq!(g.tokens, plain(&m, &r));
     assert!(g.stats.drafted > 0 && g.stats.drafter_error.is_none(), "{:?}", g.stats);
 }
+
+// --- rejection over trees --------------------------------------------------------------------
+
+/// Trees of three siblings drawn without replacement from [`Q`] over its candidates, each
+/// with the distribution it was drawn from.
+struct Siblings;
+struct SiblingsRows {
+    vocab: u32,
+    candidates: Vec<u32>,
+}
+
+/// q over the candidates: unlike the target's p, and with mass on a token p never emits.
+const Q: [f64; 5] = [0.40, 0.10, 0.10, 0.15, 0.25];
+
+impl Drafter for Siblings {
+    type Provider = SiblingsProvider;
+    fn descriptor() -> Descriptor {
+        Descriptor::new("siblings", "trees of three siblings for tests", "0.0.0")
+            .capabilities(Capabilities { draft_probabilities: true, ..Capabilities::default() })
+            .option("candidates", "", "the tokens drawn from, one per entry of q")
+    }
+    fn load(_: Option<&Path>, o: &Options) -> Result<SiblingsProvider, PluginError> {
+        Ok(SiblingsProvider { candidates: o.value("candidates")? })
+    }
+}
+
+struct SiblingsProvider {
+    candidates: Vec<u32>,
+}
+
+impl DraftProvider for SiblingsProvider {
+    type Rows = SiblingsRows;
+    fn info(&self) -> ProviderInfo {
+        ProviderInfo {
+            id: "siblings".into(),
+            weights_bytes: 0,
+            namespace: "siblings".into(),
+            trained_depth: 0,
+            capabilities: Capabilities { draft_probabilities: true, ..Capabilities::default() },
+        }
+    }
+    fn open(&self, target: Target, _rows: usize) -> Result<SiblingsRows, PluginError> {
+        Ok(SiblingsRows { vocab: target.info().vocab_size, candidates: self.candidates.clone() })
+    }
+}
+
+impl GroupedDraftProvider for SiblingsRows {
+    fn prefill(&mut self, _: TokenRows<'_>, _: Option<Array>) -> Result<(), PluginError> {
+        Ok(())
+    }
+    fn draft(&mut self, pending: &[u32], _: usize, _: &[u64]) -> Result<Vec<Proposal>, PluginError> {
+        Ok(pending.iter().map(|_| Proposal::default()).collect())
+    }
+    fn draft_tree(
+        &mut self,
+        pending: &[u32],
+        _: usize,
+        nodes: usize,
+        steps: &[u64],
+    ) -> Result<Option<Vec<TreeProposal>>, PluginError> {
+        let trees = (0..pending.len()).map(|row| {
+            let mut r = mix(steps[row] ^ mix(row as u64 ^ 0x5151));
+            let mut left = Q.to_vec();
+            let (mut tree, mut rows) = (Tree::default(), Vec::new());
+            for _ in 0..nodes.min(3) {
+                let mass: f64 = left.iter().sum();
+                let mut q = vec![0f32; self.vocab as usize];
+                for (&t, &l) in self.candidates.iter().zip(&left) {
+                    q[t as usize] = (l / mass) as f32;
+                }
+                r = mix(r);
+                let mut u = (r >> 11) as f64 / (1u64 << 53) as f64 * mass;
+                let pick = left.iter().position(|&l| {
+                    u -= l;
+                    u < 0.0 && l > 0.0
+                });
+                let pick = pick.unwrap_or_else(|| left.iter().rposition(|&l| l > 0.0).unwrap());
+                left[pick] = 0.0;
+                tree.push(None, self.candidates[pick]);
+                rows.extend(q);
+            }
+            let probabilities = Array::from_slice(&rows, &[tree.len() as i32, self.vocab as i32]);
+            TreeProposal { tree, probabilities: Some(probabilities) }
+        });
+        Ok(Some(trees.collect()))
+    }
+    fn commit(&mut self, _: TokenRows<'_>, _: &[u32], _: Option<Array>) -> Result<(), PluginError> {
+        Ok(())
+    }
+    fn filter_rows(&mut self, _: &[u32]) -> Result<(), PluginError> {
+        Ok(())
+    }
+    fn append(&mut self, _: Vec<RowState>) -> Result<(), PluginError> {
+        Ok(())
+    }
+    fn capture(&mut self, _: usize) -> Result<RowState, PluginError> {
+        Ok(RowState {
+            namespace: "siblings".into(),
+            processed: 0,
+            ids: Default::default(),
+            tensors: Default::default(),
+        })
+    }
+}
+
+/// The target's logits for the first token after `prompt`.
+fn first_token_logits(m: &Gemma4, prompt: &[u32]) -> Vec<f32> {
+    let mut caches = m.make_caches(1, 2);
+    let ids = Array::from_slice(&prompt.iter().map(|&t| t as i32).collect::<Vec<_>>(), &[1, prompt.len() as i32]);
+    let hidden = m.forward_hidden(&ids, &mut caches, None).unwrap();
+    let logits = host::generate::last_logits(m, &hidden).unwrap().as_dtype(mlx_rs::Dtype::Float32).unwrap();
+    logits.as_slice::<f32>().to_vec()
+}
+
+#[test]
+fn rejection_over_trees_emits_the_targets_distribution() {
+    let m = small_target();
+    let prompt = vec![2, 17, 40, 9, 33, 17, 40, 9];
+    // Temperature 1 over the top 4 tokens: p has 4 outcomes.
+    let params = |seed| SamplingParams { temperature: 1.0, top_k: 4, top_p: 1.0, min_p: 0.0, seed };
+    let lp = host::sampling::filtered_logprobs(&first_token_logits(&m, &prompt), &params(0));
+    let p: Vec<(usize, f64)> =
+        lp.iter().enumerate().filter(|(_, x)| x.is_finite()).map(|(i, &x)| (i, (x as f64).exp())).collect();
+    let total: f64 = p.iter().map(|(_, x)| x).sum();
+    assert_eq!(p.len(), 4);
+    let outside = (0..m.config.vocab_size as usize).find(|t| !p.iter().any(|(i, _)| i == t)).unwrap();
+    // p's least likely token first: q favours it over what p gives it.
+    let mut by_p = p.clone();
+    by_p.sort_by(|a, b| a.1.total_cmp(&b.1));
+    let candidates: Vec<u32> = by_p.iter().map(|&(t, _)| t as u32).chain([outside as u32]).collect();
+    let options = format!("candidates = {candidates:?}");
+    let drafter = HostDrafter::load_root(sdk::root_module::<Siblings>(), "siblings", None, &options).unwrap();
+
+    // Batches of rows, one seed per row: the first token of each row is one draw.
+    let (batches, rows) = (8u64, 150u64);
+    let mut counts = std::collections::BTreeMap::new();
+    let (mut drafted, mut accepted) = (0, 0);
+    let config = SpecConfig { tree_nodes: 3, ..SpecConfig::new(1, Verify::Rejection) };
+    for batch in 0..batches {
+        let requests: Vec<Request> = (0..rows)
+            .map(|r| Request {
+                prompt: prompt.clone(),
+                max_tokens: 2,
+                sampling: params(batch * rows + r),
+                ..Default::default()
+            })
+            .collect();
+        for g in generate_speculative_rows(&m, &drafter, &requests, config, |_, _| {}).unwrap() {
+            *counts.entry(g.tokens[0] as usize).or_insert(0u64) += 1;
+            drafted += g.stats.drafted;
+            accepted += g.stats.accepted;
+            assert!(g.stats.drafter_error.is_none(), "{:?}", g.stats.drafter_error);
+        }
+    }
+    let runs = batches * rows;
+    assert!(
+        accepted > 0 && (accepted as u64) < runs,
+        "both acceptance and resampling must occur: {accepted} of {runs} rounds"
+    );
+    assert!(drafted > 2 * runs as usize, "trees of three: {drafted} drafts in {runs} runs");
+    // Any token outside p's support is a failure by itself; then a chi-square goodness of fit
+    // with 3 degrees of freedom, whose critical value at significance 0.001 is 16.27.
+    let strays: u64 = counts.iter().filter(|(t, _)| !p.iter().any(|(i, _)| i == *t)).map(|(_, c)| c).sum();
+    assert_eq!(strays, 0, "tokens outside the target's support: {counts:?}");
+    let chi2: f64 = p
+        .iter()
+        .map(|(t, w)| {
+            let expected = runs as f64 * w / total;
+            let seen = *counts.get(t).unwrap_or(&0) as f64;
+            (seen - expected).powi(2) / expected
+        })
+        .sum();
+    assert!(chi2 < 16.27, "chi2 = {chi2:.2}: counts {counts:?}, p {p:?}");
+}

@@ -21,7 +21,7 @@ use crate::plugins_dir::PluginsDir;
 use crate::run::{
     first_difference, load_drafter, resolve_request, spec_config, CheckpointDefaults, Overrides, RunError,
 };
-use crate::speculative::{generate_speculative, probe_open, Verify};
+use crate::speculative::{generate_speculative, probe_open, SpecConfig, Verify};
 use crate::tokenizer::Tokenizer;
 
 #[derive(Debug, Clone)]
@@ -66,6 +66,8 @@ pub struct SweepRow {
     pub draft_tokens: usize,
     /// `draft_tokens = "auto"`: each round as deep as pays.
     pub auto_draft_tokens: bool,
+    /// The most drafts of a row's tree (the manifest's `tree_nodes`); 0: chains.
+    pub tree_nodes: usize,
     /// `greedy`, or the verification of a sampled run (the manifest's): `match` or `rejection`.
     pub mode: String,
     /// Generated tokens per target forward, over all prompts.
@@ -106,6 +108,14 @@ struct Drafter {
     name: String,
     loaded: LoadedDrafter,
     verify: Verify,
+    tree_nodes: usize,
+}
+
+impl Drafter {
+    /// How it drafts at `draft_tokens`, with its manifest's trees.
+    fn config(&self, draft_tokens: DraftTokens, verify: Verify) -> SpecConfig {
+        SpecConfig { tree_nodes: self.tree_nodes, ..spec_config(draft_tokens, verify, &self.loaded.info) }
+    }
 }
 
 /// Counts for one row, summed over prompts.
@@ -168,7 +178,7 @@ pub fn sweep(options: &SweepOptions) -> Result<SweepReport, SweepError> {
                 // Warm-up, untimed: plain decoding and every drafter once.
                 timed_plain(&model, &request)?;
                 for d in drafters.iter().filter(|d| m > 0 || d.verify == Verify::Match) {
-                    let config = spec_config(lengths(m)[0], d.verify, &d.loaded.info);
+                    let config = d.config(lengths(m)[0], d.verify);
                     generate_speculative(&model, &d.loaded, &request, config, |_| {})?;
                 }
             }
@@ -180,7 +190,7 @@ pub fn sweep(options: &SweepOptions) -> Result<SweepReport, SweepError> {
             let mut spec_runs = Vec::new();
             for &c in &order {
                 let (_, d, n) = configs[c];
-                let config = spec_config(n, drafters[d].verify, &drafters[d].loaded.info);
+                let config = drafters[d].config(n, drafters[d].verify);
                 let start = Instant::now();
                 let g = generate_speculative(&model, &drafters[d].loaded, &request, config, |_| {})?;
                 spec_runs.push((c, start.elapsed().as_secs_f64(), g));
@@ -248,12 +258,13 @@ impl Tally {
 
     fn row(self, drafter: &Drafter, draft_tokens: DraftTokens, mode: &str) -> SweepRow {
         let (median, min, max) = summary(&self.speedups);
-        let config = spec_config(draft_tokens, Verify::Match, &drafter.loaded.info);
+        let config = drafter.config(draft_tokens, Verify::Match);
         SweepRow {
             drafter: drafter.name.clone(),
             kind: drafter.loaded.kind().to_owned(),
             draft_tokens: config.draft_tokens,
             auto_draft_tokens: config.auto,
+            tree_nodes: config.tree_nodes,
             mode: mode.to_owned(),
             tau: self.generated as f64 / self.forwards.max(1) as f64,
             acceptance_by_position: self
@@ -301,7 +312,7 @@ fn setup(options: &SweepOptions) -> Result<Setup, SweepError> {
         };
         probe_open(&model, &loaded).map_err(RunError::from)?;
         let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
-        drafters.push(Drafter { name, loaded, verify: config.verify });
+        drafters.push(Drafter { name, loaded, verify: config.verify, tree_nodes: config.tree_nodes });
     }
     Ok((model, tokenizer, first, drafters))
 }

@@ -55,8 +55,11 @@ pub(super) fn accept_tree(
             }
         }
     };
+    // Rejection needs the target's distributions, which a sampled row's window keeps.
     let q = match (verify, &proposal.probabilities) {
-        (Verify::Rejection, Some(q)) if !sampling.is_greedy() => Some(with_floats(&row_major(q)?, <[f32]>::to_vec)?),
+        (Verify::Rejection, Some(q)) if !sampling.is_greedy() && window.row(0).is_some() => {
+            Some(with_floats(&row_major(q)?, <[f32]>::to_vec)?)
+        }
         _ => None,
     };
     let (path, last) = match &q {
