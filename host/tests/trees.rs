@@ -201,6 +201,11 @@ fn lookup() -> HostDrafter {
     HostDrafter::load(&plugin, Some(&models().join("kjv-gemma4-lookup")), "").unwrap()
 }
 
+fn dflash() -> HostDrafter {
+    let plugin = load_library(&common::workspace_plugin("dflash"), None).unwrap();
+    HostDrafter::load(&plugin, Some(&models().join("kjv-gemma4-dflash")), "").unwrap()
+}
+
 /// Openings of held-out chapters.
 const OPENINGS: [&str; 3] = [
     "And Abraham journeyed from thence toward the south country, and dwelled between Kadesh and Shur.\n",
@@ -234,6 +239,9 @@ fn trees_on_the_demo_target_equal_plain_greedy_past_its_window() {
     let g = spec(&m, &lookup(), &r, trees(4, 12));
     assert_eq!(g.tokens, expected, "lookup's trees");
     assert!(g.stats.accepted > 0, "{:?}", g.stats);
+    let g = spec(&m, &dflash(), &r, trees(4, 12));
+    assert_eq!(g.tokens, expected, "DFlash's trees");
+    assert!(g.stats.accepted > 0 && g.stats.drafter_error.is_none(), "{:?}", g.stats);
 }
 
 #[test]

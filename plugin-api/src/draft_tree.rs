@@ -178,6 +178,38 @@ impl Tree {
     }
 }
 
+/// The tree of at most `nodes` nodes whose paths are the likeliest, for a drafter whose
+/// positions are drafted independently (a block drafter): `positions[d]` holds the candidates
+/// (token, probability) at depth d + 1, whatever comes before them, so a path's probability is
+/// the product of its tokens'. Nodes join most probable path first (EAGLE-2's tree, with
+/// these products as its scores); each joins under a node already there.
+pub fn likeliest_paths(positions: &[Vec<(u32, f32)>], nodes: usize) -> Tree {
+    let mut tree = Tree::default();
+    // Candidates: (path probability, parent, depth of the token, index among its candidates).
+    let mut frontier: Vec<(f64, Option<usize>, usize, usize)> = Vec::new();
+    let offer = |frontier: &mut Vec<_>, parent: Option<usize>, score: f64, depth: usize| {
+        if let Some(candidates) = positions.get(depth) {
+            for (i, &(_, p)) in candidates.iter().enumerate() {
+                frontier.push((score * p as f64, parent, depth, i));
+            }
+        }
+    };
+    offer(&mut frontier, None, 1.0, 0);
+    while tree.len() < nodes {
+        // The likeliest candidate; ties to the one offered first.
+        let Some(best) = (0..frontier.len()).reduce(|a, b| if frontier[b].0 > frontier[a].0 { b } else { a }) else {
+            break;
+        };
+        let (score, parent, depth, i) = frontier.remove(best);
+        if score <= 0.0 {
+            break;
+        }
+        let node = tree.push(parent, positions[depth][i].0);
+        offer(&mut frontier, Some(node), score, depth + 1);
+    }
+    tree
+}
+
 impl From<TreeRow> for (Tree, Option<OwnedArray>) {
     fn from(row: TreeRow) -> Self {
         (Tree { tokens: row.tokens.into_vec(), parents: row.parents.into_vec() }, row.probabilities.into_option())
@@ -226,6 +258,18 @@ mod tests {
         let mut u = Tree::chain(&[7]);
         u.graft(&Tree::chain(&[8, 9]), 1);
         assert_eq!(u, Tree::chain(&[7]), "a node left out leaves its children out");
+    }
+
+    #[test]
+    fn the_likeliest_paths_join_first() {
+        // Depth 1: 7 (0.6) or 8 (0.3); depth 2: 5 (0.9) or 6 (0.1), after either.
+        let positions = vec![vec![(7, 0.6), (8, 0.3)], vec![(5, 0.9), (6, 0.1)]];
+        let t = likeliest_paths(&positions, 4);
+        // 7 (0.6), 7 5 (0.54), 8 (0.3), 8 5 (0.27); 7 6 (0.06) is left out.
+        assert_eq!((t.tokens.clone(), t.parents.clone()), (vec![7, 5, 8, 5], vec![ROOT, 0, ROOT, 2]));
+        assert_eq!(t.check(2, 4, 10), Ok(()));
+        assert_eq!(likeliest_paths(&positions, 1), Tree::chain(&[7]));
+        assert_eq!(likeliest_paths(&positions, 9).len(), 6, "every path, as deep as the positions go");
     }
 
     #[test]

@@ -73,6 +73,22 @@ pub trait DraftSource: Clone + 'static {
         Ok(None)
     }
 
+    /// Every row's [`draft_tree`](Self::draft_tree). One row at a time by default; override to
+    /// draft the rows in one pass.
+    fn draft_tree_rows(
+        shared: &Self::Shared,
+        rows: &mut [Self],
+        pending: &[u32],
+        depth: usize,
+        nodes: usize,
+        steps: &[u64],
+    ) -> Result<Vec<Option<TreeProposal>>, PluginError> {
+        rows.iter_mut()
+            .enumerate()
+            .map(|(r, row)| row.draft_tree(shared, r, pending[r], depth, nodes, steps[r]))
+            .collect()
+    }
+
     /// What the target kept of this row's window: the pending token and the accepted drafts,
     /// with their tapped hidden states [1, kept, F] when the drafter declared the `taps` port.
     fn commit(&mut self, shared: &Self::Shared, kept: &[u32], context: Option<&Array>) -> Result<(), PluginError>;
@@ -176,10 +192,7 @@ impl<S: DraftSource> GroupedDraftProvider for SourceRows<S> {
     ) -> Result<Option<Vec<TreeProposal>>, PluginError> {
         self.check_rows("draft_tree", pending.len())?;
         self.check_rows("draft_tree's steps", steps.len())?;
-        let mut trees = Vec::with_capacity(self.rows.len());
-        for (r, row) in self.rows.iter_mut().enumerate() {
-            trees.push(row.draft_tree(&self.shared, r, pending[r], depth, nodes, steps[r])?);
-        }
+        let trees = S::draft_tree_rows(&self.shared, &mut self.rows, pending, depth, nodes, steps)?;
         if trees.iter().all(Option::is_none) {
             return Ok(None);
         }
@@ -289,6 +302,19 @@ pub trait ContextDrafter: 'static {
     ) -> Result<Option<Array>, PluginError> {
         Ok(None)
     }
+
+    /// Each row's tree from a non-empty context, at most `nodes` nodes and `depth` (≥ 1) deep
+    /// ([`DraftSource::draft_tree`]); `None` (the default): chains through `draft_rows`.
+    fn draft_tree_rows(
+        &self,
+        _contexts: &mut [&mut LayerContext],
+        _pending: &[u32],
+        _depth: usize,
+        _nodes: usize,
+        _steps: &[u64],
+    ) -> Result<Option<Vec<TreeProposal>>, PluginError> {
+        Ok(None)
+    }
 }
 
 /// [`ContextDrafter::extend_rows`] one row at a time.
@@ -368,6 +394,36 @@ impl<M: ContextDrafter> DraftSource for ContextRow<M> {
         }
         let mut contexts: Vec<&mut LayerContext> = rows.iter_mut().map(|r| &mut r.0).collect();
         m.draft_rows_on_device(&mut contexts, pending, depth, steps)
+    }
+
+    fn draft_tree_rows(
+        m: &M,
+        rows: &mut [Self],
+        pending: &[u32],
+        depth: usize,
+        nodes: usize,
+        steps: &[u64],
+    ) -> Result<Vec<Option<TreeProposal>>, PluginError> {
+        let count = rows.len();
+        let none = || (0..count).map(|_| None).collect();
+        let drafting: Vec<usize> =
+            (0..rows.len()).filter(|&r| depth > 0 && nodes > 0 && !rows[r].0.is_empty()).collect();
+        if drafting.is_empty() {
+            return Ok(none());
+        }
+        let pending: Vec<u32> = drafting.iter().map(|&r| pending[r]).collect();
+        let steps: Vec<u64> = drafting.iter().map(|&r| steps[r]).collect();
+        let mut contexts: Vec<&mut LayerContext> =
+            rows.iter_mut().enumerate().filter(|(r, _)| drafting.contains(r)).map(|(_, row)| &mut row.0).collect();
+        let Some(drafted) = m.draft_tree_rows(&mut contexts, &pending, depth, nodes, &steps)? else {
+            return Ok(none());
+        };
+        // Rows with an empty context propose nothing: an empty tree.
+        let mut trees: Vec<Option<TreeProposal>> = (0..count).map(|_| Some(TreeProposal::default())).collect();
+        for (r, tree) in drafting.into_iter().zip(drafted) {
+            trees[r] = Some(tree);
+        }
+        Ok(trees)
     }
 
     fn commit(&mut self, m: &M, _kept: &[u32], context: Option<&Array>) -> Result<(), PluginError> {

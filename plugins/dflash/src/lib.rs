@@ -10,11 +10,12 @@ mod model;
 use std::path::Path;
 use std::rc::Rc;
 
+use plugin_api::draft_tree::likeliest_paths;
 use plugin_api::mlx_rs::Array;
 use plugin_api::nn::kernels::with_floats;
 use plugin_api::nn::ops::tempered_softmax_rows;
 use plugin_api::sdk::{
-    draw, ContextDrafter, ContextRow, DraftProvider, Drafter, Options, Proposal, SourceRows, Target,
+    draw, ContextDrafter, ContextRow, DraftProvider, Drafter, Options, Proposal, SourceRows, Target, TreeProposal,
 };
 use plugin_api::{Capabilities, Descriptor, PluginError, Ports, ProviderInfo};
 
@@ -338,6 +339,52 @@ impl ContextDrafter for Shared {
             _ => Ok(None),
         }
     }
+
+    /// A z-lab block's positions are drafted independently, so its likeliest paths make the
+    /// tree: each position's most probable tokens ([`BRANCHES`]) under every node of the
+    /// position before, the likeliest paths first ([`likeliest_paths`]). Greedy drafts only:
+    /// sampled ones, and DSpark's, draft chains.
+    fn draft_tree_rows(
+        &self,
+        contexts: &mut [&mut Context],
+        pending: &[u32],
+        depth: usize,
+        nodes: usize,
+        _steps: &[u64],
+    ) -> Result<Option<Vec<TreeProposal>>, PluginError> {
+        let Network::Zlab(m) = &*self.network else { return Ok(None) };
+        if self.settings.sample_drafts {
+            return Ok(None);
+        }
+        let depth = depth.min(self.network.max_draft_tokens());
+        let logits = self.zlab_logits(m, contexts, pending, depth)?;
+        let vocab = logits.shape()[1] as usize;
+        let mut probabilities = with_floats(&logits, <[f32]>::to_vec)?;
+        tempered_softmax_rows(&mut probabilities, vocab, 1.0);
+        let trees = probabilities.chunks(depth * vocab).map(|row| {
+            let positions: Vec<Vec<(u32, f32)>> = row.chunks(vocab).map(most_probable).collect();
+            TreeProposal { tree: likeliest_paths(&positions, nodes), probabilities: None }
+        });
+        Ok(Some(trees.collect()))
+    }
+}
+
+/// Candidates per block position for trees: past the third, a position's tokens rarely carry
+/// mass a path would need.
+const BRANCHES: usize = 3;
+
+/// The [`BRANCHES`] most probable tokens of a distribution with their probabilities, most
+/// probable first (ties to the lower token, as the greedy draft's argmax takes them).
+fn most_probable(p: &[f32]) -> Vec<(u32, f32)> {
+    let mut best: Vec<(u32, f32)> = Vec::with_capacity(BRANCHES + 1);
+    for (t, &x) in p.iter().enumerate() {
+        if best.len() < BRANCHES || x > best[BRANCHES - 1].1 {
+            let at = best.iter().position(|&(_, y)| x > y).unwrap_or(best.len());
+            best.insert(at, (t as u32, x));
+            best.truncate(BRANCHES);
+        }
+    }
+    best
 }
 
 /// The uniform for the draft of output step `step`.
