@@ -187,9 +187,11 @@ $(LLAMACPP)/gguf/%-f32.gguf $(LLAMACPP)/gguf/%-bf16.gguf $(LLAMACPP)/gguf/%-q8_0
 		$(GGUF_CONVERT) target/$* --outtype $$t --outfile $(@D)/$*-$$t.gguf >$$log 2>&1 || { tail -5 $$log; exit 1; }; done
 $(LLAMACPP)/gguf/%-q4_0.gguf: $(LLAMACPP)/gguf/%-f32.gguf | llamacpp
 	$(LLAMACPP)/build/bin/llama-quantize $< $@ q4_0 >/dev/null
+# LLAMA_BENCH_ARGS="--repack 0" where llama.cpp's AMX path crashes (docs/performance.md).
 PAIRS ?= 3
+LLAMA_BENCH_ARGS ?=
 bench-llamacpp: build llamacpp $(MLX_FORMATS:%=target/%/config.json) $(GGUFS) ## the host against llama.cpp, every format
-	python3 scripts/llamacpp/bench.py --out $(LLAMACPP)/results --pairs $(PAIRS)
+	python3 scripts/llamacpp/bench.py --out $(LLAMACPP)/results --pairs $(PAIRS) --llama-bench-args "$(LLAMA_BENCH_ARGS)"
 
 # Host against mlx-lm on a random Gemma 4 of more than 20M parameters (made once, not committed).
 bench: build target/bench-model/config.json target/bench-model-262k/config.json target/bench-model-q8/config.json \

@@ -231,6 +231,10 @@ struct BenchArgs {
     /// The GGUF conversion of the manifest's target that --llama-bench runs.
     #[arg(long, value_name = "FILE", requires = "llama_bench")]
     gguf: Option<PathBuf>,
+    /// More arguments for llama-bench, as one string (`"--repack 0"`: where llama.cpp's AMX
+    /// path crashes, docs/performance.md).
+    #[arg(long, value_name = "ARGS", requires = "llama_bench", allow_hyphen_values = true)]
+    llama_bench_args: Option<String>,
     /// A prompt of this many tokens (the first one the manifest's, then ids stepping through
     /// the vocabulary) in place of the manifest's: what prefill is timed on.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
@@ -802,6 +806,10 @@ fn bench(args: BenchArgs, quiet: bool) -> Result<()> {
         mlx_lm_python: args.mlx_lm_python,
         no_mlx_lm: args.no_mlx_lm,
         llama_cpp: args.llama_bench.zip(args.gguf),
+        llama_bench_args: args
+            .llama_bench_args
+            .map(|a| a.split_whitespace().map(str::to_owned).collect())
+            .unwrap_or_default(),
         prompt_tokens: args.prompt_tokens.map(|n| n as usize),
         plugins_dir: plugins_dir::resolve(args.dir.plugins_dir),
         serving: args.serving,

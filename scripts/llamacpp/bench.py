@@ -3,6 +3,7 @@
 `make bench-llamacpp` runs once the models and GGUFs are made.
 
     bench.py --out target/llamacpp/results [--pairs 3] [--models demo,bench,bench-large]
+             [--llama-bench-args "--repack 0"]
 
 For each model and format it runs `host bench --manifest M --llama-bench B --gguf G
 --prompt-tokens 512 --max-tokens 128 --json`, which alternates the host's plain decoding of the
@@ -44,13 +45,15 @@ def manifest(out: Path, mlx_dir: Path) -> Path:
     return path
 
 
-def run(name: str, fmt: str, pairs: int, out: Path) -> dict:
+def run(name: str, fmt: str, pairs: int, out: Path, llama_args: str) -> dict:
     stem, dirs = MODELS[name]
     mlx_dir = (ROOT / "target" / dirs[fmt]).resolve()
     gguf = LLAMACPP / "gguf" / f"{stem}-{fmt}.gguf"
     command = [str(HOST), "bench", "--manifest", str(manifest(out, mlx_dir)),
                "--llama-bench", str(LLAMACPP / "build" / "bin" / "llama-bench"), "--gguf", str(gguf),
                "--prompt-tokens", "512", "--max-tokens", "128", "--pairs", str(pairs), "--json"]
+    if llama_args:
+        command += ["--llama-bench-args", llama_args]
     print(f"bench-llamacpp: {name} {fmt}", file=sys.stderr, flush=True)
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
@@ -77,14 +80,15 @@ def cell(r: dict, what: str) -> str:
     return text
 
 
-def table(results: dict) -> str:
+def table(results: dict, llama_args: str) -> str:
     routes = sorted({r["host_route"] for m in results.values() for r in m.values() if "host_route" in r})
     bandwidth = [r["memory_gb_per_s_two_threads"] for m in results.values() for r in m.values()
                  if r.get("memory_gb_per_s_two_threads")]
     lines = [
         f"Host ÷ llama.cpp, median [range] over the pairs (host vs llama.cpp tok/s); decode cells add each "
         f"program's share of the two-thread read bandwidth. Host route: {', '.join(routes) or 'unknown'}. "
-        f"Two threads read {min(bandwidth, default=0):.1f}–{max(bandwidth, default=0):.1f} GB/s during the runs.",
+        f"Two threads read {min(bandwidth, default=0):.1f}–{max(bandwidth, default=0):.1f} GB/s during the runs."
+        + (f" llama-bench ran with `{llama_args}`." if llama_args else ""),
         "",
         "| model | " + " | ".join(FORMATS) + " |",
         "|---|" + "---|" * len(FORMATS),
@@ -102,13 +106,16 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--models", default="demo,bench,bench-large")
     ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--llama-bench-args", default="",
+                    help='more llama-bench arguments, e.g. "--repack 0" where its AMX path crashes')
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     results = {}
     for name in args.models.split(","):
-        results[name] = {fmt: run(name, fmt, args.pairs, args.out) for fmt in args.formats.split(",")}
+        results[name] = {fmt: run(name, fmt, args.pairs, args.out, args.llama_bench_args)
+                         for fmt in args.formats.split(",")}
         (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    text = table(results)
+    text = table(results, args.llama_bench_args)
     (args.out / "results.md").write_text(text)
     print(text)
     return 0

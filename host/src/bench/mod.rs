@@ -44,8 +44,8 @@ pub enum Reference {
     MlxLm(PathBuf),
     /// llama.cpp's `llama-bench` on a GGUF conversion of the checkpoint, at `threads` threads:
     /// prefill of the prompt's length and decoding of `max_tokens`, timed apart, as llama.cpp
-    /// times them.
-    LlamaCpp { llama_bench: PathBuf, gguf: PathBuf, threads: usize },
+    /// times them, with `args` added to its command line.
+    LlamaCpp { llama_bench: PathBuf, gguf: PathBuf, threads: usize, args: Vec<String> },
 }
 
 impl Reference {
@@ -68,8 +68,8 @@ impl Reference {
     fn run(&self, model_dir: &std::path::Path, request: &Request) -> Result<Throughput, BenchError> {
         match self {
             Reference::MlxLm(python) => run_mlx_lm(python, model_dir, request),
-            Reference::LlamaCpp { llama_bench, gguf, threads } => {
-                run_llama_bench(llama_bench, gguf, *threads, request.prompt.len(), request.max_tokens)
+            Reference::LlamaCpp { llama_bench, gguf, threads, args } => {
+                run_llama_bench(llama_bench, gguf, *threads, args, request.prompt.len(), request.max_tokens)
             }
         }
     }
@@ -298,12 +298,13 @@ fn run_llama_bench(
     llama_bench: &std::path::Path,
     gguf: &std::path::Path,
     threads: usize,
+    args: &[String],
     prompt_tokens: usize,
     max_tokens: usize,
 ) -> Result<Throughput, BenchError> {
     let mut command = std::process::Command::new(llama_bench);
     command.arg("-m").arg(gguf).args(["-t", &threads.to_string(), "-r", "1", "-o", "json"]);
-    command.args(["-p", &prompt_tokens.to_string(), "-n", &max_tokens.to_string()]);
+    command.args(["-p", &prompt_tokens.to_string(), "-n", &max_tokens.to_string()]).args(args);
     let shown = format!("{} -m {}", llama_bench.display(), gguf.display());
     let failed = |reason: String| BenchError::Reference { command: shown.clone(), reason };
     let out = crate::runtime::starting_children(|| command.output()).map_err(|e| failed(e.to_string()))?;
@@ -311,7 +312,9 @@ fn run_llama_bench(
         // A failed assertion is followed by a backtrace: the assertion says what went wrong.
         let stderr = String::from_utf8_lossy(&out.stderr);
         let said = |l: &&str| ["error", "failed", "abort"].iter().any(|w| l.to_lowercase().contains(w));
-        let line = stderr.lines().find(said).or_else(|| stderr.lines().last()).unwrap_or("failed");
+        // A crash says nothing on stderr: the exit status names the signal.
+        let status = out.status.to_string();
+        let line = stderr.lines().find(said).or_else(|| stderr.lines().last()).unwrap_or(&status);
         return Err(failed(line.trim().to_owned()));
     }
     let tests: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout)

@@ -28,6 +28,8 @@ pub struct BenchOptions {
     pub no_mlx_lm: bool,
     /// Measure against llama.cpp instead: its `llama-bench` and a GGUF of the same checkpoint.
     pub llama_cpp: Option<(PathBuf, PathBuf)>,
+    /// More arguments for llama-bench.
+    pub llama_bench_args: Vec<String>,
     /// A prompt of this many tokens instead of the manifest's (what prefill is timed on).
     pub prompt_tokens: Option<usize>,
     pub plugins_dir: PluginsDir,
@@ -119,6 +121,7 @@ pub fn bench(options: &BenchOptions) -> Result<BenchReport, BenchRunError> {
             llama_bench: llama_bench.clone(),
             gguf: gguf.clone(),
             threads: crate::runtime::process_cpus().len().max(1),
+            args: options.llama_bench_args.clone(),
         }),
         (None, true) => None,
         (None, false) => Some(Reference::MlxLm(
