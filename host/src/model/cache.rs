@@ -117,7 +117,7 @@ impl LayerCache {
         let mut rows = Vec::with_capacity(self.rows());
         for (r, (row, &offset)) in positions.into_iter().zip(&self.offsets).enumerate() {
             // The slots from the first place (a multiple of the period) to the row's last
-            // position: the next key, at `offset`, follows them in its own lane.
+            // position: the next key, at `offset`, follows them.
             let base = row.iter().copied().find(|&p| p >= 0).map_or(offset as i32, |p| p - p % PERIOD);
             let len = (offset as i32 - base).max(0) as usize;
             let cut = |a: &Array| -> Result<Array, Exception> {
@@ -346,8 +346,9 @@ impl LayerCache {
 }
 
 /// A cache's rows as a tree's nodes read them ([`LayerCache::prefix`]): per row, the keys and
-/// values [1, H, len, D] in position order from a multiple of [`PERIOD`] up to the row's last
-/// position, so that keys laid after them fall in the lanes the row's next positions take.
+/// values [1, H, len, D] in position order, laid out as a decode step reads them (from a
+/// multiple of [`PERIOD`]) up to the row's last position, so that the next positions' keys
+/// follow them in order.
 pub struct Prefix {
     /// The attention window for sliding layers.
     pub window: Option<usize>,

@@ -70,7 +70,7 @@ fn within(proposal: TreeProposal, depth: usize) -> Result<TreeProposal, Generate
 /// position, its nodes at that position plus their depth, then padding (the pending token
 /// again, reading only itself). With the forward's token ids [N, 1].
 fn layout(pending: &[u32], trees: &[TreeProposal], offsets: &[usize], width: usize) -> (TreeLayout, Array) {
-    let mut layout = TreeLayout::default();
+    let mut layout = TreeLayout { width, ..TreeLayout::default() };
     let mut ids = Vec::with_capacity(pending.len() * width);
     for (r, (t, &offset)) in trees.iter().zip(offsets).enumerate() {
         let first = r * width;
