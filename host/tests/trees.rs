@@ -242,6 +242,11 @@ fn trees_on_the_demo_target_equal_plain_greedy_past_its_window() {
     let g = spec(&m, &dflash(), &r, trees(4, 12));
     assert_eq!(g.tokens, expected, "DFlash's trees");
     assert!(g.stats.accepted > 0 && g.stats.drafter_error.is_none(), "{:?}", g.stats);
+    // Under "auto", each round's depth and tree size as pay.
+    let auto = SpecConfig { auto: true, ..trees(8, 16) };
+    let g = spec(&m, &lookup(), &r, auto);
+    assert_eq!(g.tokens, expected, "lookup's trees under \"auto\"");
+    assert!(g.stats.accepted > 0, "{:?}", g.stats);
 }
 
 #[test]

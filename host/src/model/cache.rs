@@ -7,7 +7,7 @@ use kernels::dot::SUM_PERIOD;
 use mlx_rs::error::Exception;
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::Array;
-use plugin_api::nn::layout::{put_slots, take_slots};
+use plugin_api::nn::layout::{put_slots, slice, take_slots};
 use plugin_api::nn::ops::Mask;
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -121,7 +121,8 @@ impl LayerCache {
             let base = row.iter().copied().find(|&p| p >= 0).map_or(offset as i32, |p| p - p % PERIOD);
             let len = (offset as i32 - base).max(0) as usize;
             let cut = |a: &Array| -> Result<Array, Exception> {
-                kernels::row_major(&a.try_index((r as i32..r as i32 + 1, .., ..len as i32, ..))?)
+                let s = a.shape();
+                slice(a, &[r..r + 1, 0..s[1] as usize, 0..len, 0..s[3] as usize])
             };
             let (k, v) = if len == 0 { (None, None) } else { (Some(cut(&keys)?), Some(cut(&values)?)) };
             let mut held = row;

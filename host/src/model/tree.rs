@@ -10,9 +10,8 @@
 //! for bit, that of its token decoded alone.
 
 use mlx_rs::error::Exception;
-use mlx_rs::ops::concatenate;
-use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::Array;
+use plugin_api::nn::layout;
 use plugin_api::nn::ops::{attention_rows, KeyPiece, Mask, RowKeys};
 
 use super::cache::LayerCache;
@@ -47,7 +46,7 @@ pub(super) struct TreeKv {
     pub values: Array,
     /// Per cache row, [1, Hkv, cached + width, D]: its cached keys, then its node rows'.
     rows: Vec<(Array, Array)>,
-    /// Per node row, the keys it reads among its cache row's.
+    /// Per cache row, the keys each of its node rows reads among the row's.
     masks: Vec<Mask>,
 }
 
@@ -62,47 +61,61 @@ impl TreeKv {
         let prefix = cache.map(LayerCache::prefix).transpose()?.flatten();
         let width = layout.width;
         let cache_rows = layout.len() / width;
-        // Each cache row's node rows [1, Hkv, width, D], after its cached keys.
-        let by_row = |a: &Array| -> Result<Array, Exception> {
-            let s = a.shape();
-            a.reshape(&[cache_rows as i32, width as i32, s[1], s[3]])?.transpose_axes(&[0, 2, 1, 3])
+        // Row r's node rows [1, Hkv, width, D], copied on the host as the caches' moves are
+        // (an MLX op costs a round trip to its thread).
+        let s = keys.shape().to_vec();
+        let node_rows = |a: &Array, r: usize| -> Result<Array, Exception> {
+            let part = layout::rows(a, r * width..(r + 1) * width)?;
+            layout::swap_axes_1_2(&layout::reshape(&part, &[1, width as i32, s[1], s[3]])?)
         };
-        let (node_keys, node_values) = (by_row(keys)?, by_row(values)?);
         let mut rows = Vec::with_capacity(cache_rows);
         for r in 0..cache_rows {
-            let own = |a: &Array| a.try_index((r as i32..r as i32 + 1, .., .., ..));
+            let (k, v) = (node_rows(keys, r)?, node_rows(values, r)?);
             let cached = prefix.as_ref().and_then(|p| p.rows[r].keys.as_ref().zip(p.rows[r].values.as_ref()));
-            let (k, v) = match cached {
-                Some((k, v)) => (concatenate(&[k, &own(&node_keys)?], 2)?, concatenate(&[v, &own(&node_values)?], 2)?),
-                None => (own(&node_keys)?, own(&node_values)?),
-            };
-            rows.push((kernels::row_major(&k)?, kernels::row_major(&v)?));
+            rows.push(match cached {
+                Some((ck, cv)) => (layout::concat(&[ck, &k], 2)?, layout::concat(&[cv, &v], 2)?),
+                None => (k, v),
+            });
         }
-        let mut masks = Vec::with_capacity(layout.len());
-        for (j, path) in layout.paths.iter().enumerate() {
-            let r = layout.cache_row[j];
-            let mut reads: Vec<bool> = match &prefix {
-                Some(p) => p.rows[r].visible(layout.positions[j], p.window).collect(),
-                None => Vec::new(),
-            };
-            let first = reads.len();
-            reads.resize(first + width, false);
-            for &node in path {
-                reads[first + node - r * width] = true;
+        // Per cache row, which of its keys each of its node rows reads [1, 1, width, keys].
+        let mut masks = Vec::with_capacity(cache_rows);
+        for r in 0..cache_rows {
+            let cached = prefix.as_ref().map_or(0, |p| p.rows[r].positions.len());
+            let keys = cached + width;
+            let mut reads = vec![false; width * keys];
+            for (i, j) in (r * width..(r + 1) * width).enumerate() {
+                let row = &mut reads[i * keys..(i + 1) * keys];
+                if let Some(p) = &prefix {
+                    row[..cached]
+                        .iter_mut()
+                        .zip(p.rows[r].visible(layout.positions[j], p.window))
+                        .for_each(|(m, v)| *m = v);
+                }
+                for &node in &layout.paths[j] {
+                    row[cached + node - r * width] = true;
+                }
             }
-            masks.push(Mask::Array(Array::from_slice(&reads, &[1, 1, 1, reads.len() as i32])));
+            masks.push(Mask::Array(Array::from_slice(&reads, &[1, 1, width as i32, keys as i32])));
         }
         Ok(TreeKv { keys: keys.clone(), values: values.clone(), rows, masks })
     }
 
-    /// Attention of the node rows' queries q [N, Hq, 1, D].
+    /// Attention of the node rows' queries q [N, Hq, 1, D]: each cache row's node rows as the
+    /// queries of one attention row, as a chain's window is.
     pub fn attend(&self, q: &Array, layout: &TreeLayout, scale: f32) -> Result<Array, Exception> {
-        let rows: Vec<RowKeys> = (0..layout.len())
-            .map(|j| {
-                let (keys, values) = &self.rows[layout.cache_row[j]];
-                RowKeys { pieces: vec![KeyPiece { keys, values, row: 0 }], mask: self.masks[j].clone() }
+        let s = q.shape().to_vec();
+        let (width, cache_rows) = (layout.width as i32, (layout.len() / layout.width) as i32);
+        let q = layout::swap_axes_1_2(&layout::reshape(q, &[cache_rows, width, s[1], s[3]])?)?;
+        let rows: Vec<RowKeys> = self
+            .rows
+            .iter()
+            .zip(&self.masks)
+            .map(|((keys, values), mask)| RowKeys {
+                pieces: vec![KeyPiece { keys, values, row: 0 }],
+                mask: mask.clone(),
             })
             .collect();
-        attention_rows(q, &rows, scale)
+        let out = attention_rows(&q, &rows, scale)?;
+        layout::reshape(&layout::swap_axes_1_2(&out)?, &s)
     }
 }

@@ -13,6 +13,7 @@ use super::prefill::prefill_row;
 use super::prefix_cache::PrefixCache;
 use super::round::{round, Batch};
 use super::slot::DrafterSlot;
+use super::tree_size::choose_nodes;
 use super::{check_pairing, Row, SpecConfig, Taps};
 use crate::generate::{check_request, Event, Flow, GenerateError, Generation, Request};
 use crate::model::{Gemma4, LayerCache};
@@ -44,8 +45,9 @@ pub struct LiveBatch<'a, Id> {
     prefixes: Option<PrefixCache>,
     /// The most tokens a row drafts in a round.
     most: usize,
-    /// `draft_tokens = "auto"` with a drafter: the costs each round's depth is chosen by.
-    auto: Option<RoundCosts>,
+    /// `draft_tokens = "auto"` with a drafter: the costs each round's depth and trees' size
+    /// are chosen by.
+    costs: Option<RoundCosts>,
 }
 
 impl<'a, Id: Copy> LiveBatch<'a, Id> {
@@ -59,7 +61,7 @@ impl<'a, Id: Copy> LiveBatch<'a, Id> {
         if let Some(d) = drafter {
             check_pairing(model, d).map_err(GenerateError::Drafter)?;
         }
-        let auto = match drafter {
+        let costs = match drafter {
             Some(_) if config.auto => Some(RoundCosts::new(&super::measure::verify_ms(model)?, model.group.is_none())),
             _ => None,
         };
@@ -79,7 +81,7 @@ impl<'a, Id: Copy> LiveBatch<'a, Id> {
             rows: Vec::new(),
             prefixes: None,
             most: config.draft_tokens,
-            auto,
+            costs,
         })
     }
 
@@ -184,7 +186,8 @@ impl<'a, Id: Copy> LiveBatch<'a, Id> {
     ) -> Result<Vec<(Id, Generation)>, GenerateError> {
         let mut finished = self.leave_finished()?;
         if !self.members.is_empty() {
-            let config = SpecConfig { draft_tokens: self.round_depth(), ..self.config };
+            let draft_tokens = self.round_depth();
+            let config = SpecConfig { draft_tokens, tree_nodes: self.round_nodes(draft_tokens), ..self.config };
             let batch = Batch {
                 model: self.model,
                 caches: &self.caches,
@@ -196,7 +199,7 @@ impl<'a, Id: Copy> LiveBatch<'a, Id> {
             let members = &self.members;
             let (slot, catch_up) = (&mut self.slot, &mut self.catch_up);
             let times = round(&batch, &mut self.rows, slot, catch_up, &mut |r, event| on_event(members[r].id, event))?;
-            if let Some(costs) = &mut self.auto {
+            if let Some(costs) = &mut self.costs {
                 costs.record(times.depth, times.draft_ms, times.window_tokens, times.verify_ms);
             }
             finished.extend(self.leave_finished()?);
@@ -207,7 +210,7 @@ impl<'a, Id: Copy> LiveBatch<'a, Id> {
     /// The most tokens a row drafts this round: under `"auto"`, the depth with the most
     /// expected tokens per millisecond for these rows.
     fn round_depth(&self) -> usize {
-        let Some(costs) = &self.auto else { return self.most };
+        let Some(costs) = &self.costs else { return self.most };
         let rows: Vec<_> = self
             .rows
             .iter()
@@ -215,6 +218,15 @@ impl<'a, Id: Copy> LiveBatch<'a, Id> {
             .map(|(row, request)| (row.acceptance.estimates(), row.draft_room(request)))
             .collect();
         choose_depth(&rows, self.most, costs)
+    }
+
+    /// The most drafts of a row's tree this round, `depth` deep: under `"auto"`, as many as
+    /// the rows' chances per node rank and the measured costs make pay.
+    fn round_nodes(&self, depth: usize) -> usize {
+        let most = self.config.tree_nodes;
+        let Some(costs) = self.costs.as_ref().filter(|_| most > 0 && depth > 0) else { return most };
+        let rows: Vec<Vec<f64>> = self.rows.iter().map(|row| row.nodes.estimates(most)).collect();
+        choose_nodes(&rows, most, depth, costs)
     }
 
     /// Removes finished rows from the caches, the drafter and the batch.

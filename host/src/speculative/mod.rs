@@ -26,6 +26,7 @@ mod round;
 mod slot;
 pub mod tree;
 mod tree_round;
+mod tree_size;
 
 pub use depth::{describe_draft_tokens, AUTO_MOST};
 pub use live::LiveBatch;
@@ -50,7 +51,8 @@ pub struct SpecConfig {
     /// measured costs make pay ([`depth`]).
     pub auto: bool,
     /// The most nodes of a row's tree of drafts, where the drafter offers trees and the target
-    /// verifies them ([`tree_round`]); 0: chains.
+    /// verifies them ([`tree_round`]); under `auto`, each round's trees hold as many as pay
+    /// ([`tree_size`]). 0: chains.
     pub tree_nodes: usize,
 }
 
@@ -120,6 +122,8 @@ struct Row {
     by_position: Vec<(usize, usize)>,
     /// The same, weighted toward recent rounds, for `"auto"` draft lengths.
     acceptance: depth::Acceptance,
+    /// Per node rank of its trees, how often its accepted path went through it.
+    nodes: tree_size::NodeAcceptance,
     /// Per token, when the request asks for them.
     logprobs: Vec<crate::sampling::TokenLogprob>,
 }
@@ -133,6 +137,7 @@ impl Row {
             stats: Stats { prompt_tokens: request.prompt.len(), ..Stats::default() },
             by_position: vec![(0, 0); draft_tokens],
             acceptance: depth::Acceptance::default(),
+            nodes: tree_size::NodeAcceptance::default(),
             logprobs: Vec::new(),
         }
     }

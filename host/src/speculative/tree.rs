@@ -137,6 +137,7 @@ pub(super) fn accept_tree(
         row.pending = last;
     }
     row.acceptance.record(deepest, accepted);
+    row.nodes.record(tree.len(), &path[..accepted]);
     Ok(path[..accepted].to_vec())
 }
 

@@ -6,6 +6,7 @@
 use std::time::Instant;
 
 use mlx_rs::{Array, Dtype};
+use plugin_api::nn::layout;
 use plugin_api::sdk::TreeProposal;
 
 use super::catch_up::CatchUp;
@@ -69,7 +70,7 @@ fn within(proposal: TreeProposal, depth: usize) -> Result<TreeProposal, Generate
 /// The node rows of the rows' trees, each row padded to `width`: its pending token at its next
 /// position, its nodes at that position plus their depth, then padding (the pending token
 /// again, reading only itself). With the forward's token ids [N, 1].
-fn layout(pending: &[u32], trees: &[TreeProposal], offsets: &[usize], width: usize) -> (TreeLayout, Array) {
+fn layout_of(pending: &[u32], trees: &[TreeProposal], offsets: &[usize], width: usize) -> (TreeLayout, Array) {
     let mut layout = TreeLayout { width, ..TreeLayout::default() };
     let mut ids = Vec::with_capacity(pending.len() * width);
     for (r, (t, &offset)) in trees.iter().zip(offsets).enumerate() {
@@ -107,11 +108,12 @@ pub(super) fn tree_round(
     let model = batch.model;
     let width = 1 + trees.iter().map(|t| t.tree.len()).max().unwrap_or(0);
     let offsets = batch.caches.borrow().first().map(|c| c.offsets().to_vec()).unwrap_or_else(|| vec![0; pending.len()]);
-    let (layout, ids) = layout(pending, &trees, &offsets, width);
+    let (tree, ids) = layout_of(pending, &trees, &offsets, width);
     let ((hidden, written), context) =
-        with_context(batch.taps, |t| Ok(model.forward_tree(&ids, &layout, &batch.caches.borrow(), t)?))?;
+        with_context(batch.taps, |t| Ok(model.forward_tree(&ids, &tree, &batch.caches.borrow(), t)?))?;
     let logits = model.logits_from_hidden(&hidden)?;
-    let logits = logits.reshape(&[pending.len() as i32, width as i32, -1])?;
+    let vocab = logits.shape()[logits.ndim() - 1];
+    let logits = layout::reshape(&logits, &[pending.len() as i32, width as i32, vocab])?;
 
     let window_rows: Vec<WindowRow> = batch
         .active
@@ -152,10 +154,11 @@ pub(super) fn tree_round(
         index.extend(std::iter::once(first).chain(nodes).chain(std::iter::repeat(first)).take(kept));
     }
     let index = Array::from_slice(&index, &[index.len() as i32]);
+    // Node rows [N, Hkv, 1, D] along the paths, as [rows, Hkv, kept, D], copied on the host.
     let along_paths = |a: &Array| -> Result<Array, mlx_rs::error::Exception> {
         let s = a.shape();
-        let taken = a.take_axis(&index, 0)?.reshape(&[pending.len() as i32, kept as i32, s[1], s[3]])?;
-        taken.transpose_axes(&[0, 2, 1, 3])
+        let taken = layout::take_rows(&layout::reshape(a, &[s[0], s[1] * s[3]])?, &index)?;
+        layout::swap_axes_1_2(&layout::reshape(&taken, &[pending.len() as i32, kept as i32, s[1], s[3]])?)
     };
     let rollback: Vec<usize> = paths.iter().map(|p| kept - 1 - p.len()).collect();
     for (cache, (keys, values)) in batch.caches.borrow_mut().iter_mut().zip(&written) {
@@ -175,10 +178,12 @@ pub(super) fn tree_round(
         })
         .collect();
     let counts: Vec<u32> = paths.iter().map(|p| p.len() as u32).collect();
+    let layout_rows = tree.len() as i32;
     let context = context
         .map(|c| {
             let features = c.shape()[c.ndim() - 1];
-            c.reshape(&[-1, features])?.take_axis(&index, 0)?.reshape(&[pending.len() as i32, kept as i32, features])
+            let taken = layout::take_rows(&layout::reshape(&c, &[layout_rows, features])?, &index)?;
+            layout::reshape(&taken, &[pending.len() as i32, kept as i32, features])
         })
         .transpose()?;
     slot.call(|g| g.commit(&window, &counts, context.as_ref()));
@@ -188,5 +193,5 @@ pub(super) fn tree_round(
         rows[r].stats.verify_ms += verify_ms;
     }
     let depth = trees.iter().flat_map(|t| t.tree.depths()).max().unwrap_or(0);
-    Ok(RoundTimes { depth, window_tokens: layout.len(), draft_ms, verify_ms })
+    Ok(RoundTimes { depth, window_tokens: tree.len(), draft_ms, verify_ms })
 }
