@@ -96,7 +96,7 @@ mod tests {
         let costs = RoundCosts::new(&verify, true);
         // Each of the first four ranks is on the path half the time, the rest never: four.
         let p = vec![0.5, 0.5, 0.5, 0.5, 0.0, 0.0, 0.0, 0.0];
-        assert_eq!(choose_nodes(&[p.clone()], 8, 4, &costs), 4);
+        assert_eq!(choose_nodes(std::slice::from_ref(&p), 8, 4, &costs), 4);
         // Ranks worth a hundredth of a token each do not pay for their 0.05 ms.
         let q = vec![0.9, 0.8, 0.01, 0.01, 0.01, 0.01, 0.01, 0.01];
         assert_eq!(choose_nodes(&[q], 8, 4, &costs), 2);
