@@ -454,3 +454,39 @@ fn rejection_over_trees_emits_the_targets_distribution() {
         .sum();
     assert!(chi2 < 16.27, "chi2 = {chi2:.2}: counts {counts:?}, p {p:?}");
 }
+
+/// Penalties move each node by the tokens of its own path, and log-probabilities are the
+/// target's at each position: under trees, as plain decoding gives them.
+#[test]
+fn penalties_and_logprobs_under_trees_equal_plain_decoding() {
+    let m = small_target();
+    let penalties = host::sampling::Penalties {
+        frequency_penalty: 0.6,
+        presence_penalty: 0.3,
+        repetition_penalty: 1.4,
+        repetition_context_size: 6,
+        logit_bias: vec![(17, -4.0), (40, 2.0)],
+    };
+    for sampling in [SamplingParams::default(), sampled(11)] {
+        let r = Request {
+            prompt: vec![2, 17, 40, 9, 33, 17, 40, 9],
+            max_tokens: 40,
+            sampling,
+            penalties: penalties.clone(),
+            logprobs: Some(5),
+            ..Default::default()
+        };
+        let plain = generate(&m, &r, |_| {}).unwrap();
+        let g = spec(&m, &branches(9, &plain.tokens), &r, trees(4, 10));
+        assert_eq!(g.tokens, plain.tokens, "{sampling:?}");
+        assert!(g.stats.accepted > 0, "{:?}", g.stats);
+        assert_eq!(g.logprobs.len(), plain.logprobs.len());
+        for (a, b) in g.logprobs.iter().zip(&plain.logprobs) {
+            assert_eq!((a.token, a.top.len()), (b.token, b.top.len()));
+            assert!((a.logprob - b.logprob).abs() < 1e-4, "{a:?} {b:?}");
+            for (x, y) in a.top.iter().zip(&b.top) {
+                assert!(x.0 == y.0 && (x.1 - y.1).abs() < 1e-4, "{a:?} {b:?}");
+            }
+        }
+    }
+}

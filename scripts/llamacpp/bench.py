@@ -3,7 +3,7 @@
 `make bench-llamacpp` runs once the models and GGUFs are made.
 
     bench.py --out target/llamacpp/results [--pairs 3] [--models demo,bench,bench-large]
-             [--llama-bench-args "--repack 0"]
+             [--llama-bench PATH] [--llama-bench-args "--repack 0"]
 
 For each model and format it runs `host bench --manifest M --llama-bench B --gguf G
 --prompt-tokens 512 --max-tokens 128 --json`, which alternates the host's plain decoding of the
@@ -45,12 +45,12 @@ def manifest(out: Path, mlx_dir: Path) -> Path:
     return path
 
 
-def run(name: str, fmt: str, pairs: int, out: Path, llama_args: str) -> dict:
+def run(name: str, fmt: str, pairs: int, out: Path, llama_bench: Path, llama_args: str) -> dict:
     stem, dirs = MODELS[name]
     mlx_dir = (ROOT / "target" / dirs[fmt]).resolve()
     gguf = LLAMACPP / "gguf" / f"{stem}-{fmt}.gguf"
     command = [str(HOST), "bench", "--manifest", str(manifest(out, mlx_dir)),
-               "--llama-bench", str(LLAMACPP / "build" / "bin" / "llama-bench"), "--gguf", str(gguf),
+               "--llama-bench", str(llama_bench), "--gguf", str(gguf),
                "--prompt-tokens", "512", "--max-tokens", "128", "--pairs", str(pairs), "--json"]
     if llama_args:
         command += ["--llama-bench-args", llama_args]
@@ -106,13 +106,15 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--models", default="demo,bench,bench-large")
     ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--llama-bench", type=Path, default=LLAMACPP / "build" / "bin" / "llama-bench",
+                    help="the llama-bench binary (another build of the same llama.cpp)")
     ap.add_argument("--llama-bench-args", default="",
                     help='more llama-bench arguments, e.g. "--repack 0" where its AMX path crashes')
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     results = {}
     for name in args.models.split(","):
-        results[name] = {fmt: run(name, fmt, args.pairs, args.out, args.llama_bench_args)
+        results[name] = {fmt: run(name, fmt, args.pairs, args.out, args.llama_bench, args.llama_bench_args)
                          for fmt in args.formats.split(",")}
         (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     text = table(results, args.llama_bench_args)

@@ -4,10 +4,10 @@
 //! and values are written afterwards, as a chain's would be.
 //!
 //! A cache row's nodes share one array of keys: the row's cached keys in position order
-//! ([`LayerCache::prefix`]), then its nodes in the tree's order, where every parent comes before its
-//! children. So the keys a node reads come in position order, the others masked; attention
-//! takes its terms in key order and a masked key adds nothing, so each node's attention is, bit
-//! for bit, that of its token decoded alone.
+//! ([`LayerCache::prefix`]), then its nodes in the tree's order, where every parent comes
+//! before its children. So the keys a node reads come in position order, the others masked;
+//! attention takes its terms in key order and a masked key adds nothing, so each node's
+//! attention is, bit for bit, that of its token decoded alone.
 
 use mlx_rs::error::Exception;
 use mlx_rs::Array;
