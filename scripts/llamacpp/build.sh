@@ -33,6 +33,18 @@ if [ ! -x "$OUT/build/bin/llama-bench" ] || [ ! -x "$OUT/build/bin/llama-quantiz
   cmake --build "$OUT/build" --target llama-bench llama-quantize -j "$(nproc)" >/dev/null
 fi
 
+# `build.sh noamx`: a second llama-bench without AMX (its AVX-512 kernels, repacking on), for
+# machines where llama.cpp's AMX code crashes (docs/performance.md); bench.py --llama-bench
+# target/llamacpp/build-noamx/bin/llama-bench runs it.
+if [ "${1:-}" = noamx ] && [ ! -x "$OUT/build-noamx/bin/llama-bench" ]; then
+  say "building llama-bench without AMX (several minutes)"
+  cmake -S "$SRC" -B "$OUT/build-noamx" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON \
+    -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON \
+    -DGGML_AVX512_BF16=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DLLAMA_BUILD_SERVER=OFF >/dev/null
+  cmake --build "$OUT/build-noamx" --target llama-bench -j "$(nproc)" >/dev/null
+fi
+
 want=$(sha256sum "$HERE/requirements-convert.txt" | cut -d' ' -f1)
 if [ "$(cat "$OUT/convert-venv/.requirements.sha256" 2>/dev/null)" != "$want" ]; then
   say "installing the converter's environment (torch, transformers)"
