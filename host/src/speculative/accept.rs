@@ -61,22 +61,7 @@ pub(super) fn accept(
             row.by_position[i].1 += 1;
             row.stats.accepted += 1;
         }
-        if request.eos.contains(&token) {
-            row.stop = Some(StopReason::Eos);
-            break;
-        }
-        row.tokens.push(token);
-        row.logprobs.extend(logprob.clone());
-        let flow = emit(token, logprob);
-        if row.tokens.len() == request.max_tokens {
-            row.stop = Some(StopReason::MaxTokens);
-            break;
-        }
-        if flow == Flow::Stop {
-            row.stop = Some(StopReason::Interrupted);
-            break;
-        }
-        if !took_draft {
+        if !keep(row, request, token, logprob, &mut emit) || !took_draft {
             break;
         }
     }
@@ -85,6 +70,33 @@ pub(super) fn accept(
     }
     row.acceptance.record(drafts.len(), accepted);
     Ok(accepted)
+}
+
+/// Emits `token`, the row's next, unless it ends the sequence; whether the row goes on (no
+/// end-of-sequence token, `max_tokens` not reached, no stop asked for), its stop reason if not.
+pub(super) fn keep(
+    row: &mut Row,
+    request: &Request,
+    token: u32,
+    logprob: Option<TokenLogprob>,
+    emit: &mut impl FnMut(u32, Option<TokenLogprob>) -> Flow,
+) -> bool {
+    if request.eos.contains(&token) {
+        row.stop = Some(StopReason::Eos);
+        return false;
+    }
+    row.tokens.push(token);
+    row.logprobs.extend(logprob.clone());
+    let flow = emit(token, logprob);
+    if row.tokens.len() == request.max_tokens {
+        row.stop = Some(StopReason::MaxTokens);
+        return false;
+    }
+    if flow == Flow::Stop {
+        row.stop = Some(StopReason::Interrupted);
+        return false;
+    }
+    true
 }
 
 /// One position of rejection sampling: accept draft `d` with probability min(1, p(d)/q(d)),

@@ -28,6 +28,21 @@ pub(super) struct Batch<'a> {
     pub active: Vec<usize>,
 }
 
+impl Batch<'_> {
+    /// What the accept step of row `r` needs of its window; its distributions where the round
+    /// verifies by rejection and the row's drafts came with probabilities.
+    pub fn window_row(&self, r: usize, row: &Row, with_probabilities: bool) -> WindowRow<'_> {
+        let params = &self.requests[r].sampling;
+        let rejection = self.config.verify == Verify::Rejection && with_probabilities;
+        WindowRow {
+            params,
+            on_host: self.requests[r].chosen_on_host(),
+            first_step: row.tokens.len() as u64,
+            distributions: rejection && !params.is_greedy(),
+        }
+    }
+}
+
 /// What a round drafted and what it cost, for `"auto"` draft lengths.
 pub(super) struct RoundTimes {
     /// Tokens drafted by the deepest row.
@@ -64,16 +79,7 @@ pub(super) fn round(
         .active
         .iter()
         .enumerate()
-        .map(|(i, &r)| {
-            let params = &batch.requests[r].sampling;
-            let rejection = batch.config.verify == Verify::Rejection && drafted.has_probabilities(i);
-            WindowRow {
-                params,
-                on_host: batch.requests[r].chosen_on_host(),
-                first_step: rows[r].tokens.len() as u64,
-                distributions: rejection && !params.is_greedy(),
-            }
-        })
+        .map(|(i, &r)| batch.window_row(r, &rows[r], drafted.has_probabilities(i)))
         .collect();
     let first_step = window_rows.iter().map(|w| w.first_step as usize).min().unwrap_or(0);
     // The window's tokens, and drafts left on the device, in one wait.

@@ -7,9 +7,9 @@ use kernels::{row_major, with_floats};
 use plugin_api::draft_tree::Tree;
 use plugin_api::sdk::TreeProposal;
 
-use super::accept::{softmax_at_temperature, REJECTION_STREAM};
+use super::accept::{keep, softmax_at_temperature, REJECTION_STREAM};
 use super::{Row, Verify};
-use crate::generate::{Flow, GenerateError, Request, StopReason};
+use crate::generate::{Flow, GenerateError, Request};
 use crate::sampling::{filtered_logprobs, step_key, token_logprob, uniform, TokenLogprob, WindowTokens};
 
 /// The accept step of one row's tree: the path the target keeps ([`match_path`], or
@@ -117,19 +117,7 @@ pub(super) fn accept_tree(
             row.by_position[i].1 += 1;
             row.stats.accepted += 1;
         }
-        if request.eos.contains(&token) {
-            row.stop = Some(StopReason::Eos);
-            break;
-        }
-        row.tokens.push(token);
-        row.logprobs.extend(logprob.clone());
-        let flow = emit(token, logprob);
-        if row.tokens.len() == request.max_tokens {
-            row.stop = Some(StopReason::MaxTokens);
-            break;
-        }
-        if flow == Flow::Stop {
-            row.stop = Some(StopReason::Interrupted);
+        if !keep(row, request, token, logprob, &mut emit) {
             break;
         }
     }

@@ -13,7 +13,7 @@ use super::catch_up::CatchUp;
 use super::round::{ms_since, Batch, RoundTimes};
 use super::slot::DrafterSlot;
 use super::tree::accept_tree;
-use super::{with_context, Row, Verify};
+use super::{with_context, Row};
 use crate::generate::{Event, Flow, GenerateError};
 use crate::model::{Gemma4, TreeLayout};
 use crate::sampling::{WindowRow, WindowTokens};
@@ -119,16 +119,7 @@ pub(super) fn tree_round(
         .active
         .iter()
         .zip(&trees)
-        .map(|(&r, t)| {
-            let params = &batch.requests[r].sampling;
-            let rejection = batch.config.verify == Verify::Rejection && t.probabilities.is_some();
-            WindowRow {
-                params,
-                on_host: batch.requests[r].chosen_on_host(),
-                first_step: rows[r].tokens.len() as u64,
-                distributions: rejection && !params.is_greedy(),
-            }
-        })
+        .map(|(&r, t)| batch.window_row(r, &rows[r], t.probabilities.is_some()))
         .collect();
     let first_step = window_rows.iter().map(|w| w.first_step as usize).min().unwrap_or(0);
     let targets =
