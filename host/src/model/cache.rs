@@ -102,6 +102,19 @@ impl LayerCache {
         }
     }
 
+    /// Writes keys/values [B, H, L, D] as [`write`](Self::write) does, for nothing to read them
+    /// now: a tree's accepted path, whose nodes read the cache beside it.
+    pub fn append(&mut self, keys: &Array, values: &Array) -> Result<(), Exception> {
+        let new = keys.shape()[2] as usize;
+        match self.window {
+            None => self.store_full(keys, values, new).map(|_| ()),
+            Some(window) => {
+                self.ensure_capacity(keys, values, window + self.slack)?;
+                self.store_ring(keys, values, new, window + self.slack)
+            }
+        }
+    }
+
     /// What the cache holds for each row, as the nodes of a tree of drafts read it
     /// ([`Prefix`]); nothing is written. None before the first write.
     pub fn prefix(&self) -> Result<Option<Prefix>, Exception> {
@@ -215,16 +228,7 @@ impl LayerCache {
     }
 
     fn write_full(&mut self, keys: &Array, values: &Array, new: usize) -> Result<Fetched, Exception> {
-        let end = self.offsets.iter().map(|o| o + new).max().unwrap_or(new);
-        self.ensure_capacity(keys, values, end.div_ceil(GROWTH) * GROWTH)?;
-        let slots: Vec<Vec<usize>> = self.offsets.iter().map(|&o| (o..o + new).collect()).collect();
-        self.store(keys, values, &slots)?;
-        for (r, row) in slots.iter().enumerate() {
-            for &p in row {
-                self.slot_positions[r][p] = p as i32;
-            }
-            self.offsets[r] += new;
-        }
+        let end = self.store_full(keys, values, new)?;
         // Keys are in position order: attention reads the slots up to the furthest row, where
         // the storage holds them.
         let (keys, values) = (self.keys.clone().unwrap(), self.values.clone().unwrap());
@@ -235,6 +239,21 @@ impl LayerCache {
             _ => Mask::Array(self.mask(new, end, None)?),
         };
         Ok(Fetched { keys, values, slots: end, mask })
+    }
+
+    /// Stores the new rows of a full cache at their positions; the furthest row's end.
+    fn store_full(&mut self, keys: &Array, values: &Array, new: usize) -> Result<usize, Exception> {
+        let end = self.offsets.iter().map(|o| o + new).max().unwrap_or(new);
+        self.ensure_capacity(keys, values, end.div_ceil(GROWTH) * GROWTH)?;
+        let slots: Vec<Vec<usize>> = self.offsets.iter().map(|&o| (o..o + new).collect()).collect();
+        self.store(keys, values, &slots)?;
+        for (r, row) in slots.iter().enumerate() {
+            for &p in row {
+                self.slot_positions[r][p] = p as i32;
+            }
+            self.offsets[r] += new;
+        }
+        Ok(end)
     }
 
     fn write_ring(&mut self, keys: &Array, values: &Array, new: usize, window: usize) -> Result<Fetched, Exception> {

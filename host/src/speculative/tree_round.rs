@@ -153,7 +153,7 @@ pub(super) fn tree_round(
     };
     let rollback: Vec<usize> = paths.iter().map(|p| kept - 1 - p.len()).collect();
     for (cache, (keys, values)) in batch.caches.borrow_mut().iter_mut().zip(&written) {
-        cache.write(&along_paths(keys)?, &along_paths(values)?)?;
+        cache.append(&along_paths(keys)?, &along_paths(values)?)?;
         cache.rollback(&rollback).map_err(|e| GenerateError::Internal(e.to_string()))?;
     }
     let verify_ms = ms_since(verifying);
