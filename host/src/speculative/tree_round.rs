@@ -35,8 +35,7 @@ pub(super) fn draft_trees(
     slot: &mut DrafterSlot,
     catch_up: &mut CatchUp,
 ) -> Result<Option<Vec<TreeProposal>>, GenerateError> {
-    let depths: Vec<usize> =
-        batch.active.iter().map(|&r| rows[r].draft_room(&batch.requests[r]).min(batch.config.draft_tokens)).collect();
+    let depths = batch.draft_depths(rows);
     let depth = depths.iter().copied().max().unwrap_or(0);
     if depth == 0 || batch.config.tree_nodes == 0 || !trees_verified(batch.model) {
         return Ok(None);
@@ -63,7 +62,9 @@ fn within(proposal: TreeProposal, depth: usize) -> Result<TreeProposal, Generate
         index[i] = tree.push(proposal.tree.parent(i).map(|p| index[p]), proposal.tree.tokens[i]);
     }
     let rows = Array::from_slice(&kept.iter().map(|&i| i as i32).collect::<Vec<_>>(), &[kept.len() as i32]);
-    let probabilities = proposal.probabilities.map(|q| q.take_axis(&rows, 0)).transpose()?;
+    // A row with no room to draft keeps no nodes, and no distributions of none.
+    let probabilities = proposal.probabilities.filter(|_| !kept.is_empty());
+    let probabilities = probabilities.map(|q| q.take_axis(&rows, 0)).transpose()?;
     Ok(TreeProposal { tree, probabilities })
 }
 
