@@ -98,5 +98,10 @@ fn greedy_output_with_deepspec_equals_plain_decoding_past_the_window() {
 #[test]
 fn rejection_sampling_with_markov_corrected_probabilities_keeps_the_targets_distribution() {
     let (model, drafter) = setup("sample_drafts = true");
-    common::assert_rejection_keeps_the_first_token_distribution(&model, &drafter, 3, &Default::default());
+    common::assert_rejection_keeps_the_first_token_distribution(
+        &model,
+        &drafter,
+        SpecConfig::new(3, Verify::Rejection),
+        &Default::default(),
+    );
 }

@@ -76,12 +76,22 @@ fn rejection_sampling_with_sampled_drafts_keeps_the_targets_distribution() {
     let model = Rc::new(load(&dir.join("target")).unwrap());
     let plugin = load_library(&common::workspace_plugin("dflash"), None).unwrap();
     let drafter = LoadedDrafter::load(&plugin, Some(&dir.join("drafter")), "sample_drafts = true").unwrap();
-    common::assert_rejection_keeps_the_first_token_distribution(&model, &drafter, 2, &Default::default());
+    common::assert_rejection_keeps_the_first_token_distribution(
+        &model,
+        &drafter,
+        SpecConfig::new(2, Verify::Rejection),
+        &Default::default(),
+    );
     // With penalties and a bias the kept distribution is the penalized one.
     let penalties = host::sampling::Penalties {
         repetition_penalty: 1.5,
         logit_bias: vec![(17, 1.5), (40, -1.0)],
         ..Default::default()
     };
-    common::assert_rejection_keeps_the_first_token_distribution(&model, &drafter, 2, &penalties);
+    common::assert_rejection_keeps_the_first_token_distribution(
+        &model,
+        &drafter,
+        SpecConfig::new(2, Verify::Rejection),
+        &penalties,
+    );
 }

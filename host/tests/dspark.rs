@@ -81,7 +81,12 @@ fn greedy_output_with_dspark_equals_plain_decoding_past_the_window() {
 #[test]
 fn rejection_sampling_with_markov_corrected_probabilities_keeps_the_targets_distribution() {
     let (model, d) = drafter("dspark", "sample_drafts = true\nsts = false");
-    common::assert_rejection_keeps_the_first_token_distribution(&model, &d, 3, &Default::default());
+    common::assert_rejection_keeps_the_first_token_distribution(
+        &model,
+        &d,
+        SpecConfig::new(3, Verify::Rejection),
+        &Default::default(),
+    );
 }
 
 #[test]

@@ -18,6 +18,8 @@ use plugin_api::abi::{RowState, TokenRows};
 use plugin_api::sdk::{self, DraftProvider, Drafter, GroupedDraftProvider, Options, Proposal, Target};
 use plugin_api::{Capabilities, Descriptor, PluginError, ProviderInfo};
 
+use common::mix;
+
 fn fixture(name: &str) -> PathBuf {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/gemma4").join(name);
     assert!(dir.join("config.json").exists(), "{} is missing: run `make oracle`", dir.display());
@@ -107,13 +109,6 @@ impl DraftProvider for AdversaryProvider {
         let script = self.script.clone();
         Ok(AdversaryRows { seed: self.seed, vocab, rows, script, faithful: self.faithful })
     }
-}
-
-fn mix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 impl GroupedDraftProvider for AdversaryRows {

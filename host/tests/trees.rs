@@ -20,6 +20,8 @@ use plugin_api::draft_tree::Tree;
 use plugin_api::sdk::{self, DraftProvider, Drafter, GroupedDraftProvider, Options, Proposal, Target, TreeProposal};
 use plugin_api::{Capabilities, Descriptor, PluginError, ProviderInfo};
 
+use common::mix;
+
 // --- a drafter of random trees, one branch of which follows the plain output for a while ----
 
 struct Branches;
@@ -63,13 +65,6 @@ impl DraftProvider for BranchesProvider {
         let vocab = target.info().vocab_size;
         Ok(BranchesRows { seed: self.seed, vocab, rows, script: self.script.clone() })
     }
-}
-
-fn mix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 impl BranchesRows {
@@ -385,25 +380,10 @@ impl GroupedDraftProvider for SiblingsRows {
     }
 }
 
-/// The target's logits for the first token after `prompt`.
-fn first_token_logits(m: &Gemma4, prompt: &[u32]) -> Vec<f32> {
-    let mut caches = m.make_caches(1, 2);
-    let ids = Array::from_slice(&prompt.iter().map(|&t| t as i32).collect::<Vec<_>>(), &[1, prompt.len() as i32]);
-    let hidden = m.forward_hidden(&ids, &mut caches, None).unwrap();
-    let logits = host::generate::last_logits(m, &hidden).unwrap().as_dtype(mlx_rs::Dtype::Float32).unwrap();
-    logits.as_slice::<f32>().to_vec()
-}
-
 #[test]
 fn rejection_over_trees_emits_the_targets_distribution() {
     let m = small_target();
-    let prompt = vec![2, 17, 40, 9, 33, 17, 40, 9];
-    // Temperature 1 over the top 4 tokens: p has 4 outcomes.
-    let params = |seed| SamplingParams { temperature: 1.0, top_k: 4, top_p: 1.0, min_p: 0.0, seed };
-    let lp = host::sampling::filtered_logprobs(&first_token_logits(&m, &prompt), &params(0));
-    let p: Vec<(usize, f64)> =
-        lp.iter().enumerate().filter(|(_, x)| x.is_finite()).map(|(i, &x)| (i, (x as f64).exp())).collect();
-    let total: f64 = p.iter().map(|(_, x)| x).sum();
+    let p = common::first_token_distribution(&m, &Default::default());
     assert_eq!(p.len(), 4);
     let outside = (0..m.config.vocab_size as usize).find(|t| !p.iter().any(|(i, _)| i == t)).unwrap();
     // p's least likely token first: q favours it over what p gives it.
@@ -412,47 +392,12 @@ fn rejection_over_trees_emits_the_targets_distribution() {
     let candidates: Vec<u32> = by_p.iter().map(|&(t, _)| t as u32).chain([outside as u32]).collect();
     let options = format!("candidates = {candidates:?}");
     let drafter = HostDrafter::load_root(sdk::root_module::<Siblings>(), "siblings", None, &options).unwrap();
-
-    // Batches of rows, one seed per row: the first token of each row is one draw.
-    let (batches, rows) = (8u64, 150u64);
-    let mut counts = std::collections::BTreeMap::new();
-    let (mut drafted, mut accepted) = (0, 0);
     let config = SpecConfig { tree_nodes: 3, ..SpecConfig::new(1, Verify::Rejection) };
-    for batch in 0..batches {
-        let requests: Vec<Request> = (0..rows)
-            .map(|r| Request {
-                prompt: prompt.clone(),
-                max_tokens: 2,
-                sampling: params(batch * rows + r),
-                ..Default::default()
-            })
-            .collect();
-        for g in generate_speculative_rows(&m, &drafter, &requests, config, |_, _| {}).unwrap() {
-            *counts.entry(g.tokens[0] as usize).or_insert(0u64) += 1;
-            drafted += g.stats.drafted;
-            accepted += g.stats.accepted;
-            assert!(g.stats.drafter_error.is_none(), "{:?}", g.stats.drafter_error);
-        }
-    }
-    let runs = batches * rows;
-    assert!(
-        accepted > 0 && (accepted as u64) < runs,
-        "both acceptance and resampling must occur: {accepted} of {runs} rounds"
-    );
-    assert!(drafted > 2 * runs as usize, "trees of three: {drafted} drafts in {runs} runs");
-    // Any token outside p's support is a failure by itself; then a chi-square goodness of fit
-    // with 3 degrees of freedom, whose critical value at significance 0.001 is 16.27.
-    let strays: u64 = counts.iter().filter(|(t, _)| !p.iter().any(|(i, _)| i == *t)).map(|(_, c)| c).sum();
-    assert_eq!(strays, 0, "tokens outside the target's support: {counts:?}");
-    let chi2: f64 = p
-        .iter()
-        .map(|(t, w)| {
-            let expected = runs as f64 * w / total;
-            let seen = *counts.get(t).unwrap_or(&0) as f64;
-            (seen - expected).powi(2) / expected
-        })
-        .sum();
-    assert!(chi2 < 16.27, "chi2 = {chi2:.2}: counts {counts:?}, p {p:?}");
+    let (drafted, accepted) =
+        common::assert_rejection_keeps_the_first_token_distribution(&m, &drafter, config, &Default::default());
+    let runs = 900;
+    assert!(accepted > 0 && accepted < runs, "both acceptance and resampling must occur: {accepted} of {runs} rounds");
+    assert!(drafted > 2 * runs, "trees of three: {drafted} drafts in {runs} runs");
 }
 
 /// Penalties move each node by the tokens of its own path, and log-probabilities are the

@@ -29,6 +29,12 @@ pub(super) struct Batch<'a> {
 }
 
 impl Batch<'_> {
+    /// The most each active row may draft this round: the round's draft length, and no draft
+    /// that would pass the row's `max_tokens` (none one token from it).
+    pub fn draft_depths(&self, rows: &[Row]) -> Vec<usize> {
+        self.active.iter().map(|&r| rows[r].draft_room(&self.requests[r]).min(self.config.draft_tokens)).collect()
+    }
+
     /// What the accept step of row `r` needs of its window; its distributions where the round
     /// verifies by rejection and the row's drafts came with probabilities.
     pub fn window_row(&self, r: usize, row: &Row, with_probabilities: bool) -> WindowRow<'_> {
@@ -215,8 +221,7 @@ fn draft(
     slot: &mut DrafterSlot,
     catch_up: &mut CatchUp,
 ) -> Result<Drafted, GenerateError> {
-    let depths: Vec<usize> =
-        batch.active.iter().map(|&r| rows[r].draft_room(&batch.requests[r]).min(batch.config.draft_tokens)).collect();
+    let depths = batch.draft_depths(rows);
     let depth = depths.iter().copied().max().unwrap_or(0);
     let host = |proposals: Vec<Proposal>| Drafted::Host { windows: host_windows(pending, &proposals), proposals };
     let empty = || host(batch.active.iter().map(|_| Proposal::default()).collect());

@@ -28,53 +28,76 @@ pub fn plugins_dir_with(libraries: &[&Path]) -> tempfile::TempDir {
     dir
 }
 
-/// Rejection-mode speculation with `drafter` emits, as the first token of 900 rows (one seed
-/// each), the target's own distribution over its top 4 tokens at temperature 1, after
-/// `penalties`: no token outside them, and a chi-square with 3 degrees of freedom under 16.27
-/// (significance 0.001).
-pub fn assert_rejection_keeps_the_first_token_distribution(
-    model: &std::rc::Rc<host::model::Gemma4>,
-    drafter: &host::plugin::LoadedDrafter,
-    gamma: usize,
+/// SplitMix64's finalizer: the test drafters' deterministic stream.
+pub fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The prompt whose first generated token the rejection tests draw.
+pub const REJECTION_PROMPT: [u32; 10] = [2, 17, 40, 9, 33, 17, 40, 9, 61, 5];
+
+/// Temperature 1 over the top 4 tokens, with `seed`.
+fn top_4(seed: u64) -> host::sampling::SamplingParams {
+    host::sampling::SamplingParams { temperature: 1.0, top_k: 4, top_p: 1.0, min_p: 0.0, seed }
+}
+
+/// The target's distribution of the first token after [`REJECTION_PROMPT`] at temperature 1
+/// over its top 4 tokens, after `penalties`: (token, weight), the weights unnormalized.
+pub fn first_token_distribution(
+    model: &host::model::Gemma4,
     penalties: &host::sampling::Penalties,
-) {
-    use host::generate::Request;
-    use host::sampling::SamplingParams;
-    use host::speculative::{generate_speculative_rows, SpecConfig, Verify};
+) -> Vec<(usize, f64)> {
     use mlx_rs::{Array, Dtype};
 
-    assert!(drafter.info.capabilities.draft_probabilities);
-    let prompt: Vec<u32> = vec![2, 17, 40, 9, 33, 17, 40, 9, 61, 5];
-    let params = |seed| SamplingParams { temperature: 1.0, top_k: 4, top_p: 1.0, min_p: 0.0, seed };
+    let prompt = REJECTION_PROMPT;
     let mut caches = model.make_caches(1, 2);
     let ids = Array::from_slice(&prompt.iter().map(|&t| t as i32).collect::<Vec<_>>(), &[1, prompt.len() as i32]);
     let hidden = model.forward_hidden(&ids, &mut caches, None).unwrap();
     let logits = host::generate::last_logits(model, &hidden).unwrap();
     let mut logits = logits.as_dtype(Dtype::Float32).unwrap().as_slice::<f32>().to_vec();
     penalties.apply(&mut logits, &prompt, &[]);
-    let lp = host::sampling::filtered_logprobs(&logits, &params(0));
-    let p: Vec<(usize, f64)> =
-        lp.iter().enumerate().filter(|(_, x)| x.is_finite()).map(|(i, &x)| (i, (x as f64).exp())).collect();
+    let lp = host::sampling::filtered_logprobs(&logits, &top_4(0));
+    lp.iter().enumerate().filter(|(_, x)| x.is_finite()).map(|(i, &x)| (i, (x as f64).exp())).collect()
+}
+
+/// Rejection-mode speculation with `drafter` under `config` emits, as the first token of 900
+/// rows (one seed each), [`first_token_distribution`]: no token outside it, and a chi-square
+/// with 3 degrees of freedom under 16.27 (significance 0.001). Returns the drafts proposed and
+/// accepted over the 900 runs.
+pub fn assert_rejection_keeps_the_first_token_distribution(
+    model: &std::rc::Rc<host::model::Gemma4>,
+    drafter: &host::plugin::LoadedDrafter,
+    config: host::speculative::SpecConfig,
+    penalties: &host::sampling::Penalties,
+) -> (usize, usize) {
+    use host::generate::Request;
+    use host::speculative::generate_speculative_rows;
+
+    assert!(drafter.info.capabilities.draft_probabilities);
+    let p = first_token_distribution(model, penalties);
     let total: f64 = p.iter().map(|(_, x)| x).sum();
 
     let (batches, rows) = (6u64, 150u64);
     let mut counts = std::collections::BTreeMap::new();
-    let mut drafted = 0;
+    let (mut drafted, mut accepted) = (0, 0);
     for batch in 0..batches {
         let requests: Vec<Request> = (0..rows)
             .map(|r| Request {
-                prompt: prompt.clone(),
+                prompt: REJECTION_PROMPT.to_vec(),
                 max_tokens: 3,
-                sampling: params(batch * rows + r),
+                sampling: top_4(batch * rows + r),
                 penalties: penalties.clone(),
                 ..Default::default()
             })
             .collect();
-        let config = SpecConfig::new(gamma, Verify::Rejection);
         for g in generate_speculative_rows(model, drafter, &requests, config, |_, _| {}).unwrap() {
             assert!(g.stats.drafter_error.is_none(), "{:?}", g.stats.drafter_error);
             *counts.entry(g.tokens[0] as usize).or_insert(0u64) += 1;
             drafted += g.stats.drafted;
+            accepted += g.stats.accepted;
         }
     }
     assert!(drafted > 0);
@@ -89,6 +112,7 @@ pub fn assert_rejection_keeps_the_first_token_distribution(
         })
         .sum();
     assert!(chi2 < 16.27, "chi2 = {chi2:.2}: counts {counts:?}, p {p:?}");
+    (drafted, accepted)
 }
 
 /// The drafts of `drafter` for a target that has processed all of `ids` but the last (the
