@@ -89,11 +89,6 @@ impl LoadedDrafter {
         let (device_draft, draft_tree) = (self.device_draft, self.draft_tree);
         Ok(DrafterGroup { kind: self.kind.clone(), group, rows, vocab_size, poisoned: false, device_draft, draft_tree })
     }
-
-    /// Whether its library offers trees of drafts (the extension `draft-tree/1`).
-    pub fn drafts_trees(&self) -> bool {
-        self.draft_tree.is_some()
-    }
 }
 
 /// A drafter's row group, as the verify loop drives it.
