@@ -5,7 +5,7 @@ use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype};
 
 use crate::arrays::{avx2_where_available, bf16_bits, bits16, from_bits16, round_to, rounded, row_major, with_floats};
-use crate::tanh;
+use crate::{helper, tanh};
 
 /// GeGLU, `gelu_approx(gate) ⊙ up`, where the CPU route covers it; `None` for MLX's ops.
 pub fn geglu(gate: &Array, up: &Array) -> Result<Option<Array>, Exception> {
@@ -84,14 +84,28 @@ fn cpu_geglu(gate: &Array, up: &Array) -> Result<Option<Array>, Exception> {
     // Float32: MLX's steps in vector code (`x · x · x` for its `powf`, and `tanh`), within
     // a few units in the last place of MLX's result.
     let (gate, up) = (row_major(gate)?, row_major(up)?);
-    let ups = with_floats(&up, <[f32]>::to_vec)?;
-    let y = with_floats(&gate, |xs| {
-        let gelu = tanh::map(xs, gelu_float32);
-        let y: Vec<f32> = gelu.iter().zip(&ups).map(|(&g, &u)| g * u).collect();
-        rounded(&y, gate.shape(), dtype)
-    })?;
+    let y = with_floats(&gate, |gates| {
+        with_floats(&up, |ups| {
+            let mut y = vec![0f32; gates.len()];
+            let run =
+                |gates: &[f32], ups: &[f32], y: &mut [f32]| tanh::zip_into(gates, ups, y, |g, u| gelu_float32(g) * u);
+            if y.len() >= SPLIT_ELEMENTS {
+                let half = y.len() / 2;
+                let (first, second) = y.split_at_mut(half);
+                helper::join(|| run(&gates[..half], &ups[..half], first), || run(&gates[half..], &ups[half..], second));
+            } else {
+                run(gates, ups, &mut y);
+            }
+            rounded(&y, gate.shape(), dtype)
+        })
+    })??;
     Ok(Some(y))
 }
+
+/// Elements from which the float32 GeGLU is split in two, the second half on the products'
+/// helper thread: a prefill's activations (rows × the MLP's width), not a decode step's, whose
+/// few thousand take microseconds.
+const SPLIT_ELEMENTS: usize = 1 << 16;
 
 /// gelu_tanh(x) in float32, by MLX's steps.
 #[inline(always)]

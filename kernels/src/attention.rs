@@ -1,15 +1,17 @@
-//! Half-precision attention over host arrays: MLX's CPU steps and roundings, with the two
-//! products through this crate's loops.
+//! Attention over host arrays in float32 and half precision: MLX's CPU steps and roundings, with
+//! the two products and the softmax through this crate's loops.
 
 use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype};
 
 use crate::arrays::{round_to, rounded, row_major, scalar, with_floats, with_round, Round};
 use crate::softmax::softmax_row;
+use crate::weight::Floats;
 use crate::{bits16, helper};
 
 /// Attention of queries q [B, Hq, L, D] over the first `slots` slots of keys/values
-/// [B, Hkv, S, D], where the CPU route covers it (half precision); `None` for MLX's ops.
+/// [B, Hkv, S, D], where the CPU route covers it (float32 or half precision); `None` for MLX's
+/// ops.
 pub fn attention_over_slots(
     q: &Array,
     k: &Array,
@@ -18,10 +20,10 @@ pub fn attention_over_slots(
     scale: f32,
     mask: &Mask,
 ) -> Result<Option<Array>, Exception> {
-    if !(matches!(q.dtype(), Dtype::Bfloat16 | Dtype::Float16) && crate::route::on_cpu()) {
+    if !(matches!(q.dtype(), Dtype::Bfloat16 | Dtype::Float16 | Dtype::Float32) && crate::route::on_cpu()) {
         return Ok(None);
     }
-    half_attention(q, k, v, slots, scale, mask)
+    host_attention(q, k, v, slots, scale, mask)
 }
 
 /// Attention of row b of queries q [B, Hq, L, D] over row b's own keys and values, where the
@@ -59,17 +61,20 @@ pub struct KeyPiece<'a> {
     pub row: usize,
 }
 
-/// MLX's CPU attention in half precision (its fallback in mlx/fast.cpp: scale q, q·kᵀ, mask with
-/// the dtype's lowest value, precise softmax, ·v, every step rounded to the dtype), with the two
-/// products through the host's loops instead of MLX's generic kernel: the same roundings, the
-/// sums in another order, several times faster, and a query's result independent of how many
+/// MLX's CPU attention (its fallback in mlx/fast.cpp: scale q, q·kᵀ, mask with the dtype's
+/// lowest value, precise softmax, ·v, every step rounded to the dtype), with the two products
+/// through the host's loops instead of MLX's generic kernel (half precision) or BLAS (float32):
+/// the same roundings, the sums in another order, a query's result independent of how many
 /// queries share the call, over the first `s` slots of k and v. `None` where the loops do not
 /// apply.
+///
+/// In float32 the gain is the softmax: MLX's computes its exponentials one element at a time,
+/// which took about a third of a 512-token prefill of the 40M bench model, on one thread.
 ///
 /// The products read the arrays' data per head directly rather than slicing them with MLX ops:
 /// a decode step of a small model is bound by the count of MLX ops, each costing microseconds
 /// of dispatch on the CPU.
-fn half_attention(
+fn host_attention(
     q: &Array,
     k: &Array,
     v: &Array,
@@ -99,17 +104,17 @@ fn half_attention(
     let (keys, values) = (k.data(), v.data());
     let rows: Vec<RowData> = (0..b as usize)
         .map(|r| RowData {
-            keys: &keys[r * k.row..],
-            values: &values[r * v.row..],
+            keys: keys.from(r * k.row),
+            values: values.from(r * v.row),
             key_heads: k.head,
             value_heads: v.head,
             s,
         })
         .collect();
-    half_attention_core(q, &rows, hkv as usize, scale, Masks::Shared(mask)).map(Some)
+    attention_core(q, &rows, hkv as usize, scale, Masks::Shared(mask)).map(Some)
 }
 
-/// A half-precision [B, H, S, D] array (evaluated) whose slots are each D contiguous values and
+/// A float32 or half-precision [B, H, S, D] array (evaluated) whose slots are each D contiguous values and
 /// whose heads each hold their S slots in a run (row-major, or a slice of a row-major array
 /// along S, as a KV cache's first slots are), with its strides (in elements) of a row and of a
 /// head.
@@ -134,17 +139,23 @@ impl InPlace {
         Ok(InPlace { array: row_major(a)?, row: h * s * d, head: s * d })
     }
 
-    /// The 16-bit data from the first element to the last.
-    fn data(&self) -> &[u16] {
+    /// The data from the first element to the last.
+    fn data(&self) -> Floats<'_> {
         let shape = self.array.shape();
         let [b, h, s, d] = [0, 1, 2, 3].map(|i| shape[i] as usize);
-        if b * h * s * d == 0 {
-            return &[];
+        let span = if b * h * s * d == 0 { 0 } else { (b - 1) * self.row + (h - 1) * self.head + s * d };
+        let a = self.array.as_ptr();
+        // SAFETY: the array is evaluated and of the dtype read; its last element lies `span − 1`
+        // elements after its first, within its buffer, which it keeps alive while the slice
+        // borrows it. An empty array is read as an empty slice, from no pointer.
+        unsafe {
+            match self.array.dtype() {
+                _ if span == 0 => Floats::F32(&[]),
+                Dtype::Float32 => Floats::F32(std::slice::from_raw_parts(mlx_sys::mlx_array_data_float32(a), span)),
+                Dtype::Bfloat16 => Floats::Bf16(std::slice::from_raw_parts(mlx_sys::mlx_array_data_uint16(a), span)),
+                _ => Floats::F16(std::slice::from_raw_parts(mlx_sys::mlx_array_data_uint16(a), span)),
+            }
         }
-        let span = (b - 1) * self.row + (h - 1) * self.head + s * d;
-        // SAFETY: the array is evaluated and 16-bit; its last element lies `span − 1` elements
-        // after its first, within its buffer, which it keeps alive while the slice borrows it.
-        unsafe { std::slice::from_raw_parts(mlx_sys::mlx_array_data_uint16(self.array.as_ptr()), span) }
     }
 }
 
@@ -155,9 +166,9 @@ enum Held {
     Gathered(Vec<u16>, Vec<u16>, usize),
 }
 
-/// [`attention_rows`] through the host's loops: a row of one piece read in place (a drafter's
+/// [`attention_rows`] through the host's loops (half precision): a row of one piece read in place (a drafter's
 /// context with its block in the free slots, `LayerContext::with_block`), a row of several
-/// pieces copied end to end per KV head; then [`half_attention_core`]. `None` where the loops do
+/// pieces copied end to end per KV head; then [`attention_core`]. `None` where the loops do
 /// not apply.
 fn half_attention_rows(q: &Array, rows: &[RowKeys], scale: f32) -> Result<Option<Array>, Exception> {
     let dtype = q.dtype();
@@ -205,28 +216,31 @@ fn half_attention_rows(q: &Array, rows: &[RowKeys], scale: f32) -> Result<Option
         }
         held.push(Held::Gathered(keys, values, s));
     }
+    let half = |bits| if dtype == Dtype::Bfloat16 { Floats::Bf16(bits) } else { Floats::F16(bits) };
     let data: Vec<RowData> = held
         .iter()
         .map(|held| match held {
             Held::InPlace(k, v, r) => RowData {
-                keys: &k.data()[r * k.row..],
-                values: &v.data()[r * v.row..],
+                keys: k.data().from(r * k.row),
+                values: v.data().from(r * v.row),
                 key_heads: k.head,
                 value_heads: v.head,
                 s: k.array.shape()[2] as usize,
             },
-            Held::Gathered(keys, values, s) => RowData { keys, values, key_heads: *s * d, value_heads: *s * d, s: *s },
+            Held::Gathered(keys, values, s) => {
+                RowData { keys: half(keys), values: half(values), key_heads: *s * d, value_heads: *s * d, s: *s }
+            }
         })
         .collect();
     let masks: Vec<&Mask> = rows.iter().map(|r| &r.mask).collect();
-    half_attention_core(q, &data, hkv, scale, Masks::PerRow(&masks)).map(Some)
+    attention_core(q, &data, hkv, scale, Masks::PerRow(&masks)).map(Some)
 }
 
-/// One row's keys and values, [Hkv, s, D] as half-precision bit patterns.
+/// One row's keys and values, [Hkv, s, D].
 struct RowData<'a> {
     /// From the row's first key; head g's s keys start `key_heads · g` values in.
-    keys: &'a [u16],
-    values: &'a [u16],
+    keys: Floats<'a>,
+    values: Floats<'a>,
     key_heads: usize,
     value_heads: usize,
     s: usize,
@@ -282,17 +296,45 @@ enum Keys<'a> {
     Marked(&'a [bool]),
 }
 
+impl Keys<'_> {
+    /// The keys from the first read to the last, of `s`; all of them for a query that reads
+    /// none, whose softmax is then MLX's over every masked score.
+    fn span(&self, s: usize) -> std::ops::Range<usize> {
+        let span = match self {
+            Keys::First(n) => 0..*n,
+            Keys::Marked(marks) => match (marks.iter().position(|&m| m), marks.iter().rposition(|&m| m)) {
+                (Some(first), Some(last)) => first..last + 1,
+                _ => 0..0,
+            },
+        };
+        if span.is_empty() {
+            0..s
+        } else {
+            span
+        }
+    }
+}
+
+/// The dtype's lowest finite value, with which MLX masks scores.
+fn lowest(dtype: Dtype) -> f32 {
+    match dtype {
+        Dtype::Bfloat16 => f32::from_bits(0xFF7F_0000),
+        Dtype::Float16 => f32::from_bits(0xC77F_E000),
+        _ => f32::MIN,
+    }
+}
+
 /// One mask for every row (rows of equal length), or one per row.
 enum Masks<'a> {
     Shared(&'a Mask),
     PerRow(&'a [&'a Mask]),
 }
 
-/// The steps of [`half_attention`] for queries q [B, Hq, L, D] over each row's keys and values.
+/// The steps of [`host_attention`] for queries q [B, Hq, L, D] over each row's keys and values.
 /// q is scaled here as MLX's multiply does it (both in the dtype, the product rounded to it).
 /// The softmax is MLX's, computed on the host ([`softmax_row`]) for every mask but an additive
 /// one.
-fn half_attention_core(q: &Array, rows: &[RowData], hkv: usize, scale: f32, masks: Masks) -> Result<Array, Exception> {
+fn attention_core(q: &Array, rows: &[RowData], hkv: usize, scale: f32, masks: Masks) -> Result<Array, Exception> {
     let dtype = q.dtype();
     let (hq, l, d) = (q.shape()[1] as usize, q.shape()[2] as usize, q.shape()[3] as usize);
     // Per row: which keys its queries read, and which batch entry of its mask it is.
@@ -350,6 +392,23 @@ struct Segment {
     head: usize,
 }
 
+impl Segment {
+    /// The segment cut into runs of at most `len` queries.
+    fn runs(&self, len: usize) -> impl Iterator<Item = Segment> + '_ {
+        (self.from..self.to).step_by(len).map(move |from| Segment {
+            from,
+            to: (from + len).min(self.to),
+            row: self.row,
+            head: self.head,
+        })
+    }
+}
+
+/// Queries whose scores are computed together, over the keys any of them reads: enough for the
+/// product loops' register tiles to reuse each key several times, few enough that a causal
+/// prefill's runs skip most of the keys their queries do not read.
+const QUERY_RUN: usize = 24;
+
 impl Queries<'_> {
     fn len(&self) -> usize {
         self.rows.len() * self.hkv * self.block
@@ -369,10 +428,11 @@ impl Queries<'_> {
         })
     }
 
-    /// Scores of a segment's queries [to − from, s]: q scaled as MLX's multiply does it (both
-    /// in the dtype, the product rounded to it), times the row's keys of its KV head.
-    fn scores(&self, segment: &Segment, scores: &mut Vec<f32>) {
-        use crate::dot::{self, Weight};
+    /// Scores of a segment's queries over keys `span` [to − from, span.len()]: q scaled as MLX's
+    /// multiply does it (both in the dtype, the product rounded to it), times the row's keys of
+    /// its KV head. A key's score is its own dot product, the same whatever the span.
+    fn scores(&self, segment: &Segment, span: std::ops::Range<usize>, scores: &mut Vec<f32>) {
+        use crate::dot;
         let (row, d, dtype) = (&self.rows[segment.row], self.d, self.dtype);
         let n = segment.to - segment.from;
         let mut x = vec![0f32; n * d];
@@ -382,49 +442,66 @@ impl Queries<'_> {
             }
         });
         let at = scores.len();
-        scores.resize(at + n * row.s, 0.0);
-        let bits = &row.keys[segment.head * row.key_heads..][..row.s * d];
-        let keys = if dtype == Dtype::Bfloat16 { Weight::Bf16(bits) } else { Weight::F16(bits) };
-        dot::product(&x, dtype, n, d, keys, 0..row.s, row.s, &mut scores[at..]);
+        let width = span.len();
+        scores.resize(at + n * width, 0.0);
+        let keys = row.keys.range(segment.head * row.key_heads + span.start * d, width * d).weight();
+        dot::product(&x, dtype, n, d, keys, 0..width, width, &mut scores[at..]);
     }
 
-    /// A segment's output rows: its probabilities [to − from, s] times the row's values.
-    fn weighted_sums(&self, segment: &Segment, ps: &[f32], out: &mut [f32]) {
+    /// A segment's output rows: its probabilities over keys `span` [to − from, span.len()] times
+    /// those keys' values.
+    fn weighted_sums(&self, segment: &Segment, span: std::ops::Range<usize>, ps: &[f32], out: &mut [f32]) {
         let (row, d) = (&self.rows[segment.row], self.d);
-        let values = &row.values[segment.head * row.value_heads..][..row.s * d];
-        crate::weighted_sum::weighted_sum(ps, segment.to - segment.from, row.s, values, self.dtype, d, out);
+        let values = row.values.range(segment.head * row.value_heads + span.start * d, span.len() * d);
+        crate::weighted_sum::weighted_sum(ps, segment.to - segment.from, span.len(), values, d, out);
     }
 
     /// Queries `range` whose masks the host reads, their output rows into `out`: scores, masked
     /// as MLX masks (the dtype's lowest value), MLX's softmax, then the values.
+    ///
+    /// Queries go [`QUERY_RUN`] at a time over the keys any of them reads (a causal prefill's
+    /// early queries read few keys, a sliding window's read a band): a key outside that span has
+    /// probability zero for each of them, and the softmax's sum and the weighted sums take
+    /// their terms in key order, where a zero adds nothing, so each query's result is what
+    /// it is over all the keys.
     fn attend(&self, range: std::ops::Range<usize>, visibility: &[(&Visible, usize)], out: &mut [f32]) {
-        let lowest = f32::from_bits(if self.dtype == Dtype::Bfloat16 { 0xFF7F_0000 } else { 0xC77F_E000 });
+        let lowest = lowest(self.dtype);
         let mut ps = Vec::new();
         for segment in self.segments(range.clone()) {
             let s = self.rows[segment.row].s;
             let (visible, b) = visibility[segment.row];
-            ps.clear();
-            self.scores(&segment, &mut ps);
-            for (f, scores) in (segment.from..segment.to).zip(ps.chunks_exact_mut(s.max(1))) {
-                // The query's place in its row: head h, position i.
-                let within = f - segment.row * self.hkv * self.block;
-                let (h, i) = (within / self.l, within % self.l);
-                with_round!(self.dtype, |r| match visible.keys([b, h, i], self.l, s) {
-                    Keys::First(n) => {
-                        scores[..n].iter_mut().for_each(|v| *v = r.round(*v));
-                        scores[n..].fill(lowest);
-                    }
-                    Keys::Marked(marks) => {
-                        for (v, &seen) in scores.iter_mut().zip(marks) {
-                            *v = if seen { r.round(*v) } else { lowest };
+            for run in segment.runs(QUERY_RUN) {
+                let keys: Vec<Keys> = (run.from..run.to)
+                    .map(|f| {
+                        // The query's place in its row: head h, position i.
+                        let within = f - run.row * self.hkv * self.block;
+                        visible.keys([b, within / self.l, within % self.l], self.l, s)
+                    })
+                    .collect();
+                let span = keys.iter().map(|k| k.span(s)).reduce(|a, b| a.start.min(b.start)..a.end.max(b.end));
+                let span = span.unwrap_or(0..s);
+                let width = span.len();
+                ps.clear();
+                self.scores(&run, span.clone(), &mut ps);
+                for (keys, scores) in keys.iter().zip(ps.chunks_exact_mut(width.max(1))) {
+                    with_round!(self.dtype, |r| match keys {
+                        Keys::First(n) => {
+                            let n = n - span.start;
+                            scores[..n].iter_mut().for_each(|v| *v = r.round(*v));
+                            scores[n..].fill(lowest);
                         }
-                    }
-                });
-                softmax_row(self.dtype, scores);
+                        Keys::Marked(marks) => {
+                            for (v, &seen) in scores.iter_mut().zip(&marks[span.clone()]) {
+                                *v = if seen { r.round(*v) } else { lowest };
+                            }
+                        }
+                    });
+                    softmax_row(self.dtype, scores);
+                }
+                let d = self.d;
+                let out = &mut out[(run.from - range.start) * d..(run.to - range.start) * d];
+                self.weighted_sums(&run, span, &ps, out);
             }
-            let d = self.d;
-            let out = &mut out[(segment.from - range.start) * d..(segment.to - range.start) * d];
-            self.weighted_sums(&segment, &ps, out);
         }
     }
 
@@ -454,9 +531,9 @@ impl Queries<'_> {
         let hq = (self.block / self.l * self.hkv) as i32;
         let mut scores = Vec::new();
         for segment in self.segments(0..self.len()) {
-            self.scores(&segment, &mut scores);
+            self.scores(&segment, 0..self.rows[segment.row].s, &mut scores);
         }
-        let lowest = scalar(f32::from_bits(if dtype == Dtype::Bfloat16 { 0xFF7F_0000 } else { 0xC77F_E000 }), dtype)?;
+        let lowest = scalar(lowest(dtype), dtype)?;
         let softmax = |scores: &[f32], b: usize, s: usize, mask: &Mask| -> Result<Array, Exception> {
             let scores = rounded(scores, &[b as i32, hq, l, s as i32], dtype);
             let scores = match mask {
@@ -493,7 +570,8 @@ impl Queries<'_> {
         let mut at = 0;
         for segment in self.segments(0..self.len()) {
             let n = (segment.to - segment.from) * self.rows[segment.row].s;
-            self.weighted_sums(&segment, &ps[at..at + n], &mut out[segment.from * self.d..segment.to * self.d]);
+            let all = 0..self.rows[segment.row].s;
+            self.weighted_sums(&segment, all, &ps[at..at + n], &mut out[segment.from * self.d..segment.to * self.d]);
             at += n;
         }
         Ok(())

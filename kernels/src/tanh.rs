@@ -55,23 +55,31 @@ fn exp_in_range(x: f32) -> f32 {
 /// `f` over `values`, in loops compiled for AVX2 and FMA where the CPU has them (the same
 /// results either way: `mul_add` is fused in both).
 pub fn map(values: &[f32], f: impl Fn(f32) -> f32 + Copy) -> Vec<f32> {
+    let mut out = vec![0f32; values.len()];
+    zip_into(values, values, &mut out, |v, _| f(v));
+    out
+}
+
+/// `out[i] = f(a[i], b[i])`, in the loops of [`map`].
+pub fn zip_into(a: &[f32], b: &[f32], out: &mut [f32], f: impl Fn(f32, f32) -> f32 + Copy) {
+    assert!(a.len() == out.len() && b.len() == out.len(), "zip_into: operand lengths");
     #[cfg(target_arch = "x86_64")]
     if crate::simd::has!("avx2") && crate::simd::has!("fma") {
         // SAFETY: the CPU has AVX2 and FMA (checked above).
-        return unsafe { map_avx2(values, f) };
+        return unsafe { zip_into_avx2(a, b, out, f) };
     }
-    values.iter().map(|&v| f(v)).collect()
+    for ((out, &a), &b) in out.iter_mut().zip(a).zip(b) {
+        *out = f(a, b);
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn map_avx2(values: &[f32], f: impl Fn(f32) -> f32 + Copy) -> Vec<f32> {
-    let mut out = vec![0f32; values.len()];
+unsafe fn zip_into_avx2(a: &[f32], b: &[f32], out: &mut [f32], f: impl Fn(f32, f32) -> f32 + Copy) {
     // (An explicit loop: an iterator's closure would not inherit the target features.)
-    for i in 0..values.len() {
-        out[i] = f(values[i]);
+    for i in 0..out.len() {
+        out[i] = f(a[i], b[i]);
     }
-    out
 }
 
 #[cfg(test)]

@@ -63,3 +63,49 @@ pub fn even_then_odd(x: &[f32], run: usize) -> Vec<f32> {
     }
     out
 }
+
+/// Values of one of MLX's float dtypes as stored, read in place: a KV cache's keys and values.
+#[derive(Clone, Copy)]
+pub enum Floats<'a> {
+    F32(&'a [f32]),
+    /// bfloat16 bit patterns.
+    Bf16(&'a [u16]),
+    /// float16 bit patterns.
+    F16(&'a [u16]),
+}
+
+impl<'a> Floats<'a> {
+    /// Elements `from..from + len`.
+    pub fn range(self, from: usize, len: usize) -> Floats<'a> {
+        match self {
+            Floats::F32(v) => Floats::F32(&v[from..from + len]),
+            Floats::Bf16(v) => Floats::Bf16(&v[from..from + len]),
+            Floats::F16(v) => Floats::F16(&v[from..from + len]),
+        }
+    }
+
+    /// Elements from `from` on.
+    pub fn from(self, from: usize) -> Floats<'a> {
+        self.range(from, self.len() - from)
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            Floats::F32(v) => v.len(),
+            Floats::Bf16(v) | Floats::F16(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The values as a weight [n, k] for the product loops.
+    pub fn weight(self) -> Weight<'a> {
+        match self {
+            Floats::F32(v) => Weight::F32(v),
+            Floats::Bf16(v) => Weight::Bf16(v),
+            Floats::F16(v) => Weight::F16(v),
+        }
+    }
+}

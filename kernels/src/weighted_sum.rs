@@ -1,5 +1,5 @@
-//! `out[b, :] = Σ_j p[b, j] · v[j, :]` for half-precision rows v [s, d]: attention's
-//! probabilities times its values, the values read where the cache holds them.
+//! `out[b, :] = Σ_j p[b, j] · v[j, :]` for rows v [s, d] of float32 or half precision:
+//! attention's probabilities times its values, the values read where the cache holds them.
 //!
 //! The product loops of [`super::dot`] would want the values as a weight [d, s], a transposed
 //! copy of every head's whole context per layer and step; in a decode step of eight requests
@@ -10,51 +10,45 @@
 //!   so a row's attention is the same alone or batched with longer rows;
 //! - each query row is summed on its own, the same in a verify window as in a one-token step.
 
-use mlx_rs::Dtype;
+use crate::weight::Floats;
 
-/// Fills `out` [rows, d] with the weighted sums of the rows of `v` [s, d] (bfloat16 or float16
-/// bit patterns, as `dtype` says) by the weights `p` [rows, s].
-pub fn weighted_sum(p: &[f32], rows: usize, s: usize, v: &[u16], dtype: Dtype, d: usize, out: &mut [f32]) {
+/// How the tiles read a value: the format as a constant, so that each tile compiles to one
+/// kind of load.
+const BF16: u8 = 0;
+const F16: u8 = 1;
+const F32: u8 = 2;
+
+/// Fills `out` [rows, d] with the weighted sums of the rows of `v` [s, d] by the weights `p`
+/// [rows, s].
+pub fn weighted_sum(p: &[f32], rows: usize, s: usize, v: Floats, d: usize, out: &mut [f32]) {
     assert!(p.len() == rows * s && v.len() == s * d && out.len() == rows * d, "weighted_sum: operand sizes");
-    let bf16 = match dtype {
-        Dtype::Bfloat16 => true,
-        Dtype::Float16 => false,
-        other => panic!("weighted_sum: values of {other:?}"),
-    };
     #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
     {
         if super::lanes::available() {
             // SAFETY: the CPU has AVX-512 F (checked by `available`); the sizes are checked above.
-            done = unsafe { avx512::columns(p, rows, s, v, bf16, d, out) };
+            done = unsafe { avx512::columns(p, rows, s, v, d, out) };
         } else if crate::simd::has!("avx2") && crate::simd::has!("fma") && crate::simd::has!("f16c") {
             // SAFETY: the CPU has AVX2, FMA and F16C (checked above); the sizes are checked above.
-            done = unsafe { avx2::columns(p, rows, s, v, bf16, d, out) };
+            done = unsafe { avx2::columns(p, rows, s, v, d, out) };
         }
     }
-    portable(p, rows, s, v, bf16, d, done..d, out);
+    portable(p, rows, s, v, d, done..d, out);
 }
 
 /// Columns `columns` of every output row, one element at a time.
-#[allow(clippy::too_many_arguments)]
-fn portable(
-    p: &[f32],
-    rows: usize,
-    s: usize,
-    v: &[u16],
-    bf16: bool,
-    d: usize,
-    columns: std::ops::Range<usize>,
-    out: &mut [f32],
-) {
-    let widen =
-        |bits: u16| if bf16 { f32::from_bits((bits as u32) << 16) } else { half::f16::from_bits(bits).to_f32() };
+fn portable(p: &[f32], rows: usize, s: usize, v: Floats, d: usize, columns: std::ops::Range<usize>, out: &mut [f32]) {
+    let value = |i: usize| match v {
+        Floats::F32(v) => v[i],
+        Floats::Bf16(v) => f32::from_bits((v[i] as u32) << 16),
+        Floats::F16(v) => half::f16::from_bits(v[i]).to_f32(),
+    };
     for b in 0..rows {
         for c in columns.clone() {
             let mut acc = 0f32;
             for j in 0..s {
-                acc = p[b * s + j].mul_add(widen(v[j * d + c]), acc);
+                acc = p[b * s + j].mul_add(value(j * d + c), acc);
             }
             out[b * d + c] = acc;
         }
@@ -70,23 +64,26 @@ unsafe fn tiled(
     p: &[f32],
     rows: usize,
     s: usize,
-    v: &[u16],
+    v: Floats,
     d: usize,
     out: &mut [f32],
     [lanes, max_b, max_c]: [usize; 3],
-    tile: impl Fn(usize, usize, At),
+    tile: impl Fn(u8, usize, usize, At),
 ) -> usize {
+    let (kind, v, size) = match v {
+        Floats::F32(v) => (F32, v.as_ptr() as *const u8, 4),
+        Floats::Bf16(v) => (BF16, v.as_ptr() as *const u8, 2),
+        Floats::F16(v) => (F16, v.as_ptr() as *const u8, 2),
+    };
     let whole = d / lanes * lanes;
     for b0 in (0..rows).step_by(max_b) {
         let b = (rows - b0).min(max_b);
         let mut c0 = 0;
         while c0 < whole {
             let c = ((whole - c0) / lanes).min(max_c);
-            tile(
-                b,
-                c,
-                At { p: p.as_ptr().add(b0 * s), s, v: v.as_ptr().add(c0), d, out: out.as_mut_ptr().add(b0 * d + c0) },
-            );
+            let at =
+                At { p: p.as_ptr().add(b0 * s), s, v: v.add(c0 * size), d, out: out.as_mut_ptr().add(b0 * d + c0) };
+            tile(kind, b, c, at);
             c0 += c * lanes;
         }
     }
@@ -94,13 +91,13 @@ unsafe fn tiled(
 }
 
 /// Where a tile works: weights from `p` (rows `s` apart), values from column `v` (rows `d`
-/// apart), outputs from `out` (rows `d` apart).
+/// values apart, each of the tile's format), outputs from `out` (rows `d` apart).
 #[derive(Clone, Copy)]
 #[cfg(target_arch = "x86_64")]
 struct At {
     p: *const f32,
     s: usize,
-    v: *const u16,
+    v: *const u8,
     d: usize,
     out: *mut f32,
 }
@@ -109,17 +106,22 @@ struct At {
 mod avx512 {
     use std::arch::x86_64::__m512;
 
+    use crate::weight::Floats;
+
     /// Whole vectors of columns (see [`super::tiled`]): tiles of up to 4 rows × 4 vectors, sixteen
     /// accumulators.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn columns(p: &[f32], rows: usize, s: usize, v: &[u16], bf16: bool, d: usize, out: &mut [f32]) -> usize {
-        let tile = |b, c, at| if bf16 { dispatch::<true>(b, c, at) } else { dispatch::<false>(b, c, at) };
-        super::tiled(p, rows, s, v, d, out, [16, 4, 4], tile)
+    pub unsafe fn columns(p: &[f32], rows: usize, s: usize, v: Floats, d: usize, out: &mut [f32]) -> usize {
+        super::tiled(p, rows, s, v, d, out, [16, 4, 4], |kind, b, c, at| match kind {
+            super::BF16 => dispatch::<{ super::BF16 }>(b, c, at),
+            super::F16 => dispatch::<{ super::F16 }>(b, c, at),
+            _ => dispatch::<{ super::F32 }>(b, c, at),
+        })
     }
 
     #[target_feature(enable = "avx512f")]
-    unsafe fn dispatch<const BF16: bool>(b: usize, c: usize, at: super::At) {
-        super::tile_of_shape::<__m512, BF16>(b, c, at)
+    unsafe fn dispatch<const KIND: u8>(b: usize, c: usize, at: super::At) {
+        super::tile_of_shape::<__m512, KIND>(b, c, at)
     }
 }
 
@@ -127,17 +129,22 @@ mod avx512 {
 mod avx2 {
     use std::arch::x86_64::__m256;
 
+    use crate::weight::Floats;
+
     /// Whole vectors of columns (see [`super::tiled`]): tiles of up to 2 rows × 4 vectors, so
     /// that the sums, four vectors of values and a weight fit in sixteen registers.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn columns(p: &[f32], rows: usize, s: usize, v: &[u16], bf16: bool, d: usize, out: &mut [f32]) -> usize {
-        let tile = |b, c, at| if bf16 { dispatch::<true>(b, c, at) } else { dispatch::<false>(b, c, at) };
-        super::tiled(p, rows, s, v, d, out, [8, 2, 4], tile)
+    pub unsafe fn columns(p: &[f32], rows: usize, s: usize, v: Floats, d: usize, out: &mut [f32]) -> usize {
+        super::tiled(p, rows, s, v, d, out, [8, 2, 4], |kind, b, c, at| match kind {
+            super::BF16 => dispatch::<{ super::BF16 }>(b, c, at),
+            super::F16 => dispatch::<{ super::F16 }>(b, c, at),
+            _ => dispatch::<{ super::F32 }>(b, c, at),
+        })
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dispatch<const BF16: bool>(b: usize, c: usize, at: super::At) {
-        super::tile_of_shape::<__m256, BF16>(b, c, at)
+    unsafe fn dispatch<const KIND: u8>(b: usize, c: usize, at: super::At) {
+        super::tile_of_shape::<__m256, KIND>(b, c, at)
     }
 }
 
@@ -147,8 +154,8 @@ mod avx2 {
 trait Lanes: Copy {
     const LANES: usize;
     unsafe fn zero() -> Self;
-    /// LANES bfloat16 (BF16) or float16 values as floats.
-    unsafe fn load<const BF16: bool>(v: *const u16) -> Self;
+    /// LANES values of format KIND ([`BF16`], [`F16`] or [`F32`]) as floats.
+    unsafe fn load<const KIND: u8>(v: *const u8) -> Self;
     unsafe fn splat(x: f32) -> Self;
     /// a · b + acc, rounded once.
     unsafe fn fma(a: Self, b: Self, acc: Self) -> Self;
@@ -163,10 +170,13 @@ impl Lanes for std::arch::x86_64::__m512 {
         std::arch::x86_64::_mm512_setzero_ps()
     }
     #[inline(always)]
-    unsafe fn load<const BF16: bool>(v: *const u16) -> Self {
+    unsafe fn load<const KIND: u8>(v: *const u8) -> Self {
         use std::arch::x86_64::*;
+        if KIND == F32 {
+            return _mm512_loadu_ps(v as *const f32);
+        }
         let halves = _mm256_loadu_si256(v as *const __m256i);
-        if BF16 {
+        if KIND == BF16 {
             _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(halves)))
         } else {
             _mm512_cvtph_ps(halves)
@@ -194,10 +204,13 @@ impl Lanes for std::arch::x86_64::__m256 {
         std::arch::x86_64::_mm256_setzero_ps()
     }
     #[inline(always)]
-    unsafe fn load<const BF16: bool>(v: *const u16) -> Self {
+    unsafe fn load<const KIND: u8>(v: *const u8) -> Self {
         use std::arch::x86_64::*;
+        if KIND == F32 {
+            return _mm256_loadu_ps(v as *const f32);
+        }
         let halves = _mm_loadu_si128(v as *const __m128i);
-        if BF16 {
+        if KIND == BF16 {
             _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(halves)))
         } else {
             _mm256_cvtph_ps(halves)
@@ -221,24 +234,24 @@ impl Lanes for std::arch::x86_64::__m256 {
 /// sums stay in registers.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn tile_of_shape<V: Lanes, const BF16: bool>(b: usize, c: usize, at: At) {
+unsafe fn tile_of_shape<V: Lanes, const KIND: u8>(b: usize, c: usize, at: At) {
     match (b, c) {
-        (1, 1) => tile::<V, 1, 1, BF16>(at),
-        (1, 2) => tile::<V, 1, 2, BF16>(at),
-        (1, 3) => tile::<V, 1, 3, BF16>(at),
-        (1, 4) => tile::<V, 1, 4, BF16>(at),
-        (2, 1) => tile::<V, 2, 1, BF16>(at),
-        (2, 2) => tile::<V, 2, 2, BF16>(at),
-        (2, 3) => tile::<V, 2, 3, BF16>(at),
-        (2, 4) => tile::<V, 2, 4, BF16>(at),
-        (3, 1) => tile::<V, 3, 1, BF16>(at),
-        (3, 2) => tile::<V, 3, 2, BF16>(at),
-        (3, 3) => tile::<V, 3, 3, BF16>(at),
-        (3, 4) => tile::<V, 3, 4, BF16>(at),
-        (4, 1) => tile::<V, 4, 1, BF16>(at),
-        (4, 2) => tile::<V, 4, 2, BF16>(at),
-        (4, 3) => tile::<V, 4, 3, BF16>(at),
-        (4, 4) => tile::<V, 4, 4, BF16>(at),
+        (1, 1) => tile::<V, 1, 1, KIND>(at),
+        (1, 2) => tile::<V, 1, 2, KIND>(at),
+        (1, 3) => tile::<V, 1, 3, KIND>(at),
+        (1, 4) => tile::<V, 1, 4, KIND>(at),
+        (2, 1) => tile::<V, 2, 1, KIND>(at),
+        (2, 2) => tile::<V, 2, 2, KIND>(at),
+        (2, 3) => tile::<V, 2, 3, KIND>(at),
+        (2, 4) => tile::<V, 2, 4, KIND>(at),
+        (3, 1) => tile::<V, 3, 1, KIND>(at),
+        (3, 2) => tile::<V, 3, 2, KIND>(at),
+        (3, 3) => tile::<V, 3, 3, KIND>(at),
+        (3, 4) => tile::<V, 3, 4, KIND>(at),
+        (4, 1) => tile::<V, 4, 1, KIND>(at),
+        (4, 2) => tile::<V, 4, 2, KIND>(at),
+        (4, 3) => tile::<V, 4, 3, KIND>(at),
+        (4, 4) => tile::<V, 4, 4, KIND>(at),
         _ => unreachable!("tiles of at most 4 × 4"),
     }
 }
@@ -247,10 +260,11 @@ unsafe fn tile_of_shape<V: Lanes, const BF16: bool>(b: usize, c: usize, at: At) 
 /// each row's weight, added into that row's sums.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn tile<V: Lanes, const B: usize, const C: usize, const BF16: bool>(at: At) {
+unsafe fn tile<V: Lanes, const B: usize, const C: usize, const KIND: u8>(at: At) {
+    let size = if KIND == F32 { 4 } else { 2 };
     let mut acc = [[V::zero(); C]; B];
     for j in 0..at.s {
-        let values: [V; C] = std::array::from_fn(|c| V::load::<BF16>(at.v.add(j * at.d + V::LANES * c)));
+        let values: [V; C] = std::array::from_fn(|c| V::load::<KIND>(at.v.add((j * at.d + V::LANES * c) * size)));
         for (b, acc) in acc.iter_mut().enumerate() {
             let weight = V::splat(*at.p.add(b * at.s + j));
             for (acc, &value) in acc.iter_mut().zip(&values) {
@@ -297,39 +311,54 @@ mod tests {
             .collect()
     }
 
+    /// float32 values from the same patterns, as bfloat16 widened plus low bits.
+    fn f32_values(n: usize, seed: u32) -> Vec<f32> {
+        values(n, true, seed)
+            .iter()
+            .zip(values(n, true, seed + 1))
+            .map(|(&h, l)| f32::from_bits((h as u32) << 16 | l as u32))
+            .collect()
+    }
+
     #[test]
     fn every_route_sums_in_key_order_like_the_portable_loop() {
-        for (dtype, bf16) in [(Dtype::Bfloat16, true), (Dtype::Float16, false)] {
+        for format in ["bfloat16", "float16", "float32"] {
             for (rows, s, d) in
                 [(1, 1, 16), (1, 37, 64), (3, 200, 128), (4, 33, 256), (5, 9, 72), (8, 64, 64), (2, 5, 7)]
             {
-                let (p, v) = (weights(rows * s, 7), values(s * d, bf16, 11));
+                let (halves, singles) = (values(s * d, format == "bfloat16", 11), f32_values(s * d, 11));
+                let v = match format {
+                    "bfloat16" => Floats::Bf16(&halves),
+                    "float16" => Floats::F16(&halves),
+                    _ => Floats::F32(&singles),
+                };
+                let p = weights(rows * s, 7);
                 let mut slow = vec![f32::NAN; rows * d];
-                portable(&p, rows, s, &v, bf16, d, 0..d, &mut slow);
+                portable(&p, rows, s, v, d, 0..d, &mut slow);
                 let mut routes: Vec<(&str, Vec<f32>)> = Vec::new();
                 let mut chosen = vec![f32::NAN; rows * d];
-                weighted_sum(&p, rows, s, &v, dtype, d, &mut chosen);
+                weighted_sum(&p, rows, s, v, d, &mut chosen);
                 routes.push(("chosen", chosen));
                 #[cfg(target_arch = "x86_64")]
                 {
                     if crate::simd::has!("avx2") && crate::simd::has!("fma") && crate::simd::has!("f16c") {
                         let mut out = slow.clone();
                         // SAFETY: the CPU has the features (checked above); the sizes match.
-                        let done = unsafe { avx2::columns(&p, rows, s, &v, bf16, d, &mut out) };
+                        let done = unsafe { avx2::columns(&p, rows, s, v, d, &mut out) };
                         assert_eq!(done, d / 8 * 8);
                         routes.push(("avx2", out));
                     }
                     if crate::lanes::available() {
                         let mut out = slow.clone();
                         // SAFETY: the CPU has AVX-512 F (checked above); the sizes match.
-                        let done = unsafe { avx512::columns(&p, rows, s, &v, bf16, d, &mut out) };
+                        let done = unsafe { avx512::columns(&p, rows, s, v, d, &mut out) };
                         assert_eq!(done, d / 16 * 16);
                         routes.push(("avx512", out));
                     }
                 }
                 for (route, out) in &routes {
                     for (i, (a, b)) in out.iter().zip(&slow).enumerate() {
-                        assert_eq!(a.to_bits(), b.to_bits(), "{route}: {dtype:?} rows {rows} s {s} d {d} element {i}");
+                        assert_eq!(a.to_bits(), b.to_bits(), "{route}: {format} rows {rows} s {s} d {d} element {i}");
                     }
                 }
             }
@@ -341,7 +370,7 @@ mod tests {
         let (rows, s, d) = (3, 40, 64);
         let (p, v) = (weights(rows * s, 3), values(s * d, true, 5));
         let mut alone = vec![0f32; rows * d];
-        weighted_sum(&p, rows, s, &v, Dtype::Bfloat16, d, &mut alone);
+        weighted_sum(&p, rows, s, Floats::Bf16(&v), d, &mut alone);
         // Six masked keys: two before, one in the middle, three after.
         let padded_at = [0usize, 0, 20, 40, 40, 40];
         let mut padded_p = Vec::new();
@@ -360,7 +389,7 @@ mod tests {
         keys.iter().for_each(|k| padded_v.extend(k));
         let t = s + padded_at.len();
         let mut padded = vec![0f32; rows * d];
-        weighted_sum(&padded_p, rows, t, &padded_v, Dtype::Bfloat16, d, &mut padded);
+        weighted_sum(&padded_p, rows, t, Floats::Bf16(&padded_v), d, &mut padded);
         assert_eq!(
             alone.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
             padded.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
