@@ -184,30 +184,62 @@ impl Tree {
 /// the product of its tokens'. Nodes join most probable path first (EAGLE-2's tree, with
 /// these products as its scores); each joins under a node already there.
 pub fn likeliest_paths(positions: &[Vec<(u32, f32)>], nodes: usize) -> Tree {
+    let never = |depth: usize, _| Ok::<_, std::convert::Infallible>(positions[depth].clone());
+    match likeliest_paths_with(positions.len(), nodes, never) {
+        Ok(tree) => tree,
+        Err(never) => match never {},
+    }
+}
+
+/// [`likeliest_paths`] for a drafter whose candidates under a node depend on that node's token
+/// (a head conditioned on the token before, as DeepSpec's Markov head is):
+/// `candidates(d, token)` gives the candidates (token, probability) at depth d + 1 under a node
+/// of `token` (`None`: the pending token, under which the first depth's nodes hang), asked for
+/// once per node as it joins, and only for nodes above `depth`.
+pub fn likeliest_paths_with<E>(
+    depth: usize,
+    nodes: usize,
+    mut candidates: impl FnMut(usize, Option<u32>) -> Result<Vec<(u32, f32)>, E>,
+) -> Result<Tree, E> {
     let mut tree = Tree::default();
-    // Candidates: (path probability, parent, depth of the token, index among its candidates).
-    let mut frontier: Vec<(f64, Option<usize>, usize, usize)> = Vec::new();
-    let offer = |frontier: &mut Vec<_>, parent: Option<usize>, score: f64, depth: usize| {
-        if let Some(candidates) = positions.get(depth) {
-            for (i, &(_, p)) in candidates.iter().enumerate() {
-                frontier.push((score * p as f64, parent, depth, i));
-            }
+    // Candidates: (path probability, parent, depth of the token, the token).
+    let mut frontier: Vec<(f64, Option<usize>, usize, u32)> = Vec::new();
+    let mut offer = |frontier: &mut Vec<_>, parent: Option<usize>, token: Option<u32>, score: f64, d: usize| {
+        if d < depth && nodes > 0 {
+            frontier.extend(candidates(d, token)?.into_iter().map(|(t, p)| (score * p as f64, parent, d, t)));
         }
+        Ok(())
     };
-    offer(&mut frontier, None, 1.0, 0);
+    offer(&mut frontier, None, None, 1.0, 0)?;
     while tree.len() < nodes {
         // The likeliest candidate; ties to the one offered first.
         let Some(best) = (0..frontier.len()).reduce(|a, b| if frontier[b].0 > frontier[a].0 { b } else { a }) else {
             break;
         };
-        let (score, parent, depth, i) = frontier.remove(best);
+        let (score, parent, d, token) = frontier.remove(best);
         if score <= 0.0 {
             break;
         }
-        let node = tree.push(parent, positions[depth][i].0);
-        offer(&mut frontier, Some(node), score, depth + 1);
+        let node = tree.push(parent, token);
+        if tree.len() < nodes {
+            offer(&mut frontier, Some(node), Some(token), score, d + 1)?;
+        }
     }
-    tree
+    Ok(tree)
+}
+
+/// The `k` most probable tokens of a distribution with their probabilities, most probable
+/// first (ties to the lower token, as a greedy draft's argmax takes them): a tree's candidates.
+pub fn most_probable(p: &[f32], k: usize) -> Vec<(u32, f32)> {
+    let mut best: Vec<(u32, f32)> = Vec::with_capacity(k + 1);
+    for (t, &x) in p.iter().enumerate() {
+        if best.len() < k || best.last().is_some_and(|&(_, y)| x > y) {
+            let at = best.iter().position(|&(_, y)| x > y).unwrap_or(best.len());
+            best.insert(at, (t as u32, x));
+            best.truncate(k);
+        }
+    }
+    best
 }
 
 impl From<TreeRow> for (Tree, Option<OwnedArray>) {
@@ -258,6 +290,33 @@ mod tests {
         let mut u = Tree::chain(&[7]);
         u.graft(&Tree::chain(&[8, 9]), 1);
         assert_eq!(u, Tree::chain(&[7]), "a node left out leaves its children out");
+    }
+
+    #[test]
+    fn candidates_that_hang_on_their_parent_make_the_likeliest_paths_among_them() {
+        // Under token 1 the next is 3 (0.9) or 4 (0.1); under token 2 always 5.
+        let next = |d: usize, token: Option<u32>| -> Result<Vec<(u32, f32)>, ()> {
+            Ok(match (d, token) {
+                (0, None) => vec![(1, 0.6), (2, 0.4)],
+                (_, Some(1)) => vec![(3, 0.9), (4, 0.1)],
+                (_, Some(2)) => vec![(5, 1.0)],
+                _ => vec![(6, 0.5)],
+            })
+        };
+        // Paths by probability: 1 (0.6), 1-3 (0.54), 2 (0.4), 2-5 (0.4), 1-3-6 (0.27), ...
+        let t = likeliest_paths_with(2, 4, next).unwrap();
+        assert_eq!((t.tokens.as_slice(), t.parents.as_slice()), (&[1, 3, 2, 5][..], &[ROOT, 0, ROOT, 2][..]));
+        let deeper = likeliest_paths_with(3, 5, next).unwrap();
+        assert_eq!(deeper.tokens, vec![1, 3, 2, 5, 6]);
+        assert!(likeliest_paths_with(0, 5, next).unwrap().is_empty());
+        assert!(likeliest_paths_with(2, 0, next).unwrap().is_empty());
+    }
+
+    #[test]
+    fn the_most_probable_come_first_ties_to_the_lower_token() {
+        let p = [0.1, 0.3, 0.05, 0.3, 0.25];
+        assert_eq!(most_probable(&p, 3), vec![(1, 0.3), (3, 0.3), (4, 0.25)]);
+        assert_eq!(most_probable(&p, 9).len(), 5);
     }
 
     #[test]

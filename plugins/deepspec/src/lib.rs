@@ -12,7 +12,7 @@ use std::rc::Rc;
 
 use plugin_api::mlx_rs::Array;
 use plugin_api::sdk::{
-    draw, ContextDrafter, ContextRow, DraftProvider, Drafter, Options, Proposal, SourceRows, Target,
+    draw, ContextDrafter, ContextRow, DraftProvider, Drafter, Options, Proposal, SourceRows, Target, TreeProposal,
 };
 use plugin_api::{Capabilities, Descriptor, PluginError, Ports, ProviderInfo};
 
@@ -150,6 +150,25 @@ impl ContextDrafter for Shared {
         });
         Ok(Proposal { tokens: block.tokens, probabilities })
     }
+
+    /// Greedy drafts branch where the Markov head ranks several tokens high ([`Deepspec::tree`]);
+    /// sampled ones draft chains.
+    fn draft_tree_rows(
+        &self,
+        contexts: &mut [&mut Context],
+        pending: &[u32],
+        depth: usize,
+        nodes: usize,
+        _steps: &[u64],
+    ) -> Result<Option<Vec<TreeProposal>>, PluginError> {
+        if self.sample {
+            return Ok(None);
+        }
+        let trees = contexts.iter_mut().zip(pending).map(|(context, &anchor)| {
+            Ok(TreeProposal { tree: self.model.tree(context, anchor, depth, nodes)?, probabilities: None })
+        });
+        trees.collect::<Result<Vec<_>, PluginError>>().map(Some)
+    }
 }
 
 /// The uniform for the draft of output step `step`.
@@ -185,6 +204,39 @@ mod conformance {
             let report = check::<super::DeepspecDrafter>(&config(options));
             report.assert_passed();
             assert!(report.drafted > 0, "{options}");
+            // Greedy drafts branch into trees; sampled ones stay chains.
+            assert_eq!(report.tree_nodes > 0, !options.starts_with("sample"), "{options}: {} nodes", report.tree_nodes);
+        }
+    }
+
+    /// A tree's branch of first children is the greedy block: each node's likeliest child joins
+    /// before its siblings, and the Markov head ranks it as the chain does.
+    #[test]
+    fn a_trees_first_children_are_the_greedy_block() {
+        use plugin_api::draft_tree::ROOT;
+        use plugin_api::mlx_rs::Dtype;
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/deepspec/gemma4-dense");
+        let model = crate::Deepspec::load(&dir.join("drafter")).unwrap();
+        let oracle = plugin_api::nn::Weights::load_file(&dir.join("oracle.safetensors")).unwrap();
+        for state in [0, 5, 20] {
+            let get = |name: &str| oracle.get(&format!("state{state}.{name}")).unwrap();
+            let taps = get("target_taps");
+            let taps = taps.reshape(&[1, taps.shape()[0], taps.shape()[1]]).unwrap();
+            let mut context = crate::Context::default();
+            model.extend(&mut context, &taps).unwrap();
+            let ids = get("input_ids").as_dtype(Dtype::Int32).unwrap();
+            let anchor = *ids.as_slice::<i32>().last().unwrap() as u32;
+            let chain = model.block(&mut context, anchor, 4, 0.0, None, 1.0).unwrap().tokens;
+            let tree = model.tree(&mut context, anchor, 4, 12).unwrap();
+            tree.check(4, 12, 512).unwrap();
+            assert!(tree.len() > 4, "state {state}: no branches in {tree:?}");
+            let mut first_children = Vec::new();
+            let mut at = ROOT;
+            while let Some(child) = tree.parents.iter().position(|&p| p == at) {
+                first_children.push(tree.tokens[child]);
+                at = child as u32;
+            }
+            assert_eq!(first_children, chain, "state {state}");
         }
     }
 

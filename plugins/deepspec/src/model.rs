@@ -6,6 +6,7 @@
 use std::path::Path;
 use std::sync::{Arc, Mutex, OnceLock};
 
+use plugin_api::draft_tree::{likeliest_paths_with, most_probable, Tree};
 use plugin_api::mlx_rs::error::Exception;
 use plugin_api::mlx_rs::{Array, Dtype};
 use plugin_api::nn::kernels::{rounded, with_floats};
@@ -15,6 +16,10 @@ use plugin_api::nn::{Embedding, Linear, Mlp, Rope, Weights};
 use plugin_api::PluginError;
 
 use crate::config::DeepspecConfig;
+
+/// Candidates per node of a tree: past the third, a position's tokens rarely carry mass a path
+/// would need.
+const TREE_BRANCHES: usize = 3;
 
 pub struct Attention {
     pub q_proj: Linear,
@@ -183,8 +188,6 @@ impl Deepspec {
         temperature: f32,
     ) -> Result<Block, Exception> {
         let c = &self.config;
-        let eps = c.rms_norm_eps;
-        let gamma = c.block_size as i32;
         let limit = limit.min(c.block_size);
         let mut block = Block {
             tokens: Vec::new(),
@@ -195,39 +198,11 @@ impl Deepspec {
         if limit == 0 {
             return Ok(block);
         }
-        let start = context.len() as i32;
-        let mut ids = vec![anchor as i32];
-        ids.extend(std::iter::repeat_n(c.mask_token_id as i32, c.block_size - 1));
-        let embedded = self.embed_tokens.embed(&Array::from_slice(&ids, &[1, gamma]))?;
-        let mut h = scale(&embedded, &scalar((c.hidden_size as f32).sqrt(), embedded.dtype())?)?;
-        for (i, layer) in self.layers.iter().enumerate() {
-            let a = &layer.self_attn;
-            let x = rms_norm(&h, Some(&layer.input_layernorm), eps)?;
-            let q = self.heads(&a.q_proj.forward(&x)?, c.num_attention_heads)?;
-            let q = self.rope.apply(&swap_axes_1_2(&rms_norm(&q, Some(&a.q_norm), eps)?)?, start)?;
-            let (kb, vb) = self.key_values(layer, &x, start)?;
-            let (keys, values) = context.with_block(i, kb, vb)?;
-            let out = attention(&q, &keys, &values, 1.0, &Mask::All)?;
-            let out = reshape(&swap_axes_1_2(&out)?, &[1, gamma, c.num_attention_heads * c.head_dim])?;
-            h = add(&h, &rms_norm(&a.o_proj.forward(&out)?, Some(&layer.post_attention_layernorm), eps)?)?;
-            let f = rms_norm(&h, Some(&layer.pre_feedforward_layernorm), eps)?;
-            let f = layer.mlp.geglu(&f)?;
-            h = add(&h, &rms_norm(&f, Some(&layer.post_feedforward_layernorm), eps)?)?;
-            if let Some(s) = &layer.layer_scalar {
-                h = scale(&h, s)?;
-            }
-        }
-        let h = rows(&reshape(&rms_norm(&h, Some(&self.norm), eps)?, &[gamma, c.hidden_size])?, 0..limit)?;
-        let mut base = self.lm_head.forward(&h)?;
-        if let Some(cap) = c.final_logit_softcapping {
-            base = softcap(&base, cap)?;
-        }
-
+        let (h, base) = self.base(context, anchor, limit)?;
         let mut corrected = Vec::with_capacity(limit);
         let mut previous = anchor;
         for k in 0..limit {
-            let prev = self.markov_head.markov_w1.embed(&Array::from_slice(&[previous as i32], &[1]))?; // [1, r]
-            let logits = add(&rows(&base, k..k + 1)?, &self.markov_head.markov_w2.forward(&prev)?)?;
+            let (logits, prev) = self.corrected(&base, k, previous)?;
             if let (Some(head), Some(bias)) = (&self.confidence_head, &self.confidence_bias) {
                 let features = with_floats(&rows(&h, k..k + 1)?, |x| with_floats(&prev, |p| [x, p].concat()))??;
                 let features = rounded(&features, &[1, features.len() as i32], h.dtype());
@@ -257,6 +232,70 @@ impl Deepspec {
             block.logits = concat(&corrected.iter().collect::<Vec<_>>(), 0)?;
         }
         Ok(block)
+    }
+
+    /// The block's pass after `anchor`: the final hidden states of its first `limit` positions
+    /// [limit, H] and their logits before the Markov correction [limit, V].
+    fn base(&self, context: &mut Context, anchor: u32, limit: usize) -> Result<(Array, Array), Exception> {
+        let c = &self.config;
+        let eps = c.rms_norm_eps;
+        let gamma = c.block_size as i32;
+        let start = context.len() as i32;
+        let mut ids = vec![anchor as i32];
+        ids.extend(std::iter::repeat_n(c.mask_token_id as i32, c.block_size - 1));
+        let embedded = self.embed_tokens.embed(&Array::from_slice(&ids, &[1, gamma]))?;
+        let mut h = scale(&embedded, &scalar((c.hidden_size as f32).sqrt(), embedded.dtype())?)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let a = &layer.self_attn;
+            let x = rms_norm(&h, Some(&layer.input_layernorm), eps)?;
+            let q = self.heads(&a.q_proj.forward(&x)?, c.num_attention_heads)?;
+            let q = self.rope.apply(&swap_axes_1_2(&rms_norm(&q, Some(&a.q_norm), eps)?)?, start)?;
+            let (kb, vb) = self.key_values(layer, &x, start)?;
+            let (keys, values) = context.with_block(i, kb, vb)?;
+            let out = attention(&q, &keys, &values, 1.0, &Mask::All)?;
+            let out = reshape(&swap_axes_1_2(&out)?, &[1, gamma, c.num_attention_heads * c.head_dim])?;
+            h = add(&h, &rms_norm(&a.o_proj.forward(&out)?, Some(&layer.post_attention_layernorm), eps)?)?;
+            let f = rms_norm(&h, Some(&layer.pre_feedforward_layernorm), eps)?;
+            let f = layer.mlp.geglu(&f)?;
+            h = add(&h, &rms_norm(&f, Some(&layer.post_feedforward_layernorm), eps)?)?;
+            if let Some(s) = &layer.layer_scalar {
+                h = scale(&h, s)?;
+            }
+        }
+        let h = rows(&reshape(&rms_norm(&h, Some(&self.norm), eps)?, &[gamma, c.hidden_size])?, 0..limit)?;
+        let mut base = self.lm_head.forward(&h)?;
+        if let Some(cap) = c.final_logit_softcapping {
+            base = softcap(&base, cap)?;
+        }
+        Ok((h, base))
+    }
+
+    /// The block's position `k` logits after a token `previous`, with the Markov correction
+    /// [1, V], and the correction's input [1, r].
+    fn corrected(&self, base: &Array, k: usize, previous: u32) -> Result<(Array, Array), Exception> {
+        let prev = self.markov_head.markov_w1.embed(&Array::from_slice(&[previous as i32], &[1]))?; // [1, r]
+        let logits = add(&rows(base, k..k + 1)?, &self.markov_head.markov_w2.forward(&prev)?)?;
+        Ok((logits, prev))
+    }
+
+    /// A tree of at most `nodes` drafts, no path deeper than `depth`, after `anchor`: under each
+    /// node, the [`TREE_BRANCHES`] likeliest tokens of its position's logits corrected by the
+    /// Markov head on the node's own token; the likeliest paths first
+    /// ([`likeliest_paths_with`]). Each node's likeliest child is [`Self::block`]'s greedy
+    /// choice there; the confidence cut does not apply (the node budget bounds the tree).
+    pub fn tree(&self, context: &mut Context, anchor: u32, depth: usize, nodes: usize) -> Result<Tree, Exception> {
+        let depth = depth.min(self.config.block_size);
+        if depth == 0 || nodes == 0 {
+            return Ok(Tree::default());
+        }
+        let (_, base) = self.base(context, anchor, depth)?;
+        likeliest_paths_with(depth, nodes, |k, parent| {
+            let (logits, _) = self.corrected(&base, k, parent.unwrap_or(anchor))?;
+            let mut p = with_floats(&logits, <[f32]>::to_vec)?;
+            let vocab = p.len();
+            tempered_softmax_rows(&mut p, vocab, 1.0);
+            Ok(most_probable(&p, TREE_BRANCHES))
+        })
     }
 }
 

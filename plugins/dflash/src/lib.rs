@@ -10,7 +10,7 @@ mod model;
 use std::path::Path;
 use std::rc::Rc;
 
-use plugin_api::draft_tree::likeliest_paths;
+use plugin_api::draft_tree::{likeliest_paths, most_probable};
 use plugin_api::mlx_rs::Array;
 use plugin_api::nn::kernels::with_floats;
 use plugin_api::nn::ops::tempered_softmax_rows;
@@ -362,7 +362,7 @@ impl ContextDrafter for Shared {
         let mut probabilities = with_floats(&logits, <[f32]>::to_vec)?;
         tempered_softmax_rows(&mut probabilities, vocab, 1.0);
         let trees = probabilities.chunks(depth * vocab).map(|row| {
-            let positions: Vec<Vec<(u32, f32)>> = row.chunks(vocab).map(most_probable).collect();
+            let positions: Vec<Vec<(u32, f32)>> = row.chunks(vocab).map(|p| most_probable(p, BRANCHES)).collect();
             TreeProposal { tree: likeliest_paths(&positions, nodes), probabilities: None }
         });
         Ok(Some(trees.collect()))
@@ -372,20 +372,6 @@ impl ContextDrafter for Shared {
 /// Candidates per block position for trees: past the third, a position's tokens rarely carry
 /// mass a path would need.
 const BRANCHES: usize = 3;
-
-/// The [`BRANCHES`] most probable tokens of a distribution with their probabilities, most
-/// probable first (ties to the lower token, as the greedy draft's argmax takes them).
-fn most_probable(p: &[f32]) -> Vec<(u32, f32)> {
-    let mut best: Vec<(u32, f32)> = Vec::with_capacity(BRANCHES + 1);
-    for (t, &x) in p.iter().enumerate() {
-        if best.len() < BRANCHES || x > best[BRANCHES - 1].1 {
-            let at = best.iter().position(|&(_, y)| x > y).unwrap_or(best.len());
-            best.insert(at, (t as u32, x));
-            best.truncate(BRANCHES);
-        }
-    }
-    best
-}
 
 /// The uniform for the draft of output step `step`.
 fn uniform(step: u64) -> f64 {
