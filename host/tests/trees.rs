@@ -201,6 +201,11 @@ fn dflash() -> HostDrafter {
     HostDrafter::load(&plugin, Some(&models().join("kjv-gemma4-dflash")), "").unwrap()
 }
 
+fn assistant() -> HostDrafter {
+    let plugin = load_library(&common::workspace_plugin("assistant"), None).unwrap();
+    HostDrafter::load(&plugin, Some(&models().join("kjv-gemma4-assistant")), "").unwrap()
+}
+
 fn deepspec() -> HostDrafter {
     let plugin = load_library(&common::workspace_plugin("deepspec"), None).unwrap();
     HostDrafter::load(&plugin, Some(&models().join("kjv-gemma4-deepspec")), "").unwrap()
@@ -244,6 +249,9 @@ fn trees_on_the_demo_target_equal_plain_greedy_past_its_window() {
     assert!(g.stats.accepted > 0 && g.stats.drafter_error.is_none(), "{:?}", g.stats);
     let g = spec(&m, &deepspec(), &r, trees(4, 12));
     assert_eq!(g.tokens, expected, "DeepSpec's trees");
+    assert!(g.stats.accepted > 0 && g.stats.drafter_error.is_none(), "{:?}", g.stats);
+    let g = spec(&m, &assistant(), &r, trees(4, 12));
+    assert_eq!(g.tokens, expected, "the assistant's trees");
     assert!(g.stats.accepted > 0 && g.stats.drafter_error.is_none(), "{:?}", g.stats);
     // Under "auto", each round's depth and tree size as pay.
     let auto = SpecConfig { auto: true, ..trees(8, 16) };

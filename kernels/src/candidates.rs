@@ -46,16 +46,25 @@ impl Row for f32 {
 /// no score is above -inf. Each score is the sum, in order, of eight lanes, lane i summing
 /// `r[j]·x[j]` for j ≡ i (mod 8) in order (a multiply, then an add), then the rest in order.
 pub fn best_token<T: Row>(table: &[T], x: &[f32], candidates: &[i32], to_bf16: bool) -> Option<i32> {
+    best_tokens(table, x, candidates, to_bf16, 1).first().copied()
+}
+
+/// The `n` candidates of the largest scores of [`best_token`], best first, equal scores by
+/// lower id; fewer where fewer score above -inf.
+pub fn best_tokens<T: Row>(table: &[T], x: &[f32], candidates: &[i32], to_bf16: bool, n: usize) -> Vec<i32> {
     let d = x.len();
-    let mut best = (f32::NEG_INFINITY, i32::MAX);
+    let mut best: Vec<(f32, i32)> = Vec::with_capacity(n + 1);
     let mut offer = |t: i32, lanes: [f32; 8]| {
         let row = &table[t as usize * d..(t as usize + 1) * d];
         let whole = d / 8 * 8;
         let rest: f32 = row[whole..].iter().zip(&x[whole..]).map(|(&r, &x)| r.widen() * x).sum();
         let score = lanes.iter().sum::<f32>() + rest;
         let score = if to_bf16 { rounded_to_bf16(score) } else { score };
-        if score > best.0 || (score == best.0 && t < best.1) {
-            best = (score, t);
+        let better = |&(s, u): &(f32, i32)| score > s || (score == s && t < u);
+        if score > f32::NEG_INFINITY && (best.len() < n || best.last().is_some_and(better)) {
+            let at = best.iter().position(better).unwrap_or(best.len());
+            best.insert(at, (score, t));
+            best.truncate(n);
         }
     };
     #[cfg(target_arch = "x86_64")]
@@ -67,7 +76,7 @@ pub fn best_token<T: Row>(table: &[T], x: &[f32], candidates: &[i32], to_bf16: b
                 offer(t, lanes);
             }
         }
-        return (best.1 != i32::MAX).then_some(best.1);
+        return best.into_iter().map(|(_, t)| t).collect();
     }
     for &t in candidates {
         let row = &table[t as usize * d..(t as usize + 1) * d];
@@ -79,7 +88,7 @@ pub fn best_token<T: Row>(table: &[T], x: &[f32], candidates: &[i32], to_bf16: b
         }
         offer(t, lanes);
     }
-    (best.1 != i32::MAX).then_some(best.1)
+    best.into_iter().map(|(_, t)| t).collect()
 }
 
 /// Candidates summed side by side: one candidate's lanes form a chain of dependent adds, whose
@@ -127,4 +136,50 @@ unsafe fn lanes_avx2<T: Row>(table: &[T], x: &[f32], candidates: &[i32], group: 
 fn rounded_to_bf16(x: f32) -> f32 {
     let bits = x.to_bits();
     f32::from_bits(bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) & 0xffff_0000)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The n best are the first n of the candidates by score (as `best_token` scores them), then
+    /// by lower id, and the first is `best_token`'s; values in quarters make ties.
+    #[test]
+    fn the_n_best_are_the_head_of_the_sorted_scores() {
+        let (d, rows) = (20, 64);
+        let mut state = 9u32;
+        let mut next = || {
+            state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            (((state >> 8) as f32 / (1u32 << 24) as f32 - 0.5) * 4.0).round() / 4.0
+        };
+        let table: Vec<f32> = (0..rows * d).map(|_| next()).collect();
+        let x: Vec<f32> = (0..d).map(|_| next()).collect();
+        let candidates: Vec<i32> = (0..rows as i32).rev().step_by(2).chain([3, 5, 7]).collect();
+        for to_bf16 in [false, true] {
+            // Each score as the doc says it is summed, then every candidate sorted.
+            let score = |t: i32| {
+                let row = &table[t as usize * d..(t as usize + 1) * d];
+                let mut lanes = [0f32; 8];
+                for (r, x) in row.chunks_exact(8).zip(x.chunks_exact(8)) {
+                    for i in 0..8 {
+                        lanes[i] += r[i] * x[i];
+                    }
+                }
+                let whole = d / 8 * 8;
+                let rest: f32 = row[whole..].iter().zip(&x[whole..]).map(|(r, x)| r * x).sum();
+                let s = lanes.iter().sum::<f32>() + rest;
+                if to_bf16 {
+                    rounded_to_bf16(s)
+                } else {
+                    s
+                }
+            };
+            let mut sorted = candidates.clone();
+            sorted.sort_by(|&a, &b| score(b).total_cmp(&score(a)).then(a.cmp(&b)));
+            let n = 6;
+            assert!(sorted.windows(2).take(n).any(|w| score(w[0]) == score(w[1])), "no ties to break");
+            assert_eq!(best_tokens(&table, &x, &candidates, to_bf16, n), sorted[..n]);
+            assert_eq!(best_token(&table, &x, &candidates, to_bf16), Some(sorted[0]));
+        }
+    }
 }

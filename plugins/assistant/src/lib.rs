@@ -10,8 +10,11 @@ mod model;
 use std::path::Path;
 use std::rc::Rc;
 
+use plugin_api::draft_tree::Tree;
 use plugin_api::mlx_rs::Array;
-use plugin_api::sdk::{taps, DraftProvider, DraftSource, Drafter, Options, Proposal, Snapshot, SourceRows, Target};
+use plugin_api::sdk::{
+    taps, DraftProvider, DraftSource, Drafter, Options, Proposal, Snapshot, SourceRows, Target, TreeProposal,
+};
 use plugin_api::target::LayerKind;
 use plugin_api::{Capabilities, Descriptor, PluginError, Ports, ProviderInfo};
 
@@ -133,19 +136,20 @@ impl Shared {
         pending: &[u32],
         depth: usize,
     ) -> Result<Vec<Vec<u32>>, PluginError> {
-        let drafted = self.draft_chain(rows, hiddens, pending, depth)?;
+        let (drafted, _) = self.draft_chain(rows, hiddens, pending, depth)?;
         plugin_api::nn::sync::eval([&drafted])?;
         Ok(drafted.as_slice::<i32>().chunks(depth).map(|row| row.iter().map(|&t| t as u32).collect()).collect())
     }
 
-    /// [`Self::draft_rows`]' tokens [rows, depth] (int32), not yet computed.
+    /// [`Self::draft_rows`]' tokens [rows, depth] (int32), not yet computed, and the first
+    /// step's [`model::Step::normed`] (`None` for a depth of 0).
     fn draft_chain(
         &self,
         rows: &[usize],
         hiddens: &[Array],
         pending: &[u32],
         depth: usize,
-    ) -> Result<Array, PluginError> {
+    ) -> Result<(Array, Option<Array>), PluginError> {
         let donors = self.target.read_donors()?;
         // Every row of the batch, in order (one request alone, say): the donors as they are.
         let all_rows =
@@ -170,6 +174,7 @@ impl Shared {
         let heads: Vec<i32> = pending.iter().map(|&t| t as i32).collect();
         let mut ids = Array::from_slice(&heads, &[rows.len() as i32, 1]);
         let mut steps = Vec::with_capacity(depth);
+        let mut first = None;
         // Every step of a round queries at the pending token's position: one past the target's
         // last cached position.
         let positions: Vec<i32> = rows.iter().map(|&r| donors.positions[r] + 1).collect();
@@ -181,10 +186,44 @@ impl Shared {
             ids = step.tokens.as_dtype(plugin_api::mlx_rs::Dtype::Int32)?.reshape(&[rows.len() as i32, 1])?;
             steps.push(ids.clone());
             hidden = step.next_hidden;
+            first.get_or_insert(step.normed);
         }
-        Ok(plugin_api::nn::layout::concat(&steps.iter().collect::<Vec<_>>(), 1)?)
+        Ok((plugin_api::nn::layout::concat(&steps.iter().collect::<Vec<_>>(), 1)?, first))
+    }
+
+    /// Trees for rows `rows`: the greedy chain, and beside its first token the next
+    /// [`BRANCHES`] − 1 tokens the head ranks highest there, as leaves (a sibling's own
+    /// continuation would take another pass per step). `None` where the head's ranking is not
+    /// read on the host ([`Assistant::top_tokens`]).
+    fn draft_trees(
+        &self,
+        rows: &[usize],
+        hiddens: &[Array],
+        pending: &[u32],
+        depth: usize,
+        nodes: usize,
+    ) -> Result<Option<Vec<Tree>>, PluginError> {
+        let chain_length = depth.min(nodes);
+        let (drafted, first) = self.draft_chain(rows, hiddens, pending, chain_length)?;
+        let Some(first) = first else { return Ok(None) };
+        let Some(ranked) = self.model.top_tokens(&first, BRANCHES)? else { return Ok(None) };
+        plugin_api::nn::sync::eval([&drafted])?;
+        let chains = drafted.as_slice::<i32>().chunks(chain_length);
+        let trees = chains.zip(ranked).map(|(chain, ranked)| {
+            let chain: Vec<u32> = chain.iter().map(|&t| t as u32).collect();
+            let mut tree = Tree::chain(&chain);
+            for sibling in ranked.into_iter().filter(|&t| t != chain[0]).take(nodes - chain_length) {
+                tree.push(None, sibling);
+            }
+            tree
+        });
+        Ok(Some(trees.collect()))
     }
 }
+
+/// Candidates at a tree's first depth: past the third, the head's ranking rarely holds the
+/// target's token.
+const BRANCHES: usize = 3;
 
 impl DraftSource for AssistantRow {
     type Shared = Shared;
@@ -239,10 +278,34 @@ impl DraftSource for AssistantRow {
         match hiddens {
             Some(hiddens) if depth > 0 => {
                 let all: Vec<usize> = (0..rows.len()).collect();
-                Ok(Some(s.draft_chain(&all, &hiddens, pending, depth)?))
+                Ok(Some(s.draft_chain(&all, &hiddens, pending, depth)?.0))
             }
             _ => Ok(None),
         }
+    }
+
+    /// The rows with a hidden branch at their first draft ([`Shared::draft_trees`]); the others
+    /// propose nothing.
+    fn draft_tree_rows(
+        s: &Shared,
+        rows: &mut [AssistantRow],
+        pending: &[u32],
+        depth: usize,
+        nodes: usize,
+        _steps: &[u64],
+    ) -> Result<Vec<Option<TreeProposal>>, PluginError> {
+        let mut proposals: Vec<Option<TreeProposal>> = rows.iter().map(|_| None).collect();
+        let ready: Vec<usize> = (0..rows.len()).filter(|&r| rows[r].hidden.is_some()).collect();
+        if depth == 0 || nodes == 0 || ready.is_empty() {
+            return Ok(proposals);
+        }
+        let hiddens: Vec<Array> = ready.iter().map(|&r| rows[r].hidden.clone().expect("ready")).collect();
+        let heads: Vec<u32> = ready.iter().map(|&r| pending[r]).collect();
+        let Some(trees) = s.draft_trees(&ready, &hiddens, &heads, depth, nodes)? else { return Ok(proposals) };
+        for (&r, tree) in ready.iter().zip(trees) {
+            proposals[r] = Some(TreeProposal { tree, probabilities: None });
+        }
+        Ok(proposals)
     }
 
     fn commit(&mut self, _: &Shared, kept: &[u32], context: Option<&Array>) -> Result<(), PluginError> {
@@ -293,6 +356,7 @@ mod conformance {
         let report = check::<super::AssistantDrafter>(&Config::demo_target(trained));
         report.assert_passed();
         assert!(report.drafted > 0, "nothing drafted");
+        assert!(report.tree_nodes > 0, "no trees drafted");
     }
 
     #[test]
@@ -301,6 +365,7 @@ mod conformance {
             let report = check::<super::AssistantDrafter>(&config(name));
             report.assert_passed();
             assert!(report.drafted > 0, "{name}: nothing drafted");
+            assert!(report.tree_nodes > 0, "{name}: no trees drafted");
         }
     }
 

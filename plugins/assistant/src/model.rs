@@ -4,9 +4,10 @@
 
 use std::path::Path;
 
+use plugin_api::draft_tree::most_probable;
 use plugin_api::mlx_rs::error::Exception;
 use plugin_api::mlx_rs::{Array, Dtype};
-use plugin_api::nn::kernels::candidates::best_token;
+use plugin_api::nn::kernels::candidates::best_tokens;
 use plugin_api::nn::kernels::{bits16, route, row_major, with_floats};
 use plugin_api::nn::layout::{add, concat, reshape, scale, swap_axes_1_2};
 use plugin_api::nn::ops::{attention_over_slots, rms_norm, Mask};
@@ -62,6 +63,8 @@ pub struct Step {
     pub tokens: Array,
     /// [B, 1, backbone hidden]: the hidden fed to the next step.
     pub next_hidden: Array,
+    /// [B, 1, D]: the final normed hidden the head read ([`Assistant::top_tokens`]).
+    pub normed: Array,
 }
 
 impl Assistant {
@@ -172,7 +175,30 @@ impl Assistant {
             }
         }
         let h = rms_norm(&h, Some(&self.norm), eps)?;
-        Ok(Step { tokens: self.head(&h)?, next_hidden: self.post_projection.forward(&h)? })
+        Ok(Step { tokens: self.head(&h)?, next_hidden: self.post_projection.forward(&h)?, normed: h })
+    }
+
+    /// The `n` tokens the head ranks highest for each row of h [B, 1, D] (a step's
+    /// [`Step::normed`]), best first, ties to the lower id: the first is [`Self::head`]'s token.
+    /// Read on the host where MLX runs on the CPU; `None` elsewhere.
+    pub fn top_tokens(&self, h: &Array, n: usize) -> Result<Option<Vec<Vec<u32>>>, Exception> {
+        if !route::on_cpu() {
+            return Ok(None);
+        }
+        let b = h.shape()[0];
+        match &self.masked_embedding {
+            None => {
+                let logits = row_major(&self.embed_tokens.as_linear(h)?.reshape(&[b, -1])?)?;
+                let ranked = with_floats(&logits, |l| {
+                    let vocab = l.len() / b as usize;
+                    l.chunks(vocab).map(|row| most_probable(row, n).into_iter().map(|(t, _)| t).collect()).collect()
+                })?;
+                Ok(Some(ranked))
+            }
+            Some(m) => Ok(self
+                .centroid_head_on_host(m, h, n)?
+                .map(|rows| rows.into_iter().map(|row| row.into_iter().map(|t| t as u32).collect()).collect())),
+        }
     }
 
     /// The greedy token of h [B, 1, D]; ties go to the lowest id.
@@ -184,8 +210,9 @@ impl Assistant {
                 plugin_api::nn::ops::argmax_tokens(&logits)
             }
             Some(m) => {
-                if let Some(tokens) = self.centroid_head_on_host(m, h)? {
-                    return Ok(tokens);
+                if let Some(rows) = self.centroid_head_on_host(m, h, 1)? {
+                    let tokens: Vec<i32> = rows.iter().map(|best| best[0]).collect();
+                    return Ok(Array::from_slice(&tokens, &[tokens.len() as i32]));
                 }
                 let c = &self.config;
                 let per_centroid = c.vocab_size / c.num_centroids;
@@ -213,8 +240,13 @@ impl Assistant {
     /// dot product per candidate token, each a few hundred multiply-adds. The same steps as MLX
     /// ops cost a dispatch each, together more than the tied head's whole product, which the
     /// centroids are there to save; this path reads k·V/C rows of the table where the tied head
-    /// reads all V. `None` where it does not apply.
-    fn centroid_head_on_host(&self, m: &MaskedEmbedding, h: &Array) -> Result<Option<Array>, Exception> {
+    /// reads all V. Each row's `n` best tokens, best first; `None` where it does not apply.
+    fn centroid_head_on_host(
+        &self,
+        m: &MaskedEmbedding,
+        h: &Array,
+        n: usize,
+    ) -> Result<Option<Vec<Vec<i32>>>, Exception> {
         if !route::on_cpu() || self.embed_tokens.scales.is_some() {
             return Ok(None);
         }
@@ -241,20 +273,20 @@ impl Assistant {
                 .copied()
                 .collect();
             let best = match (table.dtype(), bits16(table)) {
-                (Dtype::Bfloat16, Some(bits)) => best_token(bits, x, &candidates, to_bf16),
+                (Dtype::Bfloat16, Some(bits)) => best_tokens(bits, x, &candidates, to_bf16, n),
                 (Dtype::Float32, _) => match table.try_as_slice::<f32>() {
-                    Ok(floats) => best_token(floats, x, &candidates, to_bf16),
+                    Ok(floats) => best_tokens(floats, x, &candidates, to_bf16, n),
                     Err(_) => return Ok(None),
                 },
                 _ => return Ok(None),
             };
-            match best {
-                Some(t) => tokens.push(t),
-                // No finite score (broken weights): the MLX path reports it as it does.
-                None => return Ok(None),
+            // No finite score (broken weights): the MLX path reports it as it does.
+            if best.is_empty() {
+                return Ok(None);
             }
+            tokens.push(best);
         }
-        Ok(Some(Array::from_slice(&tokens, &[tokens.len() as i32])))
+        Ok(Some(tokens))
     }
 }
 
@@ -310,6 +342,27 @@ fn donor_mask(slot_positions: &Array, positions: &[i32], window: Option<usize>) 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The head's ranking starts with its greedy token, with either head.
+    #[test]
+    fn the_top_token_is_the_heads_greedy_token() {
+        let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/assistant");
+        for name in ["centroids", "tied"] {
+            let model = Assistant::load(&fixtures.join(name).join("assistant")).unwrap();
+            let d = model.config.hidden_size;
+            let key = plugin_api::mlx_rs::random::key(3).unwrap();
+            let h = plugin_api::mlx_rs::random::normal::<f32>(&[4, 1, d], None, None, &key).unwrap();
+            let h = h.as_dtype(model.embed_tokens.weight().dtype()).unwrap();
+            let greedy = model.head(&h).unwrap().as_dtype(Dtype::Int32).unwrap();
+            let ranked = model.top_tokens(&h, 3).unwrap().expect("read on the host");
+            assert_eq!(ranked.len(), 4);
+            for (row, (ranked, &greedy)) in ranked.iter().zip(greedy.as_slice::<i32>()).enumerate() {
+                assert_eq!(ranked.len(), 3, "{name}, row {row}");
+                assert_eq!(ranked[0], greedy as u32, "{name}, row {row}: {ranked:?}");
+                assert!(ranked[1] != ranked[0] && ranked[2] != ranked[1], "{name}, row {row}: {ranked:?}");
+            }
+        }
+    }
 
     #[test]
     fn the_donor_mask_ends_at_the_last_slot_any_row_reads() {
