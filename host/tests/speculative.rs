@@ -583,7 +583,7 @@ fn rows_joining_and_leaving_mid_flight_equal_single_runs() {
             ..Default::default()
         })
         .collect();
-    join_and_leave_mid_flight(&model("ple-kvshare"), &requests);
+    common::join_and_leave_mid_flight(&model("ple-kvshare"), &requests, &ngram(), SpecConfig::new(3, Verify::Match));
 }
 
 /// The same on the bfloat16 demo target, where every row's logits must also not depend on the
@@ -604,60 +604,7 @@ fn rows_joining_and_leaving_mid_flight_on_the_bfloat16_demo_target_equal_single_
             ..Default::default()
         })
         .collect();
-    join_and_leave_mid_flight(&m, &requests);
-}
-
-fn join_and_leave_mid_flight(m: &Rc<Gemma4>, requests: &[Request]) {
-    use host::generate::{Event, Flow};
-    use host::speculative::LiveBatch;
-    let drafter = ngram();
-    for with_drafter in [true, false] {
-        let config = SpecConfig::new(3, Verify::Match);
-        let mut batch = LiveBatch::new(m, with_drafter.then_some(&drafter), config).unwrap();
-        let mut done: Vec<Option<Generation>> = vec![None; requests.len()];
-        let mut streamed: Vec<Vec<u32>> = vec![Vec::new(); requests.len()];
-        const CANCELLED: usize = 3;
-        let mut round = 0;
-        while done.iter().any(Option::is_none) {
-            // Request i joins at round 4i; request 3 is cancelled after its 5th token.
-            for (i, request) in requests.iter().enumerate() {
-                if round == 4 * i {
-                    batch.join(i, request.clone(), |_| Flow::Continue).unwrap();
-                }
-            }
-            for (i, g) in batch
-                .round(|i, event| {
-                    let Event::Token(t) = event else { return Flow::Continue };
-                    streamed[i].push(t);
-                    if i == CANCELLED && streamed[i].len() == 5 {
-                        Flow::Stop
-                    } else {
-                        Flow::Continue
-                    }
-                })
-                .unwrap()
-            {
-                assert!(done[i].replace(g).is_none(), "row {i} finished twice");
-            }
-            round += 1;
-            assert!(round < 500, "the batch does not finish");
-        }
-        for (i, (request, g)) in requests.iter().zip(&done).enumerate() {
-            let g = g.as_ref().unwrap();
-            let alone = plain(m, request);
-            assert_eq!(g.tokens, streamed[i], "row {i}: the stream is the output");
-            if i == CANCELLED {
-                assert_eq!(g.stop, host::generate::StopReason::Interrupted);
-                assert_eq!(g.tokens, alone[..5], "row {i} (cancelled), drafter {with_drafter}");
-            } else {
-                assert_eq!(g.tokens, alone, "row {i}, drafter {with_drafter}");
-            }
-            assert!(g.stats.drafter_error.is_none());
-        }
-        let drafted: usize = done.iter().map(|g| g.as_ref().unwrap().stats.drafted).sum();
-        assert_eq!(drafted > 0, with_drafter, "{drafted} drafted");
-        assert!(batch.is_empty());
-    }
+    common::join_and_leave_mid_flight(&m, &requests, &ngram(), SpecConfig::new(3, Verify::Match));
 }
 
 /// `draft_tokens = "auto"`: every round chooses its depth from the rows' acceptance and the

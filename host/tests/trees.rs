@@ -281,6 +281,25 @@ fn a_batch_of_trees_equals_its_rows_alone() {
     }
 }
 
+/// Rows join a running batch of trees between rounds and leave when they finish or are
+/// cancelled, greedy and sampled, some with penalties; each equals its plain decoding.
+#[test]
+fn trees_with_rows_joining_and_leaving_mid_flight_equal_single_runs() {
+    let (m, tokenizer) = demo_target();
+    let tokens = tokenizer.encode(&OPENINGS.concat()).unwrap();
+    let penalties = host::sampling::Penalties { frequency_penalty: 0.6, presence_penalty: 0.3, ..Default::default() };
+    let requests: Vec<Request> = (0..5)
+        .map(|i| Request {
+            prompt: tokens[..12 + 9 * i].to_vec(),
+            max_tokens: 40 + 11 * i,
+            sampling: if i % 2 == 0 { SamplingParams::default() } else { sampled(40 + i as u64) },
+            penalties: if i % 3 == 1 { penalties.clone() } else { Default::default() },
+            ..Default::default()
+        })
+        .collect();
+    common::join_and_leave_mid_flight(&m, &requests, &lookup(), trees(4, 10));
+}
+
 #[test]
 fn a_drafter_without_trees_drafts_chains_in_a_host_that_asks_for_trees() {
     let m = small_target();

@@ -152,3 +152,62 @@ pub fn group_after_taps(
     rows.prefill(prefix, Some(&context)).unwrap();
     rows
 }
+
+/// Continuous batching: `requests` join a running batch between rounds (request i at round 4i)
+/// and leave when they finish, request 3 cancelled after its 5th token; each row's output
+/// equals its plain decoding, with `drafter` under `config` and with no drafter.
+pub fn join_and_leave_mid_flight(
+    m: &std::rc::Rc<host::model::Gemma4>,
+    requests: &[host::generate::Request],
+    drafter: &host::plugin::LoadedDrafter,
+    config: host::speculative::SpecConfig,
+) {
+    use host::generate::{Event, Flow, Generation};
+    use host::speculative::LiveBatch;
+    for with_drafter in [true, false] {
+        let mut batch = LiveBatch::new(m, with_drafter.then_some(drafter), config).unwrap();
+        let mut done: Vec<Option<Generation>> = vec![None; requests.len()];
+        let mut streamed: Vec<Vec<u32>> = vec![Vec::new(); requests.len()];
+        const CANCELLED: usize = 3;
+        let mut round = 0;
+        while done.iter().any(Option::is_none) {
+            // Request i joins at round 4i; request 3 is cancelled after its 5th token.
+            for (i, request) in requests.iter().enumerate() {
+                if round == 4 * i {
+                    batch.join(i, request.clone(), |_| Flow::Continue).unwrap();
+                }
+            }
+            for (i, g) in batch
+                .round(|i, event| {
+                    let Event::Token(t) = event else { return Flow::Continue };
+                    streamed[i].push(t);
+                    if i == CANCELLED && streamed[i].len() == 5 {
+                        Flow::Stop
+                    } else {
+                        Flow::Continue
+                    }
+                })
+                .unwrap()
+            {
+                assert!(done[i].replace(g).is_none(), "row {i} finished twice");
+            }
+            round += 1;
+            assert!(round < 500, "the batch does not finish");
+        }
+        for (i, (request, g)) in requests.iter().zip(&done).enumerate() {
+            let g = g.as_ref().unwrap();
+            let alone = host::generate::generate(m, request, |_| {}).unwrap().tokens;
+            assert_eq!(g.tokens, streamed[i], "row {i}: the stream is the output");
+            if i == CANCELLED {
+                assert_eq!(g.stop, host::generate::StopReason::Interrupted);
+                assert_eq!(g.tokens, alone[..5], "row {i} (cancelled), drafter {with_drafter}");
+            } else {
+                assert_eq!(g.tokens, alone, "row {i}, drafter {with_drafter}");
+            }
+            assert!(g.stats.drafter_error.is_none());
+        }
+        let drafted: usize = done.iter().map(|g| g.as_ref().unwrap().stats.drafted).sum();
+        assert_eq!(drafted > 0, with_drafter, "{drafted} drafted");
+        assert!(batch.is_empty());
+    }
+}
