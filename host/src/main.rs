@@ -195,6 +195,11 @@ struct BenchArgs {
     /// Draws the sweep's speed-up against draft length, per drafter and mode, as a PNG.
     #[arg(long, value_name = "FILE.png", requires = "sweep")]
     plot: Option<PathBuf>,
+    /// Times each drafter at each draft length both as a chain and as a tree of as many drafts
+    /// (the same verify width), whatever its manifest's tree_nodes; the trees' rows are named
+    /// "<manifest> trees".
+    #[arg(long, requires = "sweep")]
+    equal_width_trees: bool,
     /// Time the CPU products of one to sixteen rows per weight format, the host's against
     /// MLX's, next to the machine's read bandwidth (needs no manifest).
     #[arg(long)]
@@ -786,6 +791,7 @@ fn bench(args: BenchArgs, quiet: bool) -> Result<()> {
             max_tokens: args.max_tokens,
             temperature: args.temperature,
             top_p: args.top_p,
+            equal_width_trees: args.equal_width_trees,
             plugins_dir: plugins_dir::resolve(args.dir.plugins_dir),
         };
         let report = host::bench::sweep::sweep(&options);

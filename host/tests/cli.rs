@@ -421,3 +421,46 @@ fn ambiguous_or_out_of_range_requests_are_refused_naming_the_option() {
     let out = host(&["run", "--manifest", deep.to_str().unwrap()]);
     assert!(stderr(&out).contains("drafter.draft_tokens: must be 1 to 64 or \"auto\", got 100000"), "{}", stderr(&out));
 }
+
+/// `bench --sweep --equal-width-trees`: each drafter at each length as a chain and as a tree of
+/// as many drafts, both giving plain decoding's tokens, the trees' rows named apart; the plot
+/// draws both.
+#[test]
+fn a_sweep_times_chains_and_trees_of_equal_width() {
+    let work = tempfile::tempdir().unwrap();
+    let prompts = work.path().join("prompts.jsonl");
+    fs::write(
+        &prompts,
+        "{\"prompt\": \"And God said, Let there be light\"}\n{\"prompt\": \"The LORD is my shepherd\"}\n",
+    )
+    .unwrap();
+    let manifest = concat!(env!("CARGO_MANIFEST_DIR"), "/../manifests/demo-lookup.toml");
+    let plot = work.path().join("sweep.png");
+    let args = [
+        "bench",
+        "--sweep",
+        manifest,
+        "--prompts-file",
+        prompts.to_str().unwrap(),
+        "--draft-tokens",
+        "3",
+        "--max-tokens",
+        "24",
+        "--equal-width-trees",
+        "--plot",
+        plot.to_str().unwrap(),
+        "--json",
+    ];
+    let out = host(&args);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = report["rows"].as_array().unwrap();
+    let shapes: Vec<(&str, u64)> =
+        rows.iter().map(|r| (r["drafter"].as_str().unwrap(), r["tree_nodes"].as_u64().unwrap())).collect();
+    assert_eq!(shapes, [("demo-lookup", 0), ("demo-lookup trees", 3)], "{report}");
+    for row in rows {
+        assert_eq!(row["identical"], 2, "{row}");
+        assert!(row["tau"].as_f64().unwrap() > 1.0, "{row}");
+    }
+    assert!(fs::metadata(&plot).unwrap().len() > 0);
+}

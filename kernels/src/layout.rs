@@ -325,6 +325,70 @@ pub fn take_slots(x: &Array, index: &[i32], len: usize) -> Result<Array, Excepti
     }))
 }
 
+/// One source of [`gather_slots`]: row `row` of an array [B, H, S, D], its slots `slots` in
+/// that order (-1: a place of zeros).
+pub struct SlotRun<'a> {
+    pub array: &'a Array,
+    pub row: usize,
+    pub slots: &'a [i32],
+}
+
+/// [1, H, Σ slots, D]: every run's slots end to end along the slot axis, per head, in one copy
+/// on the host (a tree's keys: a cache row's cached keys in position order, then its nodes').
+/// The runs' arrays share a dtype, H and D.
+pub fn gather_slots(runs: &[SlotRun]) -> Result<Array, Exception> {
+    let Some(first) = runs.first() else { return Err(Exception::custom("gather_slots: no runs")) };
+    let s = first.array.shape().to_vec();
+    let fits = |r: &SlotRun| {
+        let t = r.array.shape();
+        r.array.dtype() == first.array.dtype()
+            && t.len() == 4
+            && (t[1], t[3]) == (s[1], s[3])
+            && (r.row as i32) < t[0]
+            && r.slots.iter().all(|&slot| slot < t[2])
+    };
+    if !runs.iter().all(fits) {
+        return Err(Exception::custom("gather_slots: runs of other shapes or dtypes, or slots out of range"));
+    }
+    let len: usize = runs.iter().map(|r| r.slots.len()).sum();
+    let floats = matches!(first.array.dtype(), Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16);
+    if !(floats && crate::route::on_cpu()) {
+        // Each run's slots (-1 reading an appended zero slot), then one concatenation.
+        let parts = runs
+            .iter()
+            .map(|r| {
+                let row = r.array.take_axis(Array::from_slice(&[r.row as i32], &[1]), 0)?;
+                let total = r.array.shape()[2];
+                let index: Vec<i32> = r.slots.iter().map(|&slot| if slot < 0 { total } else { slot }).collect();
+                take_slots(&row, &index, index.len())
+            })
+            .collect::<Result<Vec<_>, Exception>>()?;
+        return mlx_rs::ops::concatenate(&parts, 2);
+    }
+    let arrays = runs.iter().map(|r| row_major(r.array)).collect::<Result<Vec<_>, _>>()?;
+    let (heads, d) = (s[1] as usize, s[3] as usize);
+    Ok(with_elements!(arrays[0], |head| {
+        // Typed after the first run's elements.
+        let mut out = head[..0].to_vec();
+        out.reserve(heads * len * d);
+        let zeros = vec![Default::default(); d];
+        for h in 0..heads {
+            for (run, array) in runs.iter().zip(&arrays) {
+                let data = &array.as_slice()[..];
+                let total = array.shape()[2] as usize;
+                let from = (run.row * heads + h) * total;
+                for &slot in run.slots {
+                    match usize::try_from(slot) {
+                        Ok(slot) => out.extend_from_slice(&data[(from + slot) * d..(from + slot + 1) * d]),
+                        Err(_) => out.extend_from_slice(&zeros),
+                    }
+                }
+            }
+        }
+        Array::from_slice(&out, &[1, s[1], len as i32, s[3]])
+    }))
+}
+
 /// Rows `ids` (integers, any shape) of a table [N, D], as [ids' shape…, D]: an embedding
 /// lookup, copied on the host when the rows are few. Ids outside the table are left to MLX.
 pub fn take_rows(table: &Array, ids: &Array) -> Result<Array, Exception> {
@@ -394,6 +458,31 @@ mod tests {
 
     fn identical(a: &Array, b: &Array) -> bool {
         a.shape() == b.shape() && a.dtype() == b.dtype() && a.ne(b).unwrap().sum(None).unwrap().item_cast::<u32>() == 0
+    }
+
+    /// A gather of runs equals MLX's own: each run's row and slots taken (zeros for -1), then
+    /// concatenated along the slots.
+    #[test]
+    fn gathered_slots_equal_mlxs_takes_and_concatenation() {
+        use mlx_rs::ops::indexing::TryIndexOp;
+        for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+            let cache = normal(&[3, 2, 10, 8], 1, dtype);
+            let nodes = normal(&[5, 2, 1, 8], 2, dtype);
+            let slots = [7, 8, -1, 2, 3];
+            let runs = [
+                SlotRun { array: &cache, row: 1, slots: &slots },
+                SlotRun { array: &nodes, row: 4, slots: &[0] },
+                SlotRun { array: &nodes, row: 2, slots: &[0] },
+            ];
+            let ours = gather_slots(&runs).unwrap();
+            let zeros = Array::zeros::<f32>(&[1, 2, 1, 8]).unwrap().as_dtype(dtype).unwrap();
+            let slot = |i: i32| cache.try_index((1..2, .., i..i + 1)).unwrap();
+            let mut parts: Vec<Array> = slots.iter().map(|&i| if i < 0 { zeros.clone() } else { slot(i) }).collect();
+            parts.push(nodes.try_index(4..5).unwrap());
+            parts.push(nodes.try_index(2..3).unwrap());
+            let mlx = mlx_rs::ops::concatenate(&parts, 2).unwrap();
+            assert!(identical(&ours, &mlx), "{dtype:?}");
+        }
     }
 
     #[test]

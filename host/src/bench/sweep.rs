@@ -37,6 +37,9 @@ pub struct SweepOptions {
     /// Adds sampled runs at this temperature (with `top_p`) to the greedy ones.
     pub temperature: Option<f32>,
     pub top_p: f32,
+    /// Each drafter at each length as a chain and as a tree of as many drafts, whatever its
+    /// manifest's `tree_nodes`: the same verify width two ways.
+    pub equal_width_trees: bool,
     pub plugins_dir: PluginsDir,
 }
 
@@ -59,7 +62,7 @@ pub enum SweepError {
 /// One drafter at one draft length in one sampling mode, over every prompt.
 #[derive(Debug, Serialize)]
 pub struct SweepRow {
-    /// The manifest's file stem (`demo-dflash`).
+    /// The manifest's file stem (`demo-dflash`), with " trees" for `--equal-width-trees`' trees.
     pub drafter: String,
     pub kind: String,
     /// The draft length; under `"auto"`, the most.
@@ -111,10 +114,35 @@ struct Drafter {
     tree_nodes: usize,
 }
 
+/// How a configuration's rows draft.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Shape {
+    /// As the manifest says: trees of its `tree_nodes`, or chains.
+    Manifest,
+    Chain,
+    /// Trees of as many drafts as the chain's draft length (under `"auto"`, its most): the
+    /// verify forward a chain of that length would have.
+    EqualWidthTree,
+}
+
 impl Drafter {
-    /// How it drafts at `draft_tokens`, with its manifest's trees.
-    fn config(&self, draft_tokens: DraftTokens, verify: Verify) -> SpecConfig {
-        SpecConfig { tree_nodes: self.tree_nodes, ..spec_config(draft_tokens, verify, &self.loaded.info) }
+    /// How it drafts at `draft_tokens`, shaped as `shape` says.
+    fn config(&self, draft_tokens: DraftTokens, verify: Verify, shape: Shape) -> SpecConfig {
+        let config = spec_config(draft_tokens, verify, &self.loaded.info);
+        let tree_nodes = match shape {
+            Shape::Manifest => self.tree_nodes,
+            Shape::Chain => 0,
+            Shape::EqualWidthTree => config.draft_tokens,
+        };
+        SpecConfig { tree_nodes, ..config }
+    }
+
+    /// Its name in the report: the manifest's, and "trees" for trees of the chain's width.
+    fn label(&self, shape: Shape) -> String {
+        match shape {
+            Shape::EqualWidthTree => format!("{} trees", self.name),
+            _ => self.name.clone(),
+        }
     }
 }
 
@@ -151,12 +179,16 @@ pub fn sweep(options: &SweepOptions) -> Result<SweepReport, SweepError> {
         _ if options.sampled_draft_tokens.is_empty() => &options.draft_tokens,
         _ => &options.sampled_draft_tokens,
     };
-    let configs: Vec<(usize, usize, DraftTokens)> = (0..modes.len())
+    let shapes: &[Shape] =
+        if options.equal_width_trees { &[Shape::Chain, Shape::EqualWidthTree] } else { &[Shape::Manifest] };
+    let configs: Vec<(usize, usize, DraftTokens, Shape)> = (0..modes.len())
         .flat_map(|m| {
             let drafters = &drafters;
-            (0..drafters.len()).flat_map(move |d| lengths(m).iter().map(move |&n| (m, d, n)))
+            (0..drafters.len()).flat_map(move |d| {
+                lengths(m).iter().flat_map(move |&n| shapes.iter().map(move |&shape| (m, d, n, shape)))
+            })
         })
-        .filter(|&(m, d, _)| m > 0 || drafters[d].verify == Verify::Match)
+        .filter(|&(m, d, _, _)| m > 0 || drafters[d].verify == Verify::Match)
         .collect();
     let mut tallies: Vec<Tally> = configs.iter().map(|_| Tally::default()).collect();
     let mut plain_rates = Vec::new();
@@ -178,7 +210,7 @@ pub fn sweep(options: &SweepOptions) -> Result<SweepReport, SweepError> {
                 // Warm-up, untimed: plain decoding and every drafter once.
                 timed_plain(&model, &request)?;
                 for d in drafters.iter().filter(|d| m > 0 || d.verify == Verify::Match) {
-                    let config = d.config(lengths(m)[0], d.verify);
+                    let config = d.config(lengths(m)[0], d.verify, shapes[shapes.len() - 1]);
                     generate_speculative(&model, &d.loaded, &request, config, |_| {})?;
                 }
             }
@@ -189,8 +221,8 @@ pub fn sweep(options: &SweepOptions) -> Result<SweepReport, SweepError> {
             }
             let mut spec_runs = Vec::new();
             for &c in &order {
-                let (_, d, n) = configs[c];
-                let config = drafters[d].config(n, drafters[d].verify);
+                let (_, d, n, shape) = configs[c];
+                let config = drafters[d].config(n, drafters[d].verify, shape);
                 let start = Instant::now();
                 let g = generate_speculative(&model, &drafters[d].loaded, &request, config, |_| {})?;
                 spec_runs.push((c, start.elapsed().as_secs_f64(), g));
@@ -208,13 +240,13 @@ pub fn sweep(options: &SweepOptions) -> Result<SweepReport, SweepError> {
     let rows = configs
         .iter()
         .zip(tallies)
-        .map(|(&(m, d, n), t)| {
+        .map(|(&(m, d, n, shape), t)| {
             let mode = match (m, drafters[d].verify) {
                 (0, _) => "greedy",
                 (_, Verify::Match) => "match",
                 (_, Verify::Rejection) => "rejection",
             };
-            t.row(&drafters[d], n, mode)
+            t.row(&drafters[d], n, mode, shape)
         })
         .collect();
     Ok(SweepReport {
@@ -256,11 +288,11 @@ impl Tally {
         self.first_difference.push(first_difference(&plain.tokens, &spec.tokens));
     }
 
-    fn row(self, drafter: &Drafter, draft_tokens: DraftTokens, mode: &str) -> SweepRow {
+    fn row(self, drafter: &Drafter, draft_tokens: DraftTokens, mode: &str, shape: Shape) -> SweepRow {
         let (median, min, max) = summary(&self.speedups);
-        let config = drafter.config(draft_tokens, Verify::Match);
+        let config = drafter.config(draft_tokens, Verify::Match, shape);
         SweepRow {
-            drafter: drafter.name.clone(),
+            drafter: drafter.label(shape),
             kind: drafter.loaded.kind().to_owned(),
             draft_tokens: config.draft_tokens,
             auto_draft_tokens: config.auto,

@@ -7,7 +7,7 @@ use kernels::dot::SUM_PERIOD;
 use mlx_rs::error::Exception;
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::Array;
-use plugin_api::nn::layout::{put_slots, slice, take_slots};
+use plugin_api::nn::layout::{put_slots, take_slots};
 use plugin_api::nn::ops::Mask;
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -116,34 +116,32 @@ impl LayerCache {
     }
 
     /// What the cache holds for each row, as the nodes of a tree of drafts read it
-    /// ([`Prefix`]); nothing is written. None before the first write.
-    pub fn prefix(&self) -> Result<Option<Prefix>, Exception> {
-        let (Some(keys), Some(values)) = (&self.keys, &self.values) else { return Ok(None) };
-        let (keys, values, positions) = match self.window {
-            // A full cache holds position p at slot p.
-            None => {
-                let positions = self.offsets.iter().map(|&o| (0..o as i32).collect()).collect();
-                (keys.clone(), values.clone(), positions)
-            }
-            Some(_) => in_position_order(keys.clone(), values.clone(), &self.slot_positions)?,
-        };
+    /// ([`Prefix`]); nothing is written or copied. None before the first write.
+    pub fn prefix(&self) -> Option<Prefix> {
+        let (Some(keys), Some(values)) = (&self.keys, &self.values) else { return None };
         let mut rows = Vec::with_capacity(self.rows());
-        for (r, (row, &offset)) in positions.into_iter().zip(&self.offsets).enumerate() {
-            // The slots from the first place (a multiple of the period) to the row's last
-            // position: the next key, at `offset`, follows them.
-            let base = row.iter().copied().find(|&p| p >= 0).map_or(offset as i32, |p| p - p % PERIOD);
-            let len = (offset as i32 - base).max(0) as usize;
-            let cut = |a: &Array| -> Result<Array, Exception> {
-                let s = a.shape();
-                slice(a, &[r..r + 1, 0..s[1] as usize, 0..len, 0..s[3] as usize])
+        for (r, &offset) in self.offsets.iter().enumerate() {
+            // A full cache holds position p at slot p; a ring, where `slot_positions` says.
+            let held: Vec<(usize, i32)> = match self.window {
+                None => (0..offset).map(|p| (p, p as i32)).collect(),
+                Some(_) => self.slot_positions[r].iter().copied().enumerate().filter(|&(_, p)| p >= 0).collect(),
             };
-            let (k, v) = if len == 0 { (None, None) } else { (Some(cut(&keys)?), Some(cut(&values)?)) };
-            let mut held = row;
-            held.truncate(len);
-            held.resize(len, -1);
-            rows.push(PrefixRow { keys: k, values: v, positions: held });
+            // The places from the first (a multiple of the period) to the row's last position:
+            // the next key, at `offset`, follows them.
+            let base = held.iter().map(|&(_, p)| p).min().map_or(offset as i32, |p| p - p % PERIOD);
+            let len = (offset as i32 - base).max(0) as usize;
+            let mut slots = vec![-1; len];
+            let mut positions = vec![-1; len];
+            for (slot, p) in held {
+                let j = (p - base) as usize;
+                if j < len {
+                    slots[j] = slot as i32;
+                    positions[j] = p;
+                }
+            }
+            rows.push(PrefixRow { slots, positions });
         }
-        Ok(Some(Prefix { window: self.window, rows }))
+        Some(Prefix { window: self.window, keys: keys.clone(), values: values.clone(), rows })
     }
 
     /// Forgets the last `n[r]` positions written to row r.
@@ -372,14 +370,16 @@ impl LayerCache {
 pub struct Prefix {
     /// The attention window for sliding layers.
     pub window: Option<usize>,
+    /// The cache's storage [B, Hkv, slots, D], as it holds them.
+    pub keys: Array,
+    pub values: Array,
     pub rows: Vec<PrefixRow>,
 }
 
 pub struct PrefixRow {
-    /// None where the row holds nothing.
-    pub keys: Option<Array>,
-    pub values: Option<Array>,
-    /// The position each slot holds (-1: none).
+    /// The storage slot of each place, in position order (-1: none, read as zeros).
+    pub slots: Vec<i32>,
+    /// The position each place holds (-1: none).
     pub positions: Vec<i32>,
 }
 

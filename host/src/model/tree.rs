@@ -11,7 +11,7 @@
 
 use mlx_rs::error::Exception;
 use mlx_rs::Array;
-use plugin_api::nn::layout;
+use plugin_api::nn::layout::{self, SlotRun};
 use plugin_api::nn::ops::{attention_rows, KeyPiece, Mask, RowKeys};
 
 use super::cache::LayerCache;
@@ -58,24 +58,24 @@ impl TreeKv {
         values: &Array,
         cache: Option<&LayerCache>,
     ) -> Result<Self, Exception> {
-        let prefix = cache.map(LayerCache::prefix).transpose()?.flatten();
+        let prefix = cache.and_then(LayerCache::prefix);
         let width = layout.width;
         let cache_rows = layout.len() / width;
-        // Row r's node rows [1, Hkv, width, D], copied on the host as the caches' moves are
-        // (an MLX op costs a round trip to its thread).
-        let s = keys.shape().to_vec();
-        let node_rows = |a: &Array, r: usize| -> Result<Array, Exception> {
-            let part = layout::rows(a, r * width..(r + 1) * width)?;
-            layout::swap_axes_1_2(&layout::reshape(&part, &[1, width as i32, s[1], s[3]])?)
+        // Row r's keys: its cached ones in position order, then its node rows', gathered on the
+        // host in one copy (an MLX op costs a round trip to its thread).
+        let node = [0];
+        let gather = |cached: Option<&Array>, nodes: &Array, r: usize| -> Result<Array, Exception> {
+            let mut runs = Vec::with_capacity(width + 1);
+            if let (Some(p), Some(array)) = (&prefix, cached) {
+                runs.push(SlotRun { array, row: r, slots: &p.rows[r].slots });
+            }
+            runs.extend((r * width..(r + 1) * width).map(|row| SlotRun { array: nodes, row, slots: &node }));
+            layout::gather_slots(&runs)
         };
         let mut rows = Vec::with_capacity(cache_rows);
         for r in 0..cache_rows {
-            let (k, v) = (node_rows(keys, r)?, node_rows(values, r)?);
-            let cached = prefix.as_ref().and_then(|p| p.rows[r].keys.as_ref().zip(p.rows[r].values.as_ref()));
-            rows.push(match cached {
-                Some((ck, cv)) => (layout::concat(&[ck, &k], 2)?, layout::concat(&[cv, &v], 2)?),
-                None => (k, v),
-            });
+            let cached = prefix.as_ref().map(|p| (&p.keys, &p.values));
+            rows.push((gather(cached.map(|c| c.0), keys, r)?, gather(cached.map(|c| c.1), values, r)?));
         }
         // Per cache row, which of its keys each of its node rows reads [1, 1, width, keys].
         let mut masks = Vec::with_capacity(cache_rows);
