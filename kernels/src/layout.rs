@@ -374,7 +374,7 @@ pub fn gather_slots(runs: &[SlotRun]) -> Result<Array, Exception> {
         let zeros = vec![Default::default(); d];
         for h in 0..heads {
             for (run, array) in runs.iter().zip(&arrays) {
-                let data = &array.as_slice()[..];
+                let data = array.as_slice();
                 let total = array.shape()[2] as usize;
                 let from = (run.row * heads + h) * total;
                 for &slot in run.slots {
