@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use plotters::prelude::*;
 use plotters::style::{register_font, FontStyle};
 
-use super::sweep::{SweepReport, SweepRow};
+use super::sweep::{SweepReport, SweepRow, TREES};
 
 /// Debian's DejaVu Sans (`fonts-dejavu-core`, which scripts/setup.sh installs): plotters draws
 /// text with a font it is given, and reading the system's keeps a font file out of the binary.
@@ -39,6 +39,7 @@ fn draw(report: &SweepReport, path: &Path) -> Result<(), Box<dyn std::error::Err
             drafters.push(&r.drafter);
         }
     }
+    let chains: Vec<&str> = drafters.iter().filter(|d| !d.ends_with(TREES)).copied().collect();
     let max_x = report.rows.iter().filter(|r| !r.auto_draft_tokens).map(|r| r.draft_tokens).max().unwrap_or(1) as f64;
     let max_y = report.rows.iter().map(|r| r.speedup_max).fold(1.5_f64, f64::max) * 1.05;
     let root = BitMapBackend::new(path, (560 * modes.len() as u32, 480)).into_drawing_area();
@@ -63,8 +64,11 @@ fn draw(report: &SweepReport, path: &Path) -> Result<(), Box<dyn std::error::Err
             .y_desc("speed-up over plain decoding")
             .draw()?;
         chart.draw_series(LineSeries::new([(0.5, 1.0), (max_x + 0.5, 1.0)], BLACK.mix(0.4)))?;
-        for (i, drafter) in drafters.iter().enumerate() {
-            let color = Palette99::pick(i).to_rgba();
+        for drafter in &drafters {
+            // A drafter's trees (`--equal-width-trees`) take its chain's colour, dashed.
+            let chain = drafter.strip_suffix(TREES).unwrap_or(drafter);
+            let tree = chain != *drafter;
+            let color = Palette99::pick(chains.iter().position(|&c| c == chain).unwrap_or(0)).to_rgba();
             let (auto, rows): (Vec<&SweepRow>, Vec<&SweepRow>) = report
                 .rows
                 .iter()
@@ -78,14 +82,21 @@ fn draw(report: &SweepReport, path: &Path) -> Result<(), Box<dyn std::error::Err
             if rows.is_empty() {
                 continue;
             }
-            let points: Vec<(f64, f64)> = rows.iter().map(|r| (r.draft_tokens as f64, r.speedup_median)).collect();
-            chart
-                .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)).point_size(4))?
-                .label(*drafter)
-                .legend(move |(x, y)| PathElement::new([(x, y), (x + 18, y)], color.stroke_width(2)));
+            // Trees' points sit a little right of their chain's, so that both ranges show.
+            let x = |r: &SweepRow| r.draft_tokens as f64 + if tree { 0.12 } else { 0.0 };
+            let points: Vec<(f64, f64)> = rows.iter().map(|r| (x(r), r.speedup_median)).collect();
+            let line = if tree {
+                chart.draw_series(DashedLineSeries::new(points.clone(), 8, 5, color.stroke_width(2)))?
+            } else {
+                chart.draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))?
+            };
+            line.label(*drafter).legend(move |(x, y)| {
+                let dash = if tree { 8 } else { 18 };
+                PathElement::new([(x, y), (x + dash, y)], color.stroke_width(2))
+            });
+            chart.draw_series(points.iter().map(|&p| Circle::new(p, 4, color.filled())))?;
             chart.draw_series(rows.iter().map(|r| {
-                let x = r.draft_tokens as f64;
-                PathElement::new([(x, r.speedup_min), (x, r.speedup_max)], color.mix(0.5).stroke_width(2))
+                PathElement::new([(x(r), r.speedup_min), (x(r), r.speedup_max)], color.mix(0.5).stroke_width(2))
             }))?;
         }
         chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;

@@ -62,7 +62,8 @@ pub enum SweepError {
 /// One drafter at one draft length in one sampling mode, over every prompt.
 #[derive(Debug, Serialize)]
 pub struct SweepRow {
-    /// The manifest's file stem (`demo-dflash`), with " trees" for `--equal-width-trees`' trees.
+    /// The manifest's file stem (`demo-dflash`), with [`TREES`] after it for
+    /// `--equal-width-trees`' trees.
     pub drafter: String,
     pub kind: String,
     /// The draft length; under `"auto"`, the most.
@@ -114,6 +115,9 @@ struct Drafter {
     tree_nodes: usize,
 }
 
+/// What `--equal-width-trees` adds to the name of a tree's rows.
+pub const TREES: &str = " trees";
+
 /// How a configuration's rows draft.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Shape {
@@ -137,10 +141,11 @@ impl Drafter {
         SpecConfig { tree_nodes, ..config }
     }
 
-    /// Its name in the report: the manifest's, and "trees" for trees of the chain's width.
+    /// Its name in the report: the manifest's, and [`TREES`] after it for trees of the chain's
+    /// width.
     fn label(&self, shape: Shape) -> String {
         match shape {
-            Shape::EqualWidthTree => format!("{} trees", self.name),
+            Shape::EqualWidthTree => format!("{}{TREES}", self.name),
             _ => self.name.clone(),
         }
     }
