@@ -191,24 +191,14 @@ fn sampled(seed: u64) -> SamplingParams {
     SamplingParams { temperature: 0.9, top_k: 40, top_p: 0.95, min_p: 0.0, seed }
 }
 
+/// The trained demo drafter of this kind (`models/kjv-gemma4-<kind>`).
+fn trained(kind: &str) -> HostDrafter {
+    let plugin = load_library(&common::workspace_plugin(kind), None).unwrap();
+    HostDrafter::load(&plugin, Some(&models().join(format!("kjv-gemma4-{kind}"))), "").unwrap()
+}
+
 fn lookup() -> HostDrafter {
-    let plugin = load_library(&common::workspace_plugin("lookup"), None).unwrap();
-    HostDrafter::load(&plugin, Some(&models().join("kjv-gemma4-lookup")), "").unwrap()
-}
-
-fn dflash() -> HostDrafter {
-    let plugin = load_library(&common::workspace_plugin("dflash"), None).unwrap();
-    HostDrafter::load(&plugin, Some(&models().join("kjv-gemma4-dflash")), "").unwrap()
-}
-
-fn assistant() -> HostDrafter {
-    let plugin = load_library(&common::workspace_plugin("assistant"), None).unwrap();
-    HostDrafter::load(&plugin, Some(&models().join("kjv-gemma4-assistant")), "").unwrap()
-}
-
-fn deepspec() -> HostDrafter {
-    let plugin = load_library(&common::workspace_plugin("deepspec"), None).unwrap();
-    HostDrafter::load(&plugin, Some(&models().join("kjv-gemma4-deepspec")), "").unwrap()
+    trained("lookup")
 }
 
 /// Openings of held-out chapters.
@@ -244,13 +234,13 @@ fn trees_on_the_demo_target_equal_plain_greedy_past_its_window() {
     let g = spec(&m, &lookup(), &r, trees(4, 12));
     assert_eq!(g.tokens, expected, "lookup's trees");
     assert!(g.stats.accepted > 0, "{:?}", g.stats);
-    let g = spec(&m, &dflash(), &r, trees(4, 12));
+    let g = spec(&m, &trained("dflash"), &r, trees(4, 12));
     assert_eq!(g.tokens, expected, "DFlash's trees");
     assert!(g.stats.accepted > 0 && g.stats.drafter_error.is_none(), "{:?}", g.stats);
-    let g = spec(&m, &deepspec(), &r, trees(4, 12));
+    let g = spec(&m, &trained("deepspec"), &r, trees(4, 12));
     assert_eq!(g.tokens, expected, "DeepSpec's trees");
     assert!(g.stats.accepted > 0 && g.stats.drafter_error.is_none(), "{:?}", g.stats);
-    let g = spec(&m, &assistant(), &r, trees(4, 12));
+    let g = spec(&m, &trained("assistant"), &r, trees(4, 12));
     assert_eq!(g.tokens, expected, "the assistant's trees");
     assert!(g.stats.accepted > 0 && g.stats.drafter_error.is_none(), "{:?}", g.stats);
     // Under "auto", each round's depth and tree size as pay.

@@ -114,10 +114,10 @@ fn host_attention(
     attention_core(q, &rows, hkv as usize, scale, Masks::Shared(mask)).map(Some)
 }
 
-/// A float32 or half-precision [B, H, S, D] array (evaluated) whose slots are each D contiguous values and
-/// whose heads each hold their S slots in a run (row-major, or a slice of a row-major array
-/// along S, as a KV cache's first slots are), with its strides (in elements) of a row and of a
-/// head.
+/// A float32 or half-precision [B, H, S, D] array (evaluated) whose slots are each D contiguous
+/// values and whose heads each hold their S slots in a run (row-major, or a slice of a
+/// row-major array along S, as a KV cache's first slots are), with its strides (in elements) of
+/// a row and of a head.
 struct InPlace {
     array: Array,
     row: usize,
@@ -166,10 +166,10 @@ enum Held {
     Gathered(Vec<u16>, Vec<u16>, usize),
 }
 
-/// [`attention_rows`] through the host's loops (half precision): a row of one piece read in place (a drafter's
-/// context with its block in the free slots, `LayerContext::with_block`), a row of several
-/// pieces copied end to end per KV head; then [`attention_core`]. `None` where the loops do
-/// not apply.
+/// [`attention_rows`] through the host's loops (half precision): a row of one piece read in
+/// place (a drafter's context with its block in the free slots, `LayerContext::with_block`), a
+/// row of several pieces copied end to end per KV head; then [`attention_core`]. `None` where
+/// the loops do not apply.
 fn half_attention_rows(q: &Array, rows: &[RowKeys], scale: f32) -> Result<Option<Array>, Exception> {
     let dtype = q.dtype();
     let (hq, d) = (q.shape()[1], q.shape()[3]);

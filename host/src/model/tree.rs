@@ -74,8 +74,11 @@ impl TreeKv {
         };
         let mut rows = Vec::with_capacity(cache_rows);
         for r in 0..cache_rows {
-            let cached = prefix.as_ref().map(|p| (&p.keys, &p.values));
-            rows.push((gather(cached.map(|c| c.0), keys, r)?, gather(cached.map(|c| c.1), values, r)?));
+            let (cached_keys, cached_values) = match &prefix {
+                Some(p) => (Some(&p.keys), Some(&p.values)),
+                None => (None, None),
+            };
+            rows.push((gather(cached_keys, keys, r)?, gather(cached_values, values, r)?));
         }
         // Per cache row, which of its keys each of its node rows reads [1, 1, width, keys].
         let mut masks = Vec::with_capacity(cache_rows);

@@ -209,11 +209,11 @@ mod conformance {
         }
     }
 
-    /// A tree's branch of first children is the greedy block: each node's likeliest child joins
-    /// before its siblings, and the Markov head ranks it as the chain does.
-    #[test]
-    fn a_trees_first_children_are_the_greedy_block() {
-        use plugin_api::draft_tree::ROOT;
+    /// The fixture's network with its context at each of dspark-mlx's recorded states: `check`
+    /// gets the state, the network, the context, the anchor token and the state's oracle arrays.
+    fn at_oracle_states(
+        mut check: impl FnMut(usize, &crate::Deepspec, &mut crate::Context, u32, &dyn Fn(&str) -> plugin_api::mlx_rs::Array),
+    ) {
         use plugin_api::mlx_rs::Dtype;
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/deepspec/gemma4-dense");
         let model = crate::Deepspec::load(&dir.join("drafter")).unwrap();
@@ -226,8 +226,18 @@ mod conformance {
             model.extend(&mut context, &taps).unwrap();
             let ids = get("input_ids").as_dtype(Dtype::Int32).unwrap();
             let anchor = *ids.as_slice::<i32>().last().unwrap() as u32;
-            let chain = model.block(&mut context, anchor, 4, 0.0, None, 1.0).unwrap().tokens;
-            let tree = model.tree(&mut context, anchor, 4, 12).unwrap();
+            check(state, &model, &mut context, anchor, &get);
+        }
+    }
+
+    /// A tree's branch of first children is the greedy block: each node's likeliest child joins
+    /// before its siblings, and the Markov head ranks it as the chain does.
+    #[test]
+    fn a_trees_first_children_are_the_greedy_block() {
+        use plugin_api::draft_tree::ROOT;
+        at_oracle_states(|state, model, context, anchor, _| {
+            let chain = model.block(context, anchor, 4, 0.0, None, 1.0).unwrap().tokens;
+            let tree = model.tree(context, anchor, 4, 12).unwrap();
             tree.check(4, 12, 512).unwrap();
             assert!(tree.len() > 4, "state {state}: no branches in {tree:?}");
             let mut first_children = Vec::new();
@@ -237,25 +247,15 @@ mod conformance {
                 at = child as u32;
             }
             assert_eq!(first_children, chain, "state {state}");
-        }
+        });
     }
 
     /// Fed dspark-mlx's own tapped hidden states, the network gives its tokens and confidences.
     #[test]
     fn block_tokens_and_confidences_equal_dspark_mlx() {
         use plugin_api::mlx_rs::Dtype;
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/deepspec/gemma4-dense");
-        let model = crate::Deepspec::load(&dir.join("drafter")).unwrap();
-        let oracle = plugin_api::nn::Weights::load_file(&dir.join("oracle.safetensors")).unwrap();
-        for state in [0, 5, 20] {
-            let get = |name: &str| oracle.get(&format!("state{state}.{name}")).unwrap();
-            let taps = get("target_taps");
-            let taps = taps.reshape(&[1, taps.shape()[0], taps.shape()[1]]).unwrap();
-            let mut context = crate::Context::default();
-            model.extend(&mut context, &taps).unwrap();
-            let ids = get("input_ids").as_dtype(Dtype::Int32).unwrap();
-            let anchor = *ids.as_slice::<i32>().last().unwrap() as u32;
-            let block = model.block(&mut context, anchor, usize::MAX, 0.0, None, 1.0).unwrap();
+        at_oracle_states(|state, model, context, anchor, get| {
+            let block = model.block(context, anchor, usize::MAX, 0.0, None, 1.0).unwrap();
             let expected_tokens: Vec<u32> = get("draft_tokens")
                 .as_dtype(Dtype::Int32)
                 .unwrap()
@@ -269,7 +269,7 @@ mod conformance {
                 assert!((got - want).abs() < 1e-4, "state {state}: confidence {got} vs {want}");
             }
             assert_eq!(block.confidences.len(), expected.size());
-        }
+        });
     }
 
     /// An 8-bit MLX-quantized sibling (written here as mlx-lm writes them: packed weights with
