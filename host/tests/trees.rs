@@ -243,6 +243,10 @@ fn trees_on_the_demo_target_equal_plain_greedy_past_its_window() {
     let g = spec(&m, &trained("assistant"), &r, trees(4, 12));
     assert_eq!(g.tokens, expected, "the assistant's trees");
     assert!(g.stats.accepted > 0 && g.stats.drafter_error.is_none(), "{:?}", g.stats);
+    // With no more nodes than its depth the assistant's tree is its chain, verified as one.
+    let g = spec(&m, &trained("assistant"), &r, trees(4, 4));
+    assert_eq!(g.tokens, expected, "the assistant's chain-shaped trees");
+    assert!(g.stats.accepted > 0 && g.stats.drafter_error.is_none(), "{:?}", g.stats);
     // Under "auto", each round's depth and tree size as pay.
     let auto = SpecConfig { auto: true, ..trees(8, 16) };
     let g = spec(&m, &lookup(), &r, auto);

@@ -82,6 +82,11 @@ impl Tree {
         self.tokens.len()
     }
 
+    /// Whether each node follows the one before it, as [`Tree::chain`] lays a chain out.
+    pub fn is_chain(&self) -> bool {
+        self.parents.iter().enumerate().all(|(i, &p)| p == if i == 0 { ROOT } else { i as u32 - 1 })
+    }
+
     pub fn is_empty(&self) -> bool {
         self.tokens.is_empty()
     }
@@ -256,6 +261,13 @@ mod tests {
     fn a_chain_is_a_tree_of_one_branch() {
         let t = Tree::chain(&[5, 6, 7]);
         assert_eq!(t.parents, vec![ROOT, 0, 1]);
+        assert!(t.is_chain() && Tree::default().is_chain());
+        let mut branching = t.clone();
+        branching.push(Some(0), 9);
+        assert!(!branching.is_chain());
+        let mut siblings = Tree::chain(&[5]);
+        siblings.push(None, 6);
+        assert!(!siblings.is_chain());
         assert_eq!(t.depths(), vec![1, 2, 3]);
         assert_eq!(t.path_to(2), vec![0, 1, 2]);
         assert_eq!(t.check(3, 3, 8), Ok(()));

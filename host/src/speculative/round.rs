@@ -1,5 +1,6 @@
 //! One round of the verify loop for every active row: draft → verify (one target forward) →
-//! accept per row → rollback → commit. Rows that draft trees take [`tree_round`] instead.
+//! accept per row → rollback → commit. Rounds whose rows draft branching trees take
+//! [`tree_round`] instead.
 
 use std::cell::RefCell;
 use std::time::Instant;
@@ -68,10 +69,23 @@ pub(super) fn round(
 ) -> Result<RoundTimes, GenerateError> {
     let pending: Vec<u32> = batch.active.iter().map(|&r| rows[r].pending).collect();
     let drafting = Instant::now();
-    if let Some(trees) = draft_trees(batch, rows, &pending, slot, catch_up)? {
-        return tree_round(batch, rows, &pending, trees, ms_since(drafting), slot, on_event);
-    }
-    let drafted = draft(batch, rows, &pending, slot, catch_up)?;
+    let trees = draft_trees(batch, rows, &pending, slot, catch_up)?;
+    // Trees that are all chains verify as chains: the tree route would gather each row's keys
+    // and masks for the same rows.
+    let from_trees = trees.is_some();
+    let drafted = match trees {
+        Some(trees) if !trees.iter().all(|t| t.tree.is_chain()) => {
+            return tree_round(batch, rows, &pending, trees, ms_since(drafting), slot, on_event);
+        }
+        Some(chains) => {
+            let proposals: Vec<Proposal> = chains
+                .into_iter()
+                .map(|t| Proposal { tokens: t.tree.tokens, probabilities: t.probabilities })
+                .collect();
+            Drafted::Host { windows: host_windows(&pending, &proposals), proposals }
+        }
+        None => draft(batch, rows, &pending, slot, catch_up)?,
+    };
     let draft_ms = ms_since(drafting);
     let verifying = Instant::now();
 
@@ -95,12 +109,17 @@ pub(super) fn round(
     let mut accepted = Vec::with_capacity(batch.active.len());
     for ((&r, proposal), window) in batch.active.iter().zip(&proposals).zip(&targets) {
         let verify = batch.config.verify;
-        accepted.push(accept(&mut rows[r], &batch.requests[r], proposal, window, verify, |t, logprob| {
+        let kept = accept(&mut rows[r], &batch.requests[r], proposal, window, verify, |t, logprob| {
             if let Some(l) = logprob {
                 on_event(r, Event::Logprob(l));
             }
             on_event(r, Event::Token(t))
-        })?);
+        })?;
+        if from_trees {
+            // A chain's nodes are ranked in its order; "auto" sizes trees from these counts.
+            rows[r].nodes.record(proposal.tokens.len(), &(0..kept).collect::<Vec<_>>());
+        }
+        accepted.push(kept);
     }
 
     // The caches keep exactly what was accepted: the pending token and the accepted drafts.
