@@ -112,6 +112,10 @@ pub(super) struct RoundCosts {
     /// Rounds' measured verify time over what the line predicted for them (a running mean):
     /// long contexts and sampling cost more than the measurement's short windows.
     scale: f64,
+    /// What a round of branching trees cost over the scaled line for its window tokens (a
+    /// running mean, ms): the tree route gathers each row's keys beside its nodes, and writes the
+    /// accepted path after the forward.
+    branching: f64,
     /// A round's drafting time against its depth, the sums of a least-squares line, each
     /// round weighing [`DECAY`] of the one after it.
     draft: LineSums,
@@ -127,12 +131,17 @@ impl RoundCosts {
     /// Costs from `verify_ms[n − 1]`, a forward's time over n tokens.
     pub fn new(verify_ms: &[f64], learns: bool) -> RoundCosts {
         let (fixed, per_token) = line_through(verify_ms);
-        RoundCosts { fixed, per_token, scale: 1.0, draft: LineSums::default(), learns }
+        RoundCosts { fixed, per_token, scale: 1.0, branching: 0.0, draft: LineSums::default(), learns }
     }
 
     /// A verify forward over `tokens` window tokens (all rows together).
     pub fn verify(&self, tokens: usize) -> f64 {
         self.measured(tokens) * self.scale
+    }
+
+    /// A verify forward over `tokens` window tokens of branching trees.
+    pub fn verify_branching(&self, tokens: usize) -> f64 {
+        self.verify(tokens) + self.branching.max(0.0)
     }
 
     /// The measurement's line at `tokens`.
@@ -150,13 +159,16 @@ impl RoundCosts {
         self.draft.at(depth as f64)
     }
 
-    /// Learns from a round of `tokens` window tokens that drafted `depth` tokens per row.
-    pub fn record(&mut self, depth: usize, draft_ms: f64, tokens: usize, verify_ms: f64) {
+    /// Learns from a round of `tokens` window tokens that drafted `depth` tokens per row, of
+    /// branching trees or not.
+    pub fn record(&mut self, depth: usize, draft_ms: f64, tokens: usize, verify_ms: f64, branched: bool) {
         if !self.learns {
             return;
         }
         let predicted = self.measured(tokens);
-        if predicted > 0.0 && verify_ms.is_finite() {
+        if branched && verify_ms.is_finite() {
+            self.branching += LEARNING_RATE * (verify_ms - self.verify(tokens) - self.branching);
+        } else if predicted > 0.0 && verify_ms.is_finite() {
             self.scale += LEARNING_RATE * (verify_ms / predicted - self.scale);
         }
         if depth > 0 && draft_ms.is_finite() {
@@ -222,10 +234,7 @@ fn line_through(ms: &[f64]) -> (f64, f64) {
 /// most `rows[r].1` tokens: the one with the most expected tokens per millisecond. Ties go to
 /// the shallower depth.
 pub(super) fn choose_depth(rows: &[([f64; AUTO_MOST], usize)], most: usize, costs: &RoundCosts) -> usize {
-    let rate = |depth: usize| {
-        let tokens: f64 = rows.iter().map(|(p, cap)| expected_tokens(p, depth.min(*cap))).sum();
-        tokens / (costs.draft(depth) + costs.verify(rows.len() * (depth + 1)))
-    };
+    let rate = |depth: usize| chain_rate(rows, depth, costs);
     let mut best = (0, rate(0));
     for depth in 1..=most.min(AUTO_MOST) {
         let r = rate(depth);
@@ -234,6 +243,12 @@ pub(super) fn choose_depth(rows: &[([f64; AUTO_MOST], usize)], most: usize, cost
         }
     }
     best.0
+}
+
+/// The tokens per millisecond expected of a round whose rows draft chains `depth` deep.
+pub(super) fn chain_rate(rows: &[([f64; AUTO_MOST], usize)], depth: usize, costs: &RoundCosts) -> f64 {
+    let tokens: f64 = rows.iter().map(|(p, cap)| expected_tokens(p, depth.min(*cap))).sum();
+    tokens / (costs.draft(depth) + costs.verify(rows.len() * (depth + 1)))
 }
 
 /// The draft length as reports print it: "3", or "auto (up to 8)".
@@ -359,18 +374,18 @@ mod tests {
         assert!((c.verify(5) - 1.525).abs() < 1e-9, "{}", c.verify(5));
         assert_eq!(c.draft(3), 0.0);
         for _ in 0..200 {
-            c.record(2, 0.5, 3, 2.4);
+            c.record(2, 0.5, 3, 2.4, false);
         }
         assert!((c.verify(3) - 2.4).abs() < 1e-6, "{}", c.verify(3));
         // One depth alone: proportional to depth.
         assert!((c.draft(2) - 0.5).abs() < 1e-6 && (c.draft(4) - 1.0).abs() < 1e-6);
         // Rounds of 0.2 ms and 0.1 ms per token: that line.
         for d in (1..=8).cycle().take(400) {
-            c.record(d, 0.2 + 0.1 * d as f64, 3, 2.4);
+            c.record(d, 0.2 + 0.1 * d as f64, 3, 2.4, false);
         }
         assert!((c.draft(6) - 0.8).abs() < 1e-6, "{}", c.draft(6));
         let mut fixed = RoundCosts::new(&[1.1, 1.2, 1.3], false);
-        fixed.record(2, 0.5, 3, 2.4);
+        fixed.record(2, 0.5, 3, 2.4, false);
         assert!((fixed.verify(3) - 1.3).abs() < 1e-9 && fixed.draft(2) == 0.0);
     }
 }

@@ -8,12 +8,12 @@ use std::rc::Rc;
 use std::time::Instant;
 
 use super::catch_up::CatchUp;
-use super::depth::{choose_depth, RoundCosts};
+use super::depth::{chain_rate, choose_depth, RoundCosts, AUTO_MOST};
 use super::prefill::prefill_row;
 use super::prefix_cache::PrefixCache;
 use super::round::{round, Batch};
 use super::slot::DrafterSlot;
-use super::tree_size::choose_nodes;
+use super::tree_size::{choose_nodes, tree_rate};
 use super::{check_pairing, Row, SpecConfig, Taps};
 use crate::generate::{check_request, Event, Flow, GenerateError, Generation, Request};
 use crate::model::{Gemma4, LayerCache};
@@ -200,7 +200,7 @@ impl<'a, Id: Copy> LiveBatch<'a, Id> {
             let (slot, catch_up) = (&mut self.slot, &mut self.catch_up);
             let times = round(&batch, &mut self.rows, slot, catch_up, &mut |r, event| on_event(members[r].id, event))?;
             if let Some(costs) = &mut self.costs {
-                costs.record(times.depth, times.draft_ms, times.window_tokens, times.verify_ms);
+                costs.record(times.depth, times.draft_ms, times.window_tokens, times.verify_ms, times.branched);
             }
             finished.extend(self.leave_finished()?);
         }
@@ -211,22 +211,29 @@ impl<'a, Id: Copy> LiveBatch<'a, Id> {
     /// expected tokens per millisecond for these rows.
     fn round_depth(&self) -> usize {
         let Some(costs) = &self.costs else { return self.most };
-        let rows: Vec<_> = self
-            .rows
-            .iter()
-            .zip(&self.requests)
-            .map(|(row, request)| (row.acceptance.estimates(), row.draft_room(request)))
-            .collect();
-        choose_depth(&rows, self.most, costs)
+        choose_depth(&self.chain_estimates(), self.most, costs)
+    }
+
+    /// Each row's acceptance by draft position and the most it may draft.
+    fn chain_estimates(&self) -> Vec<([f64; AUTO_MOST], usize)> {
+        let rows = self.rows.iter().zip(&self.requests);
+        rows.map(|(row, request)| (row.acceptance.estimates(), row.draft_room(request))).collect()
     }
 
     /// The most drafts of a row's tree this round, `depth` deep: under `"auto"`, as many as
-    /// the rows' chances per node rank and the measured costs make pay.
+    /// the rows' chances per node rank and the measured costs make pay, and none (chains) where
+    /// a chain of that depth is expected to give more tokens per millisecond.
     fn round_nodes(&self, depth: usize) -> usize {
         let most = self.config.tree_nodes;
         let Some(costs) = self.costs.as_ref().filter(|_| most > 0 && depth > 0) else { return most };
         let rows: Vec<Vec<f64>> = self.rows.iter().map(|row| row.nodes.estimates(most)).collect();
-        choose_nodes(&rows, most, depth, costs)
+        let nodes = choose_nodes(&rows, most, depth, costs);
+        let chain = chain_rate(&self.chain_estimates(), depth, costs);
+        if tree_rate(&rows, nodes, depth, costs) > chain {
+            nodes
+        } else {
+            0
+        }
     }
 
     /// Removes finished rows from the caches, the drafter and the batch.

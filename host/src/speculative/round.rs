@@ -58,6 +58,8 @@ pub(super) struct RoundTimes {
     pub window_tokens: usize,
     pub draft_ms: f64,
     pub verify_ms: f64,
+    /// Whether the round verified branching trees ([`tree_round`]).
+    pub branched: bool,
 }
 
 pub(super) fn round(
@@ -141,7 +143,8 @@ pub(super) fn round(
         rows[r].stats.draft_ms += draft_ms;
         rows[r].stats.verify_ms += verify_ms;
     }
-    Ok(RoundTimes { depth: width - 1, window_tokens: batch.active.len() * width, draft_ms, verify_ms })
+    let window_tokens = batch.active.len() * width;
+    Ok(RoundTimes { depth: width - 1, window_tokens, draft_ms, verify_ms, branched: false })
 }
 
 pub(super) fn ms_since(start: Instant) -> f64 {

@@ -185,5 +185,5 @@ pub(super) fn tree_round(
         rows[r].stats.verify_ms += verify_ms;
     }
     let depth = trees.iter().flat_map(|t| t.tree.depths()).max().unwrap_or(0);
-    Ok(RoundTimes { depth, window_tokens: tree.len(), draft_ms, verify_ms })
+    Ok(RoundTimes { depth, window_tokens: tree.len(), draft_ms, verify_ms, branched: true })
 }

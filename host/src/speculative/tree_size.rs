@@ -54,12 +54,11 @@ impl NodeAcceptance {
 
 /// The most nodes, 1 to `most`, for a round whose rows' chances per rank are `rows[r]` and
 /// which drafts `depth` deep: the count with the most expected tokens per millisecond. Ties go
-/// to the smaller tree.
+/// to the smaller tree. More nodes than `depth` make a branching tree, which costs what the
+/// rounds of branching trees have cost over a chain's line; fewer may still branch, and are
+/// costed as a chain.
 pub(super) fn choose_nodes(rows: &[Vec<f64>], most: usize, depth: usize, costs: &RoundCosts) -> usize {
-    let rate = |n: usize| {
-        let tokens: f64 = rows.iter().map(|p| 1.0 + p.iter().take(n).sum::<f64>()).sum();
-        tokens / (costs.draft(depth) + costs.verify(rows.len() * (n + 1)))
-    };
+    let rate = |n: usize| tree_rate(rows, n, depth, costs);
     let mut best = (1, rate(1));
     for n in 2..=most {
         let r = rate(n);
@@ -68,6 +67,15 @@ pub(super) fn choose_nodes(rows: &[Vec<f64>], most: usize, depth: usize, costs: 
         }
     }
     best.0
+}
+
+/// The tokens per millisecond expected of a round whose rows draft trees of `n` nodes, `depth`
+/// deep.
+pub(super) fn tree_rate(rows: &[Vec<f64>], n: usize, depth: usize, costs: &RoundCosts) -> f64 {
+    let tokens: f64 = rows.iter().map(|p| 1.0 + p.iter().take(n).sum::<f64>()).sum();
+    let window = rows.len() * (n + 1);
+    let verify = if n > depth { costs.verify_branching(window) } else { costs.verify(window) };
+    tokens / (costs.draft(depth) + verify)
 }
 
 #[cfg(test)]
@@ -104,5 +112,22 @@ mod tests {
         let costly: Vec<f64> = (1..=9).map(|n| 1.0 + 0.3 * n as f64).collect();
         let costs = RoundCosts::new(&costly, true);
         assert!(choose_nodes(&vec![p; 4], 8, 4, &costs) < 4);
+    }
+
+    #[test]
+    fn branching_pays_only_for_what_it_costs_over_a_chain() {
+        let verify: Vec<f64> = (1..=9).map(|n| 1.0 + 0.05 * n as f64).collect();
+        let mut costs = RoundCosts::new(&verify, true);
+        // Two ranks past a depth of 2 worth 0.3 tokens each: while branching costs nothing
+        // more, the tree takes them.
+        let p = vec![0.9, 0.8, 0.3, 0.3, 0.0, 0.0];
+        assert_eq!(choose_nodes(std::slice::from_ref(&p), 6, 2, &costs), 4);
+        // Rounds of branching trees that cost 1 ms over the line: a chain of 2.
+        for _ in 0..100 {
+            costs.record(2, 0.0, 5, 1.0 + 0.05 * 5.0 + 1.0, true);
+        }
+        assert_eq!(choose_nodes(std::slice::from_ref(&p), 6, 2, &costs), 2);
+        // And chains' own rounds keep their costs: the line's scale is unmoved.
+        assert!((costs.verify(5) - 1.25).abs() < 1e-9, "{}", costs.verify(5));
     }
 }
