@@ -45,6 +45,17 @@ if [ "${1:-}" = noamx ] && [ ! -x "$OUT/build-noamx/bin/llama-bench" ]; then
   cmake --build "$OUT/build-noamx" --target llama-bench -j "$(nproc)" >/dev/null
 fi
 
+# `build.sh avx2`: a llama-bench with AVX2, FMA and F16C only, to time the host's AVX2 loops
+# (`HOST_SIMD=avx2`) against llama.cpp's on the same machine: bench.py --llama-bench
+# target/llamacpp/build-avx2/bin/llama-bench.
+if [ "${1:-}" = avx2 ] && [ ! -x "$OUT/build-avx2/bin/llama-bench" ]; then
+  say "building llama-bench for AVX2 (several minutes)"
+  cmake -S "$SRC" -B "$OUT/build-avx2" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON \
+    -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF >/dev/null
+  cmake --build "$OUT/build-avx2" --target llama-bench -j "$(nproc)" >/dev/null
+fi
+
 want=$(sha256sum "$HERE/requirements-convert.txt" | cut -d' ' -f1)
 if [ "$(cat "$OUT/convert-venv/.requirements.sha256" 2>/dev/null)" != "$want" ]; then
   say "installing the converter's environment (torch, transformers)"
