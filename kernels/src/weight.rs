@@ -1,25 +1,7 @@
 //! A weight as the product loops read it: its format and its data, borrowed from MLX's arrays.
 
-/// Scales or biases of quantized weights, in the dtype the checkpoint stores.
-#[derive(Clone, Copy)]
-pub enum Params<'a> {
-    F32(&'a [f32]),
-    Bf16(&'a [u16]),
-    F16(&'a [u16]),
-}
-
-impl Params<'_> {
-    /// Inlined into the product loops, which read one scale and one bias per row and group:
-    /// as a call it took an eighth of a quantized decode step.
-    #[inline(always)]
-    pub fn get(&self, i: usize) -> f32 {
-        match self {
-            Params::F32(p) => p[i],
-            Params::Bf16(p) => f32::from_bits((p[i] as u32) << 16),
-            Params::F16(p) => half::f16::from_bits(p[i]).to_f32(),
-        }
-    }
-}
+/// Scales or biases of quantized weights, in the dtype the checkpoint stores: [`Floats`].
+pub type Params<'a> = Floats<'a>;
 
 /// A weight matrix [n, k], row-major.
 #[derive(Clone, Copy)]
@@ -64,7 +46,8 @@ pub fn even_then_odd(x: &[f32], run: usize) -> Vec<f32> {
     out
 }
 
-/// Values of one of MLX's float dtypes as stored, read in place: a KV cache's keys and values.
+/// Values of one of MLX's float dtypes as stored, read in place: a KV cache's keys and values,
+/// a quantized weight's scales and biases.
 #[derive(Clone, Copy)]
 pub enum Floats<'a> {
     F32(&'a [f32]),
@@ -72,6 +55,19 @@ pub enum Floats<'a> {
     Bf16(&'a [u16]),
     /// float16 bit patterns.
     F16(&'a [u16]),
+}
+
+impl Floats<'_> {
+    /// Inlined into the product loops, which read one scale and one bias per row and group:
+    /// as a call it took an eighth of a quantized decode step.
+    #[inline(always)]
+    pub fn get(&self, i: usize) -> f32 {
+        match self {
+            Floats::F32(p) => p[i],
+            Floats::Bf16(p) => f32::from_bits((p[i] as u32) << 16),
+            Floats::F16(p) => half::f16::from_bits(p[i]).to_f32(),
+        }
+    }
 }
 
 impl<'a> Floats<'a> {
