@@ -26,6 +26,9 @@
 //! [`super::amx_bf16`]'s `fma_rows`): a row's result is the same alone or in a window, bit for
 //! bit. Rows of float32 values take the FMAs too, one at a time: their products are not exact,
 //! but no row's result depends on another's.
+//!
+//! On a CPU with AVX-512 BF16 and no unit (or with `HOST_AMX=off`) the same tiles serve the
+//! `vdpbf16ps` loops of `tiles_avx512` at every bfloat16 row count, widened as here.
 
 #[cfg(target_arch = "x86_64")]
 use super::amx_bf16::{put_block, RowSink, X_ROWS};
@@ -153,7 +156,7 @@ impl QuantTiles {
     }
 
     /// Bytes of one tile: 16 outputs × 32 inputs.
-    fn tile_bytes(&self) -> usize {
+    pub(super) fn tile_bytes(&self) -> usize {
         BLOCK * DEPTH * self.bits as usize / 8
     }
 
@@ -163,8 +166,14 @@ impl QuantTiles {
         ((group * (self.k / DEPTH) + kb) * BLOCKS_AT_ONCE + c) * self.tile_bytes()
     }
 
+    /// The packed bytes of the tile of output block `ob` and input block `kb`.
+    #[cfg(target_arch = "x86_64")]
+    pub(super) fn packed_tile(&self, ob: usize, kb: usize) -> *const u8 {
+        self.packed[self.tile_at(ob, kb)..].as_ptr()
+    }
+
     /// Where output `o`'s scale (bias) of quantization group `g` lies.
-    fn param_at(&self, o: usize, g: usize) -> usize {
+    pub(super) fn param_at(&self, o: usize, g: usize) -> usize {
         ((o / GROUP) * (self.k / self.group) + g) * GROUP + o % GROUP
     }
 }
@@ -185,7 +194,16 @@ fn put_nibbles(tile: &mut [u8], o: usize, from: &[u8]) {
     }
 }
 
-/// Whether products take [`QuantTiles`]: the tile unit's [`super::amx_bf16::available`], and
+/// Whether MLX-quantized weights are held as [`QuantTiles`]: where the unit multiplies them
+/// ([`available`]), or the AVX-512 BF16 loops of `tiles_avx512` do, on a CPU without the unit.
+pub fn held() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return available() || super::tiles_avx512::available();
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Whether the unit multiplies [`QuantTiles`]: its [`super::amx_bf16::available`], and
 /// AVX-512 BW and BF16 for the widening.
 pub fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -200,7 +218,7 @@ pub fn available() -> bool {
 /// the unit does, or rows of other values.
 ///
 /// # Safety
-/// [`available`] must have returned true.
+/// [`held`] must have returned true (the FMAs need AVX-512 F, BW and BF16, not the unit).
 #[cfg(target_arch = "x86_64")]
 pub unsafe fn fma_rows(x: &[f32], rows: usize, t: &QuantTiles, outputs: std::ops::Range<usize>, y: &mut [f32]) {
     let (n, k, groups) = (t.n, t.k, t.k / t.group);
@@ -285,7 +303,7 @@ pub(super) unsafe fn group_sums_of_bits(xb: &[u16], group: usize) -> Vec<f32> {
 /// per row 32 words, output o's even input in word 2·o, its odd input in word 2·o + 1.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn four_rows<const BITS: usize>(tile: *const u8, quad: usize) -> [std::arch::x86_64::__m512i; 4] {
+pub(super) unsafe fn four_rows<const BITS: usize>(tile: *const u8, quad: usize) -> [std::arch::x86_64::__m512i; 4] {
     use std::arch::x86_64::*;
     if BITS == 4 {
         // vpermw reads a word's low five bits: the row's nibble and one bit above it, which
@@ -398,12 +416,12 @@ const PREFETCH_BLOCKS: usize = 2;
 /// only when asked for this far ahead, not two blocks into L1 as a row's FMAs ask; weights that
 /// already sit in L3 lose next to nothing by it.
 #[cfg(target_arch = "x86_64")]
-const TILED_PREFETCH_BLOCKS: usize = 6;
+pub(super) const TILED_PREFETCH_BLOCKS: usize = 6;
 
 /// Asks for every line of the input block `blocks` after the one at `tiles`, with `HINT`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn prefetch_ahead<const BITS: usize, const HINT: i32>(tiles: *const u8, blocks: usize) {
+pub(super) unsafe fn prefetch_ahead<const BITS: usize, const HINT: i32>(tiles: *const u8, blocks: usize) {
     use std::arch::x86_64::*;
     let block = BLOCKS_AT_ONCE * BLOCK * DEPTH * BITS / 8;
     let ahead = tiles.wrapping_add(blocks * block);
@@ -415,7 +433,7 @@ unsafe fn prefetch_ahead<const BITS: usize, const HINT: i32>(tiles: *const u8, b
 /// The scales and biases (float32) of the 16 outputs from `first`, quantization group `g`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn group_params(
+pub(super) unsafe fn group_params(
     t: &QuantTiles,
     first: usize,
     g: usize,
@@ -432,7 +450,7 @@ unsafe fn group_params(
 /// applies them.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn apply_group(
+pub(super) unsafe fn apply_group(
     acc: std::arch::x86_64::__m512,
     group_sum: std::arch::x86_64::__m512,
     (scale, bias): (std::arch::x86_64::__m512, std::arch::x86_64::__m512),

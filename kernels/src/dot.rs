@@ -19,7 +19,9 @@
 //!   in another order.
 //! - quantized weights times bfloat16 activations where the CPU has AVX-512 BF16
 //!   ([`crate::quantized_bf16_avx512`]): per group, scale · Σ q·x + bias · Σ x, the integers made
-//!   bfloat16 in registers and multiplied 32 at a time by `vdpbf16ps`;
+//!   bfloat16 in registers and multiplied 32 at a time by `vdpbf16ps`. (Weights with bfloat16
+//!   scales, as mlx-lm converts them, are reordered into tiles at load on such a CPU and never
+//!   come here: [`crate::packed`].)
 //! - other quantized products where the CPU has AVX-512 ([`crate::quantized_avx512`]):
 //!   dequantized in registers straight from their packed bytes;
 //! - quantized weights on other CPUs with AVX2 ([`crate::quantized_f32_avx2`]): per group,

@@ -1,12 +1,13 @@
-//! Weights held for the tile unit rather than as MLX's arrays.
+//! Weights held as tiles rather than as MLX's arrays.
 //!
 //! A plain bfloat16 weight on a CPU whose tile unit this process may use
 //! ([`amx_bf16::available`]) is repacked once for the unit, and MLX's copy is dropped: the tiles
 //! then serve every product with it ([`tiled_product`]), whatever its rows' count, so that a
 //! row's result does not depend on it, and the weight takes no more memory than as loaded. An
 //! MLX-quantized weight with bfloat16 scales and biases (as mlx-lm converts bfloat16
-//! checkpoints) is reordered for the unit likewise ([`amx_quantized`]), with its scales and
-//! biases, at the bytes MLX's arrays took.
+//! checkpoints) is reordered likewise ([`amx_quantized`]), with its scales and biases, at the
+//! bytes MLX's arrays took: for the unit, or on a CPU with AVX-512 BF16 and no unit for the
+//! `vdpbf16ps` loops of `tiles_avx512`, which read a tile row as that instruction reads pairs.
 
 use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype};
@@ -33,8 +34,8 @@ impl Packed {
         bits16(w).map(|bits| Packed::Bf16(Tiles::pack(bits, n, k)))
     }
 
-    /// An MLX-quantized `w` [n, k·bits/32] reordered for the tile unit with its bfloat16 scales
-    /// and biases, where the CPU route is taken and the unit is available.
+    /// An MLX-quantized `w` [n, k·bits/32] reordered into tiles with its bfloat16 scales and
+    /// biases, where the CPU route is taken and the CPU multiplies tiles ([`amx_quantized::held`]).
     pub fn quantized(w: &Array, scales: &Array, biases: &Array, q: Quantization) -> Option<Packed> {
         let (bits, group) = (q.bits as u32, q.group_size as usize);
         let applies = w.ndim() == 2
@@ -43,7 +44,7 @@ impl Packed {
             && biases.dtype() == Dtype::Bfloat16
             && QuantTiles::takes(bits, group)
             && crate::route::on_cpu()
-            && amx_quantized::available();
+            && amx_quantized::held();
         if !applies {
             return None;
         }

@@ -112,7 +112,7 @@ impl Tiled<'_> {
     fn available(&self) -> bool {
         match self {
             Tiled::Bf16(_) => amx_bf16::available(),
-            Tiled::Quantized(_) => amx_quantized::available(),
+            Tiled::Quantized(_) => amx_quantized::held(),
         }
     }
 }
@@ -140,10 +140,14 @@ pub fn tiled_product(x: &Array, tiles: Tiled) -> Result<Option<Array>, Exception
         // halving it to pay for the handover.
         let at = (n / 2).next_multiple_of(amx_bf16::GROUP);
         let split = (n * k >= SPLIT_WORK && at < n).then_some(at);
-        if bf16 && rows >= 2 {
-            return bf16_rows_on_unit(x, tiles, rows, split).map(Some);
+        // Quantized tiles on a CPU without the unit take AVX-512 BF16 loops at every bfloat16
+        // row count (`tiles_avx512`).
+        let unit = matches!(tiles, Tiled::Bf16(_)) || amx_quantized::available();
+        if bf16 && (rows >= 2 || !unit) {
+            return bf16_rows(x, tiles, rows, split).map(Some);
         }
-        // SAFETY: the unit is there and granted (`available`); the tiles hold an [n, k] weight.
+        // SAFETY: the tiles' loops have what they need (`available`: the unit, granted, or for
+        // quantized tiles AVX-512 F, BW and BF16); the tiles hold an [n, k] weight.
         outputs(x, n, split, |xs, range, y| unsafe {
             match tiles {
                 Tiled::Bf16(t) => amx_bf16::fma_rows(xs, rows, t, range, y),
@@ -156,13 +160,14 @@ pub fn tiled_product(x: &Array, tiles: Tiled) -> Result<Option<Array>, Exception
     unreachable!("the tile unit is x86-64's")
 }
 
-/// Two bfloat16 rows or more on the unit, read and written as bfloat16 bits: each thread rounds
+/// Two bfloat16 rows or more on the unit (any number on `tiles_avx512` where quantized tiles are
+/// held without it), read and written as bfloat16 bits: each thread rounds
 /// the outputs it summed into the result's own buffer. Through [`outputs`], x would be widened
 /// to float32 first and the helper's float32 half read back for rounding, and on a verify
 /// window of a quantized model moving those between the cores costs more than the split's
 /// handover: the helper's part would spend much of its time reading x.
 #[cfg(target_arch = "x86_64")]
-fn bf16_rows_on_unit(x: &Array, tiles: Tiled, rows: usize, split: Option<usize>) -> Result<Array, Exception> {
+fn bf16_rows(x: &Array, tiles: Tiled, rows: usize, split: Option<usize>) -> Result<Array, Exception> {
     let x = row_major(x)?;
     let xb = bits16(&x).ok_or_else(|| Exception::custom("bfloat16 data"))?;
     let (n, k) = tiles.shape();
@@ -170,18 +175,21 @@ fn bf16_rows_on_unit(x: &Array, tiles: Tiled, rows: usize, split: Option<usize>)
     let out = amx_bf16::Bf16Rows::new(&mut bits, n);
     // Quantized rows' sums per group, once for both threads.
     let sums = match tiles {
-        // SAFETY: the unit is there (`Tiled::available`), and with it AVX-512 F.
+        // SAFETY: the CPU has AVX-512 F (`Tiled::available`: the unit, or AVX-512 BF16).
         Tiled::Quantized(t) => unsafe { amx_quantized::group_sums_of_bits(xb, t.group) },
         Tiled::Bf16(_) => Vec::new(),
     };
     let (xb, stride) = amx_bf16::padded(xb, k);
     let xb = &xb[..];
-    // SAFETY: the unit is there and granted (`Tiled::available`); the tiles hold an [n, k]
-    // weight; each thread writes only its own outputs of `bits`, which outlives both.
+    // SAFETY: the tiles' loops have what they need (`Tiled::available`); the tiles hold an
+    // [n, k] weight; each thread writes only its own outputs of `bits`, which outlives both.
     let run = |range: std::ops::Range<usize>| unsafe {
         match tiles {
             Tiled::Bf16(t) => amx_bf16::rows_on_unit(xb, stride, rows, t, range, out),
-            Tiled::Quantized(t) => amx_quantized::rows_on_unit(xb, rows, &sums, t, range, out),
+            Tiled::Quantized(t) if amx_quantized::available() => {
+                amx_quantized::rows_on_unit(xb, rows, &sums, t, range, out)
+            }
+            Tiled::Quantized(t) => crate::tiles_avx512::rows(xb, rows, &sums, t, range, out),
         }
     };
     match split {
@@ -877,12 +885,73 @@ mod tests {
         }
     }
 
+    /// Quantized tiles on the AVX-512 BF16 loops of CPUs without the unit (`tiles_avx512`),
+    /// where this CPU has those instructions (with the unit or not): MLX's float32 product of the
+    /// same values up to summation order, for every format, and a row's result the same alone,
+    /// in a window of any size (past a register tile and a pass) and in either part of a split.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn quantized_tiles_on_vectors_equal_mlxs_product_and_each_row_alone() {
+        let here = crate::lanes::available() && crate::simd::has!("avx512bw") && crate::simd::has!("avx512bf16");
+        if !here {
+            eprintln!("no AVX-512 BF16 on this CPU: quantized tiles on its vectors are not tested here");
+            return;
+        }
+        let run = |xs: &[f32], rows: usize, t: &amx_quantized::QuantTiles, outputs: std::ops::Range<usize>| {
+            let xb: Vec<u16> = xs.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+            let mut y = vec![0f32; rows * t.n];
+            // SAFETY: the CPU has AVX-512 F, BW, VL, DQ and BF16 (checked above).
+            unsafe {
+                let sums = amx_quantized::group_sums_of_bits(&xb, t.group);
+                let out = amx_bf16::F32Rows { y: &mut y, n: t.n };
+                crate::tiles_avx512::rows(&xb, rows, &sums, t, outputs, out);
+            }
+            y
+        };
+        for (bits, group_size) in [(4, 32), (4, 64), (4, 128), (8, 32), (8, 64), (8, 128)] {
+            for (n, k) in [(72, 256), (16, 128), (130, 384)] {
+                let w = normal(&[n, k], 60).as_dtype(Dtype::Bfloat16).unwrap();
+                let (wq, scales, biases) = mlx_rs::ops::quantize(&w, group_size, bits).unwrap();
+                let q = Quantization { group_size, bits };
+                let (n, k) = (n as usize, k as usize);
+                let case = format!("{bits} bits, group {group_size}, n {n}, k {k}");
+                let (s, b) = (bits16(&scales).unwrap(), bits16(&biases).unwrap());
+                let t =
+                    amx_quantized::QuantTiles::pack(wq.as_slice::<u32>(), s, b, n, k, bits as u32, group_size as usize);
+                for rows in [1, 2, 6, 7, 50] {
+                    let x = normal(&[rows, k as i32], 61 + rows as u64).as_dtype(Dtype::Bfloat16).unwrap();
+                    let xs = x.as_dtype(Dtype::Float32).unwrap();
+                    let xs = xs.as_slice::<f32>();
+                    let rows = rows as usize;
+                    let window = run(xs, rows, &t, 0..n);
+                    let ours = Array::from_slice(&window, &[rows as i32, n as i32]);
+                    let d = relative_difference(&ours, &mlx_in_float32(&x, &wq, &scales, &biases, q));
+                    assert!(d <= 1e-5, "{case}, {rows} rows: {d}");
+                    for m in 0..rows {
+                        let alone = run(&xs[m * k..(m + 1) * k], 1, &t, 0..n);
+                        assert_eq!(alone, window[m * n..(m + 1) * n], "{case}, row {m} of {rows}");
+                    }
+                    let at = amx_bf16::GROUP.min(n);
+                    let mut parts = run(xs, rows, &t, 0..at);
+                    let upper = run(xs, rows, &t, at..n);
+                    for m in 0..rows {
+                        parts[m * n + at..(m + 1) * n].copy_from_slice(&upper[m * n + at..(m + 1) * n]);
+                    }
+                    assert_eq!(parts, window, "{case}, {rows} rows split at {at}");
+                }
+            }
+        }
+    }
+
     /// The FMAs sum x·q as the unit does over values of every magnitude, denormals among them:
-    /// a row alone equals the row in a window, bit for bit.
+    /// a row alone equals the row in a window, bit for bit. Then through [`tiled_product`],
+    /// whichever loops hold the tiles (with `HOST_AMX=off` on a CPU with the unit, or on one
+    /// with AVX-512 BF16 alone, `tiles_avx512`).
     #[test]
     #[cfg(target_arch = "x86_64")]
     fn quantized_fma_loops_sum_as_the_tile_unit_over_wide_and_denormal_values() {
-        if !quantized_tiles_here() {
+        if !amx_quantized::held() {
+            eprintln!("no quantized tiles on this CPU: not tested here");
             return;
         }
         let (n, k, rows, group) = (80usize, 256usize, 4usize, 64usize);
@@ -900,11 +969,13 @@ mod tests {
             let packed: Vec<u32> =
                 (0..n * k * bits as usize / 32).map(|i| (i as u32).wrapping_mul(2246822519)).collect();
             let t = amx_quantized::QuantTiles::pack(&packed, &scales, &biases, n, k, bits, group);
-            let window = unit_or_fmas(&x, rows, true, Tiled::Quantized(&t), 0..n);
-            let bits_of = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-            for m in 0..rows {
-                let alone = unit_or_fmas(&x[m * k..(m + 1) * k], 1, true, Tiled::Quantized(&t), 0..n);
-                assert_eq!(bits_of(&alone), bits_of(&window[m * n..(m + 1) * n]), "{bits} bits, row {m}");
+            if quantized_tiles_here() {
+                let window = unit_or_fmas(&x, rows, true, Tiled::Quantized(&t), 0..n);
+                let bits_of = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                for m in 0..rows {
+                    let alone = unit_or_fmas(&x[m * k..(m + 1) * k], 1, true, Tiled::Quantized(&t), 0..n);
+                    assert_eq!(bits_of(&alone), bits_of(&window[m * n..(m + 1) * n]), "{bits} bits, row {m}");
+                }
             }
             // The same rows as a bfloat16 array, the window's route reading their bits; the
             // first row all denormals, read as zero by the unit and so by its groups' sums (of

@@ -1,0 +1,258 @@
+//! MLX-quantized weights held as [`QuantTiles`] on CPUs with AVX-512 BF16 but without the tile
+//! unit (Zen 4, Cooper Lake, or a Sapphire Rapids with `HOST_AMX=off`): every bfloat16 row
+//! count, one row or a prefill, multiplied by `vdpbf16ps` over the tiles widened to bfloat16.
+//!
+//! Why these loops: the AVX-512 BF16 loops over MLX's own layout (`quantized_bf16_avx512`) put
+//! a weight row's inputs across the vector's lanes, so each output of each row ends in a sum of
+//! lanes, and a group's scale and bias are applied per output and row. A prefill is then bound
+//! by that bookkeeping at about half of what `vdpbf16ps` could do. A tile row holds the
+//! input pair of 16 outputs instead, the pair layout `vdpbf16ps` reads: one instruction adds an
+//! input pair's products to 16 outputs of one row, with x's pair broadcast, and nothing is left
+//! to reduce. A widened tile row serves every row of x, and the scale and bias are applied
+//! once per 16 outputs, row and group.
+//!
+//! Each output of each row is summed the same way whatever the rows' count: per group, the
+//! input pairs in order into one float32 lane from zero (`vdpbf16ps` rounds after each product
+//! and reads and writes denormals as zero), then scale and bias applied as every tiled route
+//! applies them. So a row's result is the same alone, in a verify window and in a batch. It
+//! is not the tile unit's (which sums a block's even and odd inputs apart), and this route never
+//! runs beside the unit: it serves only where the unit does not.
+
+use std::arch::x86_64::*;
+
+use crate::amx_bf16::{RowSink, BLOCK, BLOCKS_AT_ONCE, DEPTH, GROUP};
+use crate::amx_quantized::{apply_group, four_rows, group_params, prefetch_ahead, QuantTiles, TILED_PREFETCH_BLOCKS};
+
+/// Rows of x per register tile: six rows of four blocks of 16 outputs are 24 accumulators,
+/// beside four widened tile rows and a broadcast input pair.
+const ROWS: usize = 6;
+/// Rows of x per pass over a group of outputs: their totals (float32, 64 outputs each) stay in
+/// L1 while the group's tiles are widened once for all of them.
+const PASS_ROWS: usize = 48;
+/// How many input blocks ahead of its reads [`few_rows`] asks for the tiles' lines, into L1:
+/// each quarter of a tile as the same quarter is read here, so that the requests are spread
+/// over the loop. Asked for a whole block at a time (as the unit's one-row FMAs ask), the
+/// bursts of requests held a memory-bound 8-bit step to about 85% of this rate.
+const PREFETCH_BLOCKS: usize = 2;
+
+/// Whether products of [`QuantTiles`] take these loops: the CPU has AVX-512 F, BW, VL, DQ and
+/// BF16, and the tile unit is not in use.
+pub fn available() -> bool {
+    !crate::amx_bf16::available()
+        && crate::lanes::available()
+        && crate::simd::has!("avx512bw")
+        && crate::simd::has!("avx512bf16")
+}
+
+/// Rows of x as bfloat16 bits (`xb`, [rows, k]) with their group sums
+/// (`amx_quantized::group_sums_of_bits`); outputs `outputs` go to `sink`.
+///
+/// # Safety
+/// [`available`] must have returned true (or the CPU have what it checks).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")]
+pub(super) unsafe fn rows(
+    xb: &[u16],
+    rows: usize,
+    sums: &[f32],
+    t: &QuantTiles,
+    outputs: std::ops::Range<usize>,
+    mut sink: impl RowSink,
+) {
+    let (k, groups) = (t.k, t.k / t.group);
+    assert!(xb.len() == rows * k && sums.len() == rows * groups, "{rows} rows for a weight of k {k}");
+    let _flushing = crate::amx_bf16::Flushing::set();
+    // A group's widened tiles: per input block, the four blocks' tiles of 16 pair rows.
+    let mut wide = vec![_mm512_setzero_si512(); t.group / DEPTH * BLOCKS_AT_ONCE * DEPTH / 2];
+    let mut totals = vec![[_mm512_setzero_ps(); BLOCKS_AT_ONCE]; PASS_ROWS];
+    for m0 in (0..rows).step_by(PASS_ROWS) {
+        let pass = PASS_ROWS.min(rows - m0);
+        for og in outputs.start / GROUP..outputs.end.div_ceil(GROUP) {
+            totals[..pass].fill([_mm512_setzero_ps(); BLOCKS_AT_ONCE]);
+            if pass <= ROWS {
+                // One register tile of rows (a decode step, a verify window): the tiles widened
+                // in registers as they are read.
+                let tile = Tile { m: m0, g: 0, groups, group: t.group, k, xb, sums };
+                let totals = &mut totals[..pass];
+                match (pass, t.bits) {
+                    (6, 4) => few_rows::<6, 4>(t, og, &tile, totals),
+                    (5, 4) => few_rows::<5, 4>(t, og, &tile, totals),
+                    (4, 4) => few_rows::<4, 4>(t, og, &tile, totals),
+                    (3, 4) => few_rows::<3, 4>(t, og, &tile, totals),
+                    (2, 4) => few_rows::<2, 4>(t, og, &tile, totals),
+                    (_, 4) => few_rows::<1, 4>(t, og, &tile, totals),
+                    (6, _) => few_rows::<6, 8>(t, og, &tile, totals),
+                    (5, _) => few_rows::<5, 8>(t, og, &tile, totals),
+                    (4, _) => few_rows::<4, 8>(t, og, &tile, totals),
+                    (3, _) => few_rows::<3, 8>(t, og, &tile, totals),
+                    (2, _) => few_rows::<2, 8>(t, og, &tile, totals),
+                    (_, _) => few_rows::<1, 8>(t, og, &tile, totals),
+                }
+                put_totals(&totals[..pass], m0, og, &outputs, &mut sink);
+                continue;
+            }
+            for g in 0..groups {
+                match t.bits {
+                    4 => widen_group::<4>(t, og, g, &mut wide),
+                    _ => widen_group::<8>(t, og, g, &mut wide),
+                }
+                let params = group_params_of(t, og, g);
+                for r0 in (0..pass).step_by(ROWS) {
+                    let tile = Tile { m: m0 + r0, g, groups, group: t.group, k, xb, sums };
+                    let totals = &mut totals[r0..];
+                    match (pass - r0).min(ROWS) {
+                        6 => register_tile::<6>(&wide, &tile, &params, totals),
+                        5 => register_tile::<5>(&wide, &tile, &params, totals),
+                        4 => register_tile::<4>(&wide, &tile, &params, totals),
+                        3 => register_tile::<3>(&wide, &tile, &params, totals),
+                        2 => register_tile::<2>(&wide, &tile, &params, totals),
+                        _ => register_tile::<1>(&wide, &tile, &params, totals),
+                    }
+                }
+            }
+            put_totals(&totals[..pass], m0, og, &outputs, &mut sink);
+        }
+    }
+}
+
+/// Rows from `m0` of output group `og`'s totals into `sink`.
+#[inline(always)]
+unsafe fn put_totals(
+    totals: &[[__m512; BLOCKS_AT_ONCE]],
+    m0: usize,
+    og: usize,
+    outputs: &std::ops::Range<usize>,
+    sink: &mut impl RowSink,
+) {
+    for (r, row) in totals.iter().enumerate() {
+        for (c, block) in row.iter().enumerate() {
+            sink.put(m0 + r, *block, og * GROUP + c * BLOCK, outputs);
+        }
+    }
+}
+
+/// `R` rows (at most [`ROWS`]) times output group `og`, every quantization group, into their
+/// zeroed totals: the tiles widened in registers as they are read, and summed as
+/// [`register_tile`] sums them.
+#[inline(always)]
+unsafe fn few_rows<const R: usize, const BITS: usize>(
+    t: &QuantTiles,
+    og: usize,
+    tile: &Tile,
+    totals: &mut [[__m512; BLOCKS_AT_ONCE]],
+) {
+    let per_group = t.group / DEPTH;
+    for g in 0..tile.groups {
+        let mut acc = [[_mm512_setzero_ps(); BLOCKS_AT_ONCE]; R];
+        for kb in g * per_group..(g + 1) * per_group {
+            let tiles = t.packed_tile(og * BLOCKS_AT_ONCE, kb);
+            let x = tile.xb.as_ptr().add(tile.m * tile.k + kb * DEPTH);
+            for quad in 0..DEPTH / 8 {
+                for c in 0..BLOCKS_AT_ONCE {
+                    // The quarter of the same tile PREFETCH_BLOCKS blocks ahead.
+                    let quarter = t.tile_bytes() / 4;
+                    let ahead = (PREFETCH_BLOCKS * BLOCKS_AT_ONCE + c) * t.tile_bytes() + quad * quarter;
+                    for line in (0..quarter).step_by(64) {
+                        _mm_prefetch::<_MM_HINT_T0>(tiles.wrapping_add(ahead + line).cast());
+                    }
+                    let rows = four_rows::<BITS>(tiles.add(c * t.tile_bytes()), quad);
+                    for (s, w) in rows.into_iter().enumerate() {
+                        let w = std::mem::transmute::<__m512i, __m512bh>(w);
+                        for (r, acc) in acc.iter_mut().enumerate() {
+                            let pair = x.add(r * tile.k + 2 * (4 * quad + s)).cast::<i32>().read_unaligned();
+                            let pair = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(pair));
+                            acc[c] = _mm512_dpbf16_ps(acc[c], w, pair);
+                        }
+                    }
+                }
+            }
+        }
+        let params = group_params_of(t, og, g);
+        for (r, acc) in acc.iter().enumerate() {
+            let x_sum = *tile.sums.get_unchecked((tile.m + r) * tile.groups + g);
+            for c in 0..BLOCKS_AT_ONCE {
+                totals[r][c] = apply_group(totals[r][c], acc[c], params[c], x_sum);
+            }
+        }
+    }
+}
+
+/// The scales and biases of output group `og`'s four blocks, quantization group `g`.
+#[inline(always)]
+unsafe fn group_params_of(t: &QuantTiles, og: usize, g: usize) -> [(__m512, __m512); BLOCKS_AT_ONCE] {
+    // (A loop, not `array::from_fn`: a closure that calls intrinsics is compiled without the
+    // caller's target features, and calls each intrinsic out of line.)
+    let mut params = [(_mm512_setzero_ps(), _mm512_setzero_ps()); BLOCKS_AT_ONCE];
+    for (c, p) in params.iter_mut().enumerate() {
+        *p = group_params(t, og * GROUP + c * BLOCK, g);
+    }
+    params
+}
+
+/// Where a register tile's rows start: rows from `m`, quantization groups from `g`.
+#[derive(Clone, Copy)]
+struct Tile<'a> {
+    m: usize,
+    g: usize,
+    groups: usize,
+    /// Inputs per quantization group.
+    group: usize,
+    k: usize,
+    xb: &'a [u16],
+    sums: &'a [f32],
+}
+
+/// The four tiles of each input block of quantization group `g`, output group `og`, widened
+/// into `wide` (per block, per tile, its 16 pair rows), the blocks ahead asked for into L2 as the
+/// unit's route asks for them.
+#[inline(always)]
+unsafe fn widen_group<const BITS: usize>(t: &QuantTiles, og: usize, g: usize, wide: &mut [__m512i]) {
+    let per_group = t.group / DEPTH;
+    let mut to = wide.iter_mut();
+    for kb in g * per_group..(g + 1) * per_group {
+        let tiles = t.packed_tile(og * BLOCKS_AT_ONCE, kb);
+        prefetch_ahead::<BITS, _MM_HINT_T1>(tiles, TILED_PREFETCH_BLOCKS);
+        for c in 0..BLOCKS_AT_ONCE {
+            let tile = tiles.add(c * t.tile_bytes());
+            for quad in 0..DEPTH / 8 {
+                for row in four_rows::<BITS>(tile, quad) {
+                    *to.next().expect("a group's tiles") = row;
+                }
+            }
+        }
+    }
+}
+
+/// `R` rows of a [`Tile`] times its group's widened tiles: the group's sums from zero, then
+/// scale and bias added into the rows' totals.
+#[inline(always)]
+unsafe fn register_tile<const R: usize>(
+    wide: &[__m512i],
+    tile: &Tile,
+    params: &[(__m512, __m512); BLOCKS_AT_ONCE],
+    totals: &mut [[__m512; BLOCKS_AT_ONCE]],
+) {
+    let mut acc = [[_mm512_setzero_ps(); BLOCKS_AT_ONCE]; R];
+    let pairs_per_block = DEPTH / 2;
+    let x = tile.xb.as_ptr().add(tile.m * tile.k + tile.g * tile.group);
+    for (b, block) in wide.chunks_exact(BLOCKS_AT_ONCE * pairs_per_block).enumerate() {
+        for p in 0..pairs_per_block {
+            let mut w = [std::mem::transmute::<__m512i, __m512bh>(_mm512_setzero_si512()); BLOCKS_AT_ONCE];
+            for (c, w) in w.iter_mut().enumerate() {
+                *w = std::mem::transmute::<__m512i, __m512bh>(block[c * pairs_per_block + p]);
+            }
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let pair = x.add(r * tile.k + b * DEPTH + 2 * p).cast::<i32>().read_unaligned();
+                let pair = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(pair));
+                for c in 0..BLOCKS_AT_ONCE {
+                    acc[c] = _mm512_dpbf16_ps(acc[c], w[c], pair);
+                }
+            }
+        }
+    }
+    for (r, acc) in acc.iter().enumerate() {
+        let x_sum = *tile.sums.get_unchecked((tile.m + r) * tile.groups + tile.g);
+        for c in 0..BLOCKS_AT_ONCE {
+            totals[r][c] = apply_group(totals[r][c], acc[c], params[c], x_sum);
+        }
+    }
+}
