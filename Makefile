@@ -51,18 +51,19 @@ replicas: build ## two `host serve` replicas behind nginx on loopback
 # references, and speculative output equal to plain. The 4-bit fixture sits that run out: its
 # oracle sums quantized products in float32 as Metal, CUDA and the host's kernels do, where
 # MLX's CPU kernel rounds to bfloat16 at every step (tests/oracle/README.md). The kernels' own
-# tests run again without the tile unit (with the target's parity: on a CPU with AMX the AVX-512
-# routes would go untested), on the AVX2 loops (likewise), on the portable loops and with 8-bit
-# activations for quantized products.
+# tests run again without the tile unit (with the target's parity and speculative output equal
+# to plain: on a CPU with AMX the AVX-512 routes would go untested), on the AVX2 loops (with the
+# target's parity), on the portable loops and with 8-bit activations for quantized products.
 MLX_ROUTE_TESTS := --test gemma4_parity --test speculative --test plain_decoding --test round_trips --test assistant --test dflash --test dspark \
 	--test deepspec --test trained_drafters
+NO_UNIT_TESTS := --test gemma4_parity --test speculative --test plain_decoding --test round_trips --test trees --test trained_drafters
 test: setup fixtures training-smoke check-platforms ## every test: Rust (both kernel routes), training smoke, platforms, docs
 	bash tests/clients/setup.sh
 	cargo build --workspace
 	cargo test --workspace
 	HOST_KERNELS=mlx cargo test -p host $(MLX_ROUTE_TESTS) -- --skip quantized_4_bit
 	HOST_AMX=off cargo test -p kernels
-	HOST_AMX=off cargo test -p host --test gemma4_parity
+	HOST_AMX=off cargo test -p host $(NO_UNIT_TESTS)
 	HOST_SIMD=avx2 cargo test -p kernels
 	HOST_SIMD=avx2 cargo test -p host --test gemma4_parity
 	HOST_SIMD=portable cargo test -p kernels

@@ -84,6 +84,12 @@ impl Tiles {
         self.data.len() * 2
     }
 
+    /// The tile of output block `ob` and input block `kb`.
+    #[cfg(target_arch = "x86_64")]
+    pub(super) fn tile(&self, ob: usize, kb: usize) -> *const u16 {
+        self.data[Self::at(ob, kb, self.k.div_ceil(DEPTH))..].as_ptr()
+    }
+
     /// Where weight [o, i] lies: in its tile, row `i / 2` of its block of inputs, then column
     /// `o` of its block of outputs, then `i`'s place in its pair.
     fn place(o: usize, i: usize, depth_blocks: usize) -> usize {
@@ -96,6 +102,15 @@ impl Tiles {
         let (group, c) = (ob / BLOCKS_AT_ONCE, ob % BLOCKS_AT_ONCE);
         ((group * depth_blocks + kb) * BLOCKS_AT_ONCE + c) * BLOCK * DEPTH
     }
+}
+
+/// Whether plain bfloat16 weights are held as [`Tiles`]: where the unit multiplies them
+/// ([`available`]), or the AVX-512 BF16 loops of `tiles_avx512` do, on a CPU without the unit.
+pub fn held() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return available() || super::tiles_avx512::available();
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 /// Whether weights are repacked for the unit: [`supported`], unless `HOST_AMX=off`.
@@ -428,7 +443,8 @@ pub(super) unsafe fn store(c: usize, to: *mut f32) {
 /// row's sums still do not depend on the others'.
 ///
 /// # Safety
-/// [`supported`] must have returned true; `tiles` is a weight [n, k].
+/// [`held`] must have returned true (the FMAs need AVX-512 F, not the unit); `tiles` is a
+/// weight [n, k].
 #[cfg(target_arch = "x86_64")]
 pub unsafe fn fma_rows(x: &[f32], rows: usize, tiles: &Tiles, outputs: std::ops::Range<usize>, y: &mut [f32]) {
     let _flushing = Flushing::set();

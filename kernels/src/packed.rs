@@ -27,7 +27,7 @@ impl Packed {
     /// `w` [n, k] repacked for the tile unit, where it is a plain bfloat16 matrix, the CPU route
     /// is taken and the unit is available.
     pub fn plain(w: &Array) -> Option<Packed> {
-        if w.dtype() != Dtype::Bfloat16 || w.ndim() != 2 || !crate::route::on_cpu() || !amx_bf16::available() {
+        if w.dtype() != Dtype::Bfloat16 || w.ndim() != 2 || !crate::route::on_cpu() || !amx_bf16::held() {
             return None;
         }
         let (n, k) = (w.shape()[0] as usize, w.shape()[1] as usize);

@@ -111,7 +111,7 @@ impl Tiled<'_> {
 
     fn available(&self) -> bool {
         match self {
-            Tiled::Bf16(_) => amx_bf16::available(),
+            Tiled::Bf16(_) => amx_bf16::held(),
             Tiled::Quantized(_) => amx_quantized::held(),
         }
     }
@@ -140,9 +140,9 @@ pub fn tiled_product(x: &Array, tiles: Tiled) -> Result<Option<Array>, Exception
         // halving it to pay for the handover.
         let at = (n / 2).next_multiple_of(amx_bf16::GROUP);
         let split = (n * k >= SPLIT_WORK && at < n).then_some(at);
-        // Quantized tiles on a CPU without the unit take AVX-512 BF16 loops at every bfloat16
-        // row count (`tiles_avx512`).
-        let unit = matches!(tiles, Tiled::Bf16(_)) || amx_quantized::available();
+        // Tiles on a CPU without the unit take AVX-512 BF16 loops at every bfloat16 row count
+        // (`tiles_avx512`).
+        let unit = amx_bf16::available();
         if bf16 && (rows >= 2 || !unit) {
             return bf16_rows(x, tiles, rows, split).map(Some);
         }
@@ -181,14 +181,14 @@ fn bf16_rows(x: &Array, tiles: Tiled, rows: usize, split: Option<usize>) -> Resu
     };
     let (xb, stride) = amx_bf16::padded(xb, k);
     let xb = &xb[..];
+    let unit = amx_bf16::available();
     // SAFETY: the tiles' loops have what they need (`Tiled::available`); the tiles hold an
     // [n, k] weight; each thread writes only its own outputs of `bits`, which outlives both.
     let run = |range: std::ops::Range<usize>| unsafe {
         match tiles {
-            Tiled::Bf16(t) => amx_bf16::rows_on_unit(xb, stride, rows, t, range, out),
-            Tiled::Quantized(t) if amx_quantized::available() => {
-                amx_quantized::rows_on_unit(xb, rows, &sums, t, range, out)
-            }
+            Tiled::Bf16(t) if unit => amx_bf16::rows_on_unit(xb, stride, rows, t, range, out),
+            Tiled::Bf16(t) => crate::tiles_avx512::bf16_rows(xb, stride, rows, t, range, out),
+            Tiled::Quantized(t) if unit => amx_quantized::rows_on_unit(xb, rows, &sums, t, range, out),
             Tiled::Quantized(t) => crate::tiles_avx512::rows(xb, rows, &sums, t, range, out),
         }
     };
@@ -885,6 +885,71 @@ mod tests {
         }
     }
 
+    /// Whether this CPU has what `tiles_avx512` needs (with the unit or not), saying so where not.
+    #[cfg(target_arch = "x86_64")]
+    fn vector_tiles_here() -> bool {
+        let here = crate::lanes::available() && crate::simd::has!("avx512bw") && crate::simd::has!("avx512bf16");
+        if !here {
+            eprintln!("no AVX-512 BF16 on this CPU: tiles on its vectors are not tested here");
+        }
+        here
+    }
+
+    /// bfloat16 tiles on the AVX-512 BF16 loops of CPUs without the unit (`tiles_avx512`), where
+    /// this CPU has those instructions: MLX's float32 product of the same values up to summation
+    /// order, a row's result the same alone, in a window of any size and in either part of a
+    /// split, and zeros appended to both operands changing no sum.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn bfloat16_tiles_on_vectors_equal_mlxs_product_and_each_row_alone() {
+        if !vector_tiles_here() {
+            return;
+        }
+        let run = |xs: &[f32], rows: usize, t: &amx_bf16::Tiles, outputs: std::ops::Range<usize>| {
+            let xb: Vec<u16> = xs.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+            let (xb, stride) = amx_bf16::padded(&xb, t.k);
+            let mut y = vec![0f32; rows * t.n];
+            // SAFETY: the CPU has AVX-512 F, BW, VL, DQ and BF16 (checked above).
+            unsafe {
+                let out = amx_bf16::F32Rows { y: &mut y, n: t.n };
+                crate::tiles_avx512::bf16_rows(&xb, stride, rows, t, outputs, out);
+            }
+            y
+        };
+        for (n, k) in [(72, 264), (16, 32), (100, 36), (40, 1000)] {
+            let w = normal(&[n, k], 70).as_dtype(Dtype::Bfloat16).unwrap();
+            let (n, k) = (n as usize, k as usize);
+            let tiles = amx_bf16::Tiles::pack(bits16(&w).unwrap(), n, k);
+            let padded_w: Vec<u16> =
+                bits16(&w).unwrap().chunks(k).flat_map(|r| r.iter().copied().chain([0; 11])).collect();
+            let padded_tiles = amx_bf16::Tiles::pack(&padded_w, n, k + 11);
+            let w32 = w.as_dtype(Dtype::Float32).unwrap();
+            for rows in [1, 2, 6, 7, 50] {
+                let x = normal(&[rows, k as i32], 71 + rows as u64).as_dtype(Dtype::Bfloat16).unwrap();
+                let xs = x.as_dtype(Dtype::Float32).unwrap();
+                let xs = xs.as_slice::<f32>();
+                let rows = rows as usize;
+                let window = run(xs, rows, &tiles, 0..n);
+                let mlx = x.as_dtype(Dtype::Float32).unwrap().matmul(w32.t()).unwrap();
+                let d = relative_difference(&Array::from_slice(&window, &[rows as i32, n as i32]), &mlx);
+                assert!(d <= 1e-5, "n {n}, k {k}, {rows} rows: {d}");
+                for m in 0..rows {
+                    let alone = run(&xs[m * k..(m + 1) * k], 1, &tiles, 0..n);
+                    assert_eq!(alone, window[m * n..(m + 1) * n], "n {n}, k {k}, row {m} of {rows}");
+                }
+                let at = amx_bf16::GROUP.min(n);
+                let mut parts = run(xs, rows, &tiles, 0..at);
+                let upper = run(xs, rows, &tiles, at..n);
+                for m in 0..rows {
+                    parts[m * n + at..(m + 1) * n].copy_from_slice(&upper[m * n + at..(m + 1) * n]);
+                }
+                assert_eq!(parts, window, "n {n}, k {k}, {rows} rows split at {at}");
+                let padded_x: Vec<f32> = xs.chunks(k).flat_map(|r| r.iter().copied().chain([0.0; 11])).collect();
+                assert_eq!(run(&padded_x, rows, &padded_tiles, 0..n), window, "n {n}, k {k} + 11 zeros");
+            }
+        }
+    }
+
     /// Quantized tiles on the AVX-512 BF16 loops of CPUs without the unit (`tiles_avx512`),
     /// where this CPU has those instructions (with the unit or not): MLX's float32 product of the
     /// same values up to summation order, for every format, and a row's result the same alone,
@@ -892,9 +957,7 @@ mod tests {
     #[test]
     #[cfg(target_arch = "x86_64")]
     fn quantized_tiles_on_vectors_equal_mlxs_product_and_each_row_alone() {
-        let here = crate::lanes::available() && crate::simd::has!("avx512bw") && crate::simd::has!("avx512bf16");
-        if !here {
-            eprintln!("no AVX-512 BF16 on this CPU: quantized tiles on its vectors are not tested here");
+        if !vector_tiles_here() {
             return;
         }
         let run = |xs: &[f32], rows: usize, t: &amx_quantized::QuantTiles, outputs: std::ops::Range<usize>| {

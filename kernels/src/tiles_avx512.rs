@@ -1,47 +1,121 @@
-//! MLX-quantized weights held as [`QuantTiles`] on CPUs with AVX-512 BF16 but without the tile
-//! unit (Zen 4, Cooper Lake, or a Sapphire Rapids with `HOST_AMX=off`): every bfloat16 row
-//! count, one row or a prefill, multiplied by `vdpbf16ps` over the tiles widened to bfloat16.
+//! Weights held as tiles ([`Tiles`], [`QuantTiles`]) on CPUs with AVX-512 BF16 but without the
+//! tile unit (Zen 4, Cooper Lake, or a Sapphire Rapids with `HOST_AMX=off`): every bfloat16 row
+//! count, one row or a prefill, multiplied by `vdpbf16ps` over the tile rows, quantized ones
+//! widened to bfloat16 first.
 //!
-//! Why these loops: the AVX-512 BF16 loops over MLX's own layout (`quantized_bf16_avx512`) put
-//! a weight row's inputs across the vector's lanes, so each output of each row ends in a sum of
-//! lanes, and a group's scale and bias are applied per output and row. A prefill is then bound
-//! by that bookkeeping at about half of what `vdpbf16ps` could do. A tile row holds the
-//! input pair of 16 outputs instead, the pair layout `vdpbf16ps` reads: one instruction adds an
-//! input pair's products to 16 outputs of one row, with x's pair broadcast, and nothing is left
-//! to reduce. A widened tile row serves every row of x, and the scale and bias are applied
-//! once per 16 outputs, row and group.
+//! Why these loops: the AVX-512 BF16 loops over MLX's own layout (`dot`,
+//! `quantized_bf16_avx512`) put a weight row's inputs across the vector's lanes, so each output
+//! of each row ends in a sum of lanes, and a quantized group's scale and bias are applied per
+//! output and row. A prefill is then bound by that bookkeeping at about half of what
+//! `vdpbf16ps` could do. A tile row holds the input pair of 16 outputs instead, the pair layout
+//! `vdpbf16ps` reads: one instruction adds an input pair's products to 16 outputs of one row,
+//! with x's pair broadcast, and nothing is left to reduce. A (widened) tile row serves every row
+//! of a register tile, and a group's scale and bias are applied once per 16 outputs, row and
+//! group.
 //!
-//! Each output of each row is summed the same way whatever the rows' count: per group, the
-//! input pairs in order into one float32 lane from zero (`vdpbf16ps` rounds after each product
-//! and reads and writes denormals as zero), then scale and bias applied as every tiled route
-//! applies them. So a row's result is the same alone, in a verify window and in a batch. It
-//! is not the tile unit's (which sums a block's even and odd inputs apart), and this route never
-//! runs beside the unit: it serves only where the unit does not.
+//! Each output of each row is summed the same way whatever the rows' count: the input pairs in
+//! order into one float32 lane from zero (`vdpbf16ps` rounds after each product and reads and
+//! writes denormals as zero), over all inputs for bfloat16 weights; for quantized ones per
+//! group, then scale and bias applied as every tiled route applies them. So a row's result is
+//! the same alone, in a verify window and in a batch. It is not the tile unit's (which sums a
+//! block's even and odd inputs apart), and this route never runs beside the unit: it serves
+//! only where the unit does not.
 
 use std::arch::x86_64::*;
 
-use crate::amx_bf16::{RowSink, BLOCK, BLOCKS_AT_ONCE, DEPTH, GROUP};
+use crate::amx_bf16::{RowSink, Tiles, BLOCK, BLOCKS_AT_ONCE, DEPTH, GROUP};
 use crate::amx_quantized::{apply_group, four_rows, group_params, prefetch_ahead, QuantTiles, TILED_PREFETCH_BLOCKS};
 
 /// Rows of x per register tile: six rows of four blocks of 16 outputs are 24 accumulators,
 /// beside four widened tile rows and a broadcast input pair.
 const ROWS: usize = 6;
-/// Rows of x per pass over a group of outputs: their totals (float32, 64 outputs each) stay in
-/// L1 while the group's tiles are widened once for all of them.
+/// Rows of x per pass over the outputs: their inputs stay in L2 while each group of outputs'
+/// tiles passes over them; for quantized weights their totals (float32, 64 outputs each) stay
+/// in L1 while each group's tiles are widened once for all of them.
 const PASS_ROWS: usize = 48;
-/// How many input blocks ahead of its reads [`few_rows`] asks for the tiles' lines, into L1:
-/// each quarter of a tile as the same quarter is read here, so that the requests are spread
-/// over the loop. Asked for a whole block at a time (as the unit's one-row FMAs ask), the
+/// How many input blocks ahead of its reads a register tile that reads the tiles themselves
+/// asks for their lines, into L1: each part of a tile as the same part is read, so that the
+/// requests are spread over the loop. Asked for a whole block at a time (as the unit's one-row FMAs ask), the
 /// bursts of requests held a memory-bound 8-bit step to about 85% of this rate.
 const PREFETCH_BLOCKS: usize = 2;
 
-/// Whether products of [`QuantTiles`] take these loops: the CPU has AVX-512 F, BW, VL, DQ and
+/// Whether products of [`Tiles`] and [`QuantTiles`] take these loops: the CPU has AVX-512 F, BW, VL, DQ and
 /// BF16, and the tile unit is not in use.
 pub fn available() -> bool {
     !crate::amx_bf16::available()
         && crate::lanes::available()
         && crate::simd::has!("avx512bw")
         && crate::simd::has!("avx512bf16")
+}
+
+/// Rows of x as bfloat16 bits times a bfloat16 weight's tiles: `xb` holds `rows` rows `stride`
+/// values apart, each zero-padded to whole input blocks. Outputs `outputs` go to `sink`.
+///
+/// # Safety
+/// [`available`] must have returned true (or the CPU have what it checks).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")]
+pub(super) unsafe fn bf16_rows(
+    xb: &[u16],
+    stride: usize,
+    rows: usize,
+    t: &Tiles,
+    outputs: std::ops::Range<usize>,
+    mut sink: impl RowSink,
+) {
+    let depth_blocks = t.k.div_ceil(DEPTH);
+    assert!(stride >= depth_blocks * DEPTH && xb.len() >= rows * stride, "rows of {stride} for k {}", t.k);
+    // Passes of rows whose x stays in L2 while each group of outputs' tiles passes over them.
+    for m0 in (0..rows).step_by(PASS_ROWS) {
+        let pass = PASS_ROWS.min(rows - m0);
+        for og in outputs.start / GROUP..outputs.end.div_ceil(GROUP) {
+            for r0 in (m0..m0 + pass).step_by(ROWS) {
+                let x = xb.as_ptr().add(r0 * stride);
+                let sums = match (m0 + pass - r0).min(ROWS) {
+                    6 => bf16_tile::<6>(t, og, depth_blocks, x, stride),
+                    5 => bf16_tile::<5>(t, og, depth_blocks, x, stride),
+                    4 => bf16_tile::<4>(t, og, depth_blocks, x, stride),
+                    3 => bf16_tile::<3>(t, og, depth_blocks, x, stride),
+                    2 => bf16_tile::<2>(t, og, depth_blocks, x, stride),
+                    _ => bf16_tile::<1>(t, og, depth_blocks, x, stride),
+                };
+                put_totals(&sums[..(m0 + pass - r0).min(ROWS)], r0, og, &outputs, &mut sink);
+            }
+        }
+    }
+}
+
+/// `R` rows (from `x`, `stride` apart) times output group `og`'s tiles, every input block:
+/// each output's sum over all of its inputs, the slots past `R` zero.
+#[inline(always)]
+unsafe fn bf16_tile<const R: usize>(
+    t: &Tiles,
+    og: usize,
+    depth_blocks: usize,
+    x: *const u16,
+    stride: usize,
+) -> [[__m512; BLOCKS_AT_ONCE]; ROWS] {
+    let mut acc = [[_mm512_setzero_ps(); BLOCKS_AT_ONCE]; ROWS];
+    let tile_values = BLOCK * DEPTH;
+    for kb in 0..depth_blocks {
+        let tiles = t.tile(og * BLOCKS_AT_ONCE, kb);
+        for p in 0..DEPTH / 2 {
+            let mut w = [std::mem::transmute::<__m512i, __m512bh>(_mm512_setzero_si512()); BLOCKS_AT_ONCE];
+            for (c, w) in w.iter_mut().enumerate() {
+                let row = tiles.add(c * tile_values + p * 2 * BLOCK);
+                // The same row of the same tile PREFETCH_BLOCKS blocks ahead.
+                _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(PREFETCH_BLOCKS * BLOCKS_AT_ONCE * tile_values).cast());
+                *w = std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(row.cast()));
+            }
+            for (r, acc) in acc.iter_mut().take(R).enumerate() {
+                let pair = x.add(r * stride + kb * DEPTH + 2 * p).cast::<i32>().read_unaligned();
+                let pair = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(pair));
+                for c in 0..BLOCKS_AT_ONCE {
+                    acc[c] = _mm512_dpbf16_ps(acc[c], w[c], pair);
+                }
+            }
+        }
+    }
+    acc
 }
 
 /// Rows of x as bfloat16 bits (`xb`, [rows, k]) with their group sums
