@@ -117,10 +117,11 @@ fn check_model(name: &str, model_dir: &Path, oracle_dir: &Path, wraps: usize, to
 // - the bfloat16 fixture: 0.18, on logits up to 11.75 (one rounding step is 0.0625 from 8);
 // - the 4-bit fixture: 2e-3, against an oracle whose quantized products sum in float32 as the
 //   host's do (see tests/oracle/README.md); summation order moves an occasional bfloat16
-//   rounding. Where products sum each group as scale · Σ x·q + bias · Σ x: 0.0039 with AVX2
-//   and without AVX-512 (`kernels::quantized_f32_avx2`), 0.002 with AVX-512 BF16 on Zen 4
-//   (`kernels::quantized_bf16_avx512`), and on a CPU with AMX tiles (`kernels::amx_quantized`)
-//   0.031, one bfloat16 step at the logits' magnitude;
+//   rounding. Where products sum each group as scale · Σ x·q + bias · Σ x over MLX's layout:
+//   0.0039 with AVX2 (`kernels::quantized_f32_avx2`), 0.002 with AVX-512 BF16
+//   (`kernels::quantized_bf16_avx512`); over the tiles its bfloat16 scales are held in (on AMX's
+//   unit, `kernels::amx_quantized`; without it, `kernels::tiles_avx512` and
+//   `kernels::tiles_avx2`) 0.031, one bfloat16 step at the logits' magnitude;
 // - the trained demo target (bfloat16, a 112-token prompt): 0.1875, on logits of 16 to 30, where
 //   one bfloat16 rounding step is 0.125: the prefill's activations round differently once or
 //   twice, and the tolerance allows two steps at that magnitude;

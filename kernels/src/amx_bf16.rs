@@ -21,7 +21,8 @@
 //! change no sum.
 //!
 //! Linux hands the tile registers to a process only on request (`arch_prctl`), made once here.
-//! `HOST_AMX=off` keeps weights as MLX's arrays and products on the AVX-512 BF16 loops.
+//! `HOST_AMX=off` leaves the tiles to the AVX-512 BF16 loops of `tiles_avx512`, as on a CPU
+//! without the unit.
 
 /// Inputs per tile row: 64 bytes of bfloat16.
 pub(super) const DEPTH: usize = 32;

@@ -172,6 +172,17 @@ impl QuantTiles {
         self.packed[self.tile_at(ob, kb)..].as_ptr()
     }
 
+    /// The scales (biases) from `at` on ([`param_at`](Self::param_at)), as bfloat16 bits.
+    #[cfg(target_arch = "x86_64")]
+    pub(super) fn scales_at(&self, at: usize) -> *const u16 {
+        self.scales[at..].as_ptr()
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    pub(super) fn biases_at(&self, at: usize) -> *const u16 {
+        self.biases[at..].as_ptr()
+    }
+
     /// Where output `o`'s scale (bias) of quantization group `g` lies.
     pub(super) fn param_at(&self, o: usize, g: usize) -> usize {
         ((o / GROUP) * (self.k / self.group) + g) * GROUP + o % GROUP
@@ -195,10 +206,16 @@ fn put_nibbles(tile: &mut [u8], o: usize, from: &[u8]) {
 }
 
 /// Whether MLX-quantized weights are held as [`QuantTiles`]: where the unit multiplies them
-/// ([`available`]), or the AVX-512 BF16 loops of `tiles_avx512` do, on a CPU without the unit.
+/// ([`available`]), or, on a CPU without the unit, the AVX-512 BF16 loops of `tiles_avx512` or
+/// the AVX2 ones of `tiles_avx2` do.
+///
+/// Where 8-bit activations are asked for (`HOST_QUANTIZED_ACTIVATIONS=int8`) and the unit is
+/// not in use, weights keep MLX's layout for the integer loops (`quantized_avx2`).
 pub fn held() -> bool {
     #[cfg(target_arch = "x86_64")]
-    return available() || super::tiles_avx512::available();
+    return available()
+        || ((super::tiles_avx512::available() || super::tiles_avx2::available())
+            && !super::quantized_avx2::available());
     #[cfg(not(target_arch = "x86_64"))]
     false
 }

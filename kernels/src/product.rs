@@ -141,15 +141,19 @@ pub fn tiled_product(x: &Array, tiles: Tiled) -> Result<Option<Array>, Exception
         let at = (n / 2).next_multiple_of(amx_bf16::GROUP);
         let split = (n * k >= SPLIT_WORK && at < n).then_some(at);
         // Tiles on a CPU without the unit take AVX-512 BF16 loops at every bfloat16 row count
-        // (`tiles_avx512`).
+        // (`tiles_avx512`), or without AVX-512 the AVX2 loops at every row count
+        // (`tiles_avx2`).
         let unit = amx_bf16::available();
-        if bf16 && (rows >= 2 || !unit) {
+        let avx2 = !unit && crate::tiles_avx2::available();
+        if bf16 && !avx2 && (rows >= 2 || !unit) {
             return bf16_rows(x, tiles, rows, split).map(Some);
         }
-        // SAFETY: the tiles' loops have what they need (`available`: the unit, granted, or for
-        // quantized tiles AVX-512 F, BW and BF16); the tiles hold an [n, k] weight.
+        // SAFETY: the tiles' loops have what they need (`available`: the unit, granted, or
+        // AVX-512 F, BW and BF16, or AVX2, FMA and F16C for `tiles_avx2`, which held only
+        // quantized tiles); the tiles hold an [n, k] weight.
         outputs(x, n, split, |xs, range, y| unsafe {
             match tiles {
+                Tiled::Quantized(t) if avx2 => crate::tiles_avx2::rows(xs, rows, t, range, y),
                 Tiled::Bf16(t) => amx_bf16::fma_rows(xs, rows, t, range, y),
                 Tiled::Quantized(t) => amx_quantized::fma_rows(xs, rows, t, range, y),
             }
@@ -946,6 +950,64 @@ mod tests {
                 assert_eq!(parts, window, "n {n}, k {k}, {rows} rows split at {at}");
                 let padded_x: Vec<f32> = xs.chunks(k).flat_map(|r| r.iter().copied().chain([0.0; 11])).collect();
                 assert_eq!(run(&padded_x, rows, &padded_tiles, 0..n), window, "n {n}, k {k} + 11 zeros");
+            }
+        }
+    }
+
+    /// Quantized tiles on the AVX2 loops of CPUs without AVX-512 (`tiles_avx2`), wherever the
+    /// CPU has AVX2 and FMA: MLX's float32 product of the same values up to summation order, for
+    /// every format and bfloat16 or float32 rows, and a row's result the same alone, in a window
+    /// of any size (one row, two, a register tile, past a pass) and in either part of a split.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn quantized_tiles_on_avx2_equal_mlxs_product_and_each_row_alone() {
+        if !(crate::simd::has!("avx2") && crate::simd::has!("fma") && crate::simd::has!("f16c")) {
+            eprintln!("no AVX2 with FMA on this CPU: quantized tiles on it are not tested here");
+            return;
+        }
+        let run = |xs: &[f32], rows: usize, t: &amx_quantized::QuantTiles, outputs: std::ops::Range<usize>| {
+            let mut y = vec![0f32; rows * t.n];
+            // SAFETY: the CPU has AVX2, FMA and F16C (checked above).
+            unsafe { crate::tiles_avx2::rows(xs, rows, t, outputs, &mut y) };
+            y
+        };
+        for (bits, group_size) in [(4, 32), (4, 64), (4, 128), (8, 32), (8, 64), (8, 128)] {
+            for (n, k) in [(72, 256), (16, 128), (130, 384)] {
+                let w = normal(&[n, k], 80).as_dtype(Dtype::Bfloat16).unwrap();
+                let (wq, scales, biases) = mlx_rs::ops::quantize(&w, group_size, bits).unwrap();
+                let q = Quantization { group_size, bits };
+                let (n, k) = (n as usize, k as usize);
+                let case = format!("{bits} bits, group {group_size}, n {n}, k {k}");
+                let (s, b) = (bits16(&scales).unwrap(), bits16(&biases).unwrap());
+                let t =
+                    amx_quantized::QuantTiles::pack(wq.as_slice::<u32>(), s, b, n, k, bits as u32, group_size as usize);
+                for (rows, dtype) in [
+                    (1, Dtype::Bfloat16),
+                    (2, Dtype::Float32),
+                    (3, Dtype::Bfloat16),
+                    (7, Dtype::Float32),
+                    (43, Dtype::Bfloat16),
+                ] {
+                    let x = normal(&[rows, k as i32], 81 + rows as u64).as_dtype(dtype).unwrap();
+                    let xs = x.as_dtype(Dtype::Float32).unwrap();
+                    let xs = xs.as_slice::<f32>();
+                    let rows = rows as usize;
+                    let window = run(xs, rows, &t, 0..n);
+                    let ours = Array::from_slice(&window, &[rows as i32, n as i32]);
+                    let d = relative_difference(&ours, &mlx_in_float32(&x, &wq, &scales, &biases, q));
+                    assert!(d <= 1e-5, "{case}, {rows} rows: {d}");
+                    for m in 0..rows {
+                        let alone = run(&xs[m * k..(m + 1) * k], 1, &t, 0..n);
+                        assert_eq!(alone, window[m * n..(m + 1) * n], "{case}, row {m} of {rows}");
+                    }
+                    let at = amx_bf16::GROUP.min(n);
+                    let mut parts = run(xs, rows, &t, 0..at);
+                    let upper = run(xs, rows, &t, at..n);
+                    for m in 0..rows {
+                        parts[m * n + at..(m + 1) * n].copy_from_slice(&upper[m * n + at..(m + 1) * n]);
+                    }
+                    assert_eq!(parts, window, "{case}, {rows} rows split at {at}");
+                }
             }
         }
     }

@@ -2,7 +2,8 @@
 //! integers, as llama.cpp computes its quantized formats: the route of
 //! [`super::dot::product`] for quantized weights on x86 CPUs with AVX2 (AVX-512 ones too) when
 //! `HOST_QUANTIZED_ACTIVATIONS=int8` asks for it ([`crate::simd::ACTIVATIONS_ENV`]), at every
-//! row count. Weights repacked for AMX tiles keep the tile unit (`HOST_AMX=off` to use these).
+//! row count. Weights repacked for AMX tiles keep the tile unit (`HOST_AMX=off` to use these;
+//! without the unit, quantized weights then keep MLX's layout for these loops).
 //!
 //! Why: dequantizing each weight to float32 (w = scale · q + bias) and multiplying it in takes
 //! five or six AVX2 operations per eight weights, which bounds a 4-bit product at about half of
