@@ -86,7 +86,7 @@ fn amx_tiles() -> &'static str {
         return "not used: the route is MLX's ops";
     }
     match (amx_bf16::available(), amx_bf16::supported()) {
-        (true, _) => "in use for bfloat16 and quantized products (HOST_AMX=off keeps MLX's layout)",
+        (true, _) => "in use for bfloat16 and quantized products (HOST_AMX=off leaves them to the AVX-512 loops)",
         (false, true) => "on this CPU, not used (HOST_AMX=off)",
         (false, false) => "not on this CPU",
     }

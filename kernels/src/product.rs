@@ -4,7 +4,8 @@
 //! and half-precision weights or activations at any row count. Anything else (more float32 rows,
 //! other dtypes, another device) is left to MLX. On a CPU with AMX, plain bfloat16 weights and
 //! quantized ones with bfloat16 scales are repacked for its tile unit and multiplied there
-//! ([`amx_bf16`], [`amx_quantized`], [`tiled_product`]).
+//! ([`amx_bf16`], [`amx_quantized`], [`tiled_product`]); without the unit, the same tiles serve
+//! AVX-512 BF16 loops (both formats) or AVX2 ones (quantized weights).
 //!
 //! Quantized weights of half-precision activations are summed in float32 here, as MLX's Metal
 //! and CUDA kernels sum them. MLX's CPU kernel instead rounds to the activation dtype after
@@ -117,10 +118,12 @@ impl Tiled<'_> {
     }
 }
 
-/// `x · wᵀ` for a w held as AMX tiles, at any row count; `None` where the tiles do not apply (x
-/// of another width or not floating-point, MLX on another device, a CPU without the unit). Two
-/// bfloat16 rows or more are multiplied on the unit, a single one through AVX-512 FMAs that sum
-/// as the unit does; rows of another dtype through the FMAs.
+/// `x · wᵀ` for a w held as tiles, at any row count; `None` where the tiles do not apply (x of
+/// another width or not floating-point, MLX on another device, a CPU that holds no tiles). With
+/// the unit, two bfloat16 rows or more are multiplied on it, a single one through AVX-512 FMAs
+/// that sum as the unit does, and rows of another dtype through the FMAs. Without it, bfloat16
+/// rows take `tiles_avx512` at every count (others the FMAs), and on a CPU without AVX-512
+/// quantized tiles take `tiles_avx2` for every row.
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 pub fn tiled_product(x: &Array, tiles: Tiled) -> Result<Option<Array>, Exception> {
     let rows = wide::rows(x) as usize;
@@ -866,18 +869,7 @@ mod tests {
                     let ours = Array::from_slice(&window, &[rows as i32, n as i32]);
                     let d = relative_difference(&ours, &mlx_in_float32(&x, &wq, &scales, &biases, q));
                     assert!(d <= 1e-5, "{case}, {rows} rows: {d}");
-                    for m in 0..rows {
-                        let alone = run(&xs[m * k..(m + 1) * k], 1, true, &t, 0..n);
-                        assert_eq!(alone, window[m * n..(m + 1) * n], "{case}, row {m} of {rows}");
-                    }
-                    // Split where the threads split: at a whole group of outputs.
-                    let at = amx_bf16::GROUP.min(n);
-                    let mut parts = run(xs, rows, true, &t, 0..at);
-                    let upper = run(xs, rows, true, &t, at..n);
-                    for m in 0..rows {
-                        parts[m * n + at..(m + 1) * n].copy_from_slice(&upper[m * n + at..(m + 1) * n]);
-                    }
-                    assert_eq!(parts, window, "{case}, {rows} rows split at {at}");
+                    each_row_alone_and_split(|x, r, o| run(x, r, true, &t, o), xs, (rows, k, n), &window, &case);
                     // Float32 rows: through the FMAs, near MLX's float32 product.
                     let x32 = normal(&[rows as i32, k as i32], 50 + rows as u64);
                     let floats = run(x32.as_slice::<f32>(), rows, false, &t, 0..n);
@@ -887,6 +879,30 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// That each row of `window` (y [rows, n] of x's rows [rows, k] by `run`) is what `run`
+    /// gives for that row alone, and that the outputs split where the threads split them, at a
+    /// whole group of outputs, give the window.
+    #[cfg(target_arch = "x86_64")]
+    fn each_row_alone_and_split(
+        run: impl Fn(&[f32], usize, std::ops::Range<usize>) -> Vec<f32>,
+        xs: &[f32],
+        (rows, k, n): (usize, usize, usize),
+        window: &[f32],
+        case: &str,
+    ) {
+        for m in 0..rows {
+            let alone = run(&xs[m * k..(m + 1) * k], 1, 0..n);
+            assert_eq!(alone, window[m * n..(m + 1) * n], "{case}, row {m} of {rows}");
+        }
+        let at = amx_bf16::GROUP.min(n);
+        let mut parts = run(xs, rows, 0..at);
+        let upper = run(xs, rows, at..n);
+        for m in 0..rows {
+            parts[m * n + at..(m + 1) * n].copy_from_slice(&upper[m * n + at..(m + 1) * n]);
+        }
+        assert_eq!(parts, window, "{case}, {rows} rows split at {at}");
     }
 
     /// Whether this CPU has what `tiles_avx512` needs (with the unit or not), saying so where not.
@@ -937,17 +953,8 @@ mod tests {
                 let mlx = x.as_dtype(Dtype::Float32).unwrap().matmul(w32.t()).unwrap();
                 let d = relative_difference(&Array::from_slice(&window, &[rows as i32, n as i32]), &mlx);
                 assert!(d <= 1e-5, "n {n}, k {k}, {rows} rows: {d}");
-                for m in 0..rows {
-                    let alone = run(&xs[m * k..(m + 1) * k], 1, &tiles, 0..n);
-                    assert_eq!(alone, window[m * n..(m + 1) * n], "n {n}, k {k}, row {m} of {rows}");
-                }
-                let at = amx_bf16::GROUP.min(n);
-                let mut parts = run(xs, rows, &tiles, 0..at);
-                let upper = run(xs, rows, &tiles, at..n);
-                for m in 0..rows {
-                    parts[m * n + at..(m + 1) * n].copy_from_slice(&upper[m * n + at..(m + 1) * n]);
-                }
-                assert_eq!(parts, window, "n {n}, k {k}, {rows} rows split at {at}");
+                let case = format!("n {n}, k {k}");
+                each_row_alone_and_split(|x, r, o| run(x, r, &tiles, o), xs, (rows, k, n), &window, &case);
                 let padded_x: Vec<f32> = xs.chunks(k).flat_map(|r| r.iter().copied().chain([0.0; 11])).collect();
                 assert_eq!(run(&padded_x, rows, &padded_tiles, 0..n), window, "n {n}, k {k} + 11 zeros");
             }
@@ -996,17 +1003,7 @@ mod tests {
                     let ours = Array::from_slice(&window, &[rows as i32, n as i32]);
                     let d = relative_difference(&ours, &mlx_in_float32(&x, &wq, &scales, &biases, q));
                     assert!(d <= 1e-5, "{case}, {rows} rows: {d}");
-                    for m in 0..rows {
-                        let alone = run(&xs[m * k..(m + 1) * k], 1, &t, 0..n);
-                        assert_eq!(alone, window[m * n..(m + 1) * n], "{case}, row {m} of {rows}");
-                    }
-                    let at = amx_bf16::GROUP.min(n);
-                    let mut parts = run(xs, rows, &t, 0..at);
-                    let upper = run(xs, rows, &t, at..n);
-                    for m in 0..rows {
-                        parts[m * n + at..(m + 1) * n].copy_from_slice(&upper[m * n + at..(m + 1) * n]);
-                    }
-                    assert_eq!(parts, window, "{case}, {rows} rows split at {at}");
+                    each_row_alone_and_split(|x, r, o| run(x, r, &t, o), xs, (rows, k, n), &window, &case);
                 }
             }
         }
@@ -1052,17 +1049,7 @@ mod tests {
                     let ours = Array::from_slice(&window, &[rows as i32, n as i32]);
                     let d = relative_difference(&ours, &mlx_in_float32(&x, &wq, &scales, &biases, q));
                     assert!(d <= 1e-5, "{case}, {rows} rows: {d}");
-                    for m in 0..rows {
-                        let alone = run(&xs[m * k..(m + 1) * k], 1, &t, 0..n);
-                        assert_eq!(alone, window[m * n..(m + 1) * n], "{case}, row {m} of {rows}");
-                    }
-                    let at = amx_bf16::GROUP.min(n);
-                    let mut parts = run(xs, rows, &t, 0..at);
-                    let upper = run(xs, rows, &t, at..n);
-                    for m in 0..rows {
-                        parts[m * n + at..(m + 1) * n].copy_from_slice(&upper[m * n + at..(m + 1) * n]);
-                    }
-                    assert_eq!(parts, window, "{case}, {rows} rows split at {at}");
+                    each_row_alone_and_split(|x, r, o| run(x, r, &t, o), xs, (rows, k, n), &window, &case);
                 }
             }
         }
