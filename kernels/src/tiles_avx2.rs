@@ -18,7 +18,7 @@
 use std::arch::x86_64::*;
 
 use crate::amx_bf16::{BLOCK, BLOCKS_AT_ONCE, DEPTH, GROUP};
-use crate::amx_quantized::QuantTiles;
+use crate::amx_quantized::{prefetch_quarter, QuantTiles, PREFETCH_BLOCKS};
 
 /// Rows of x per register tile of one tile's 16 outputs: ten accumulators, four widened
 /// vectors and a broadcast input fill the sixteen registers.
@@ -28,9 +28,6 @@ const ROWS: usize = 5;
 const PASS_ROWS: usize = 40;
 /// Input pairs per tile: its rows.
 const PAIRS: usize = DEPTH / 2;
-/// How many input blocks ahead the tiles' lines are asked for, into L1, spread over the loop
-/// as in `tiles_avx512`.
-const PREFETCH_BLOCKS: usize = 2;
 
 /// Whether products of [`QuantTiles`] take these loops: AVX2, FMA and F16C, no AVX-512 (whose
 /// routes take the tiles or MLX's layout) and no tile unit.
@@ -155,11 +152,7 @@ unsafe fn register_tile<const R: usize, const C: usize, const BITS: usize, const
                     } else {
                         let tile = tiles.add((c0 + c) * t.tile_bytes());
                         if p % 4 == 0 {
-                            // This quarter of the same tile PREFETCH_BLOCKS blocks ahead.
-                            let ahead = PREFETCH_BLOCKS * BLOCKS_AT_ONCE * t.tile_bytes() + p / 4 * t.tile_bytes() / 4;
-                            for line in (0..t.tile_bytes() / 4).step_by(64) {
-                                _mm_prefetch::<_MM_HINT_T0>(tile.wrapping_add(ahead + line).cast());
-                            }
+                            prefetch_quarter(tiles, t.tile_bytes(), c0 + c, p / 4, PREFETCH_BLOCKS);
                         }
                         widen_row::<BITS>(tile, p)
                     };

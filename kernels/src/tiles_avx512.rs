@@ -24,7 +24,10 @@
 use std::arch::x86_64::*;
 
 use crate::amx_bf16::{RowSink, Tiles, BLOCK, BLOCKS_AT_ONCE, DEPTH, GROUP};
-use crate::amx_quantized::{apply_group, four_rows, group_params, prefetch_ahead, QuantTiles, TILED_PREFETCH_BLOCKS};
+use crate::amx_quantized::{
+    apply_group, four_rows, group_params, prefetch_ahead, prefetch_quarter, QuantTiles, PREFETCH_BLOCKS,
+    TILED_PREFETCH_BLOCKS,
+};
 
 /// Rows of x per register tile: six rows of four blocks of 16 outputs are 24 accumulators,
 /// beside four widened tile rows and a broadcast input pair.
@@ -33,11 +36,6 @@ const ROWS: usize = 6;
 /// tiles passes over them; for quantized weights their totals (float32, 64 outputs each) stay
 /// in L1 while each group's tiles are widened once for all of them.
 const PASS_ROWS: usize = 48;
-/// How many input blocks ahead of its reads a register tile that reads the tiles themselves
-/// asks for their lines, into L1: each part of a tile as the same part is read, so that the
-/// requests are spread over the loop. Asked for a whole block at a time (as the unit's one-row FMAs ask), the
-/// bursts of requests held a memory-bound 8-bit step to about 85% of this rate.
-const PREFETCH_BLOCKS: usize = 2;
 
 /// Whether products of [`Tiles`] and [`QuantTiles`] take these loops: the CPU has AVX-512 F, BW, VL, DQ and
 /// BF16, and the tile unit is not in use.
@@ -222,12 +220,7 @@ unsafe fn few_rows<const R: usize, const BITS: usize>(
             let x = tile.xb.as_ptr().add(tile.m * tile.k + kb * DEPTH);
             for quad in 0..DEPTH / 8 {
                 for c in 0..BLOCKS_AT_ONCE {
-                    // The quarter of the same tile PREFETCH_BLOCKS blocks ahead.
-                    let quarter = t.tile_bytes() / 4;
-                    let ahead = (PREFETCH_BLOCKS * BLOCKS_AT_ONCE + c) * t.tile_bytes() + quad * quarter;
-                    for line in (0..quarter).step_by(64) {
-                        _mm_prefetch::<_MM_HINT_T0>(tiles.wrapping_add(ahead + line).cast());
-                    }
+                    prefetch_quarter(tiles, t.tile_bytes(), c, quad, PREFETCH_BLOCKS);
                     let rows = four_rows::<BITS>(tiles.add(c * t.tile_bytes()), quad);
                     for (s, w) in rows.into_iter().enumerate() {
                         let w = std::mem::transmute::<__m512i, __m512bh>(w);
