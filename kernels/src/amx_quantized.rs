@@ -27,8 +27,9 @@
 //! bit. Rows of float32 values take the FMAs too, one at a time: their products are not exact,
 //! but no row's result depends on another's.
 //!
-//! On a CPU with AVX-512 BF16 and no unit (or with `HOST_AMX=off`) the same tiles serve the
-//! `vdpbf16ps` loops of `tiles_avx512` at every bfloat16 row count, widened as here.
+//! On a CPU without the unit (or with `HOST_AMX=off`) the same tiles serve the `vdpbf16ps`
+//! loops of `tiles_avx512` at every bfloat16 row count where the CPU has AVX-512 BF16, widened
+//! as here, and the float32 FMAs of `tiles_avx2` at every row count where it has AVX2 alone.
 
 #[cfg(target_arch = "x86_64")]
 use super::amx_bf16::{put_block, RowSink, X_ROWS};
@@ -178,6 +179,7 @@ impl QuantTiles {
         self.scales[at..].as_ptr()
     }
 
+    /// The biases from `at` on, as [`scales_at`](Self::scales_at).
     #[cfg(target_arch = "x86_64")]
     pub(super) fn biases_at(&self, at: usize) -> *const u16 {
         self.biases[at..].as_ptr()
@@ -235,7 +237,8 @@ pub fn available() -> bool {
 /// the unit does, or rows of other values.
 ///
 /// # Safety
-/// [`held`] must have returned true (the FMAs need AVX-512 F, BW and BF16, not the unit).
+/// The CPU must have AVX-512 F, BW and BF16 (as where the unit or `tiles_avx512` holds the tiles;
+/// not the unit itself).
 #[cfg(target_arch = "x86_64")]
 pub unsafe fn fma_rows(x: &[f32], rows: usize, t: &QuantTiles, outputs: std::ops::Range<usize>, y: &mut [f32]) {
     let (n, k, groups) = (t.n, t.k, t.k / t.group);

@@ -1,13 +1,14 @@
 //! Weights held as tiles rather than as MLX's arrays.
 //!
-//! A plain bfloat16 weight on a CPU whose tile unit this process may use
-//! ([`amx_bf16::available`]) is repacked once for the unit, and MLX's copy is dropped: the tiles
-//! then serve every product with it ([`tiled_product`]), whatever its rows' count, so that a
-//! row's result does not depend on it, and the weight takes no more memory than as loaded. An
-//! MLX-quantized weight with bfloat16 scales and biases (as mlx-lm converts bfloat16
-//! checkpoints) is reordered likewise ([`amx_quantized`]), with its scales and biases, at the
-//! bytes MLX's arrays took: for the unit, or on a CPU with AVX-512 BF16 and no unit for the
-//! `vdpbf16ps` loops of `tiles_avx512`, which read a tile row as that instruction reads pairs.
+//! A plain bfloat16 weight is repacked once into the tile unit's tiles, and MLX's copy is
+//! dropped: the tiles then serve every product with it ([`tiled_product`]), whatever its rows'
+//! count, so that a row's result does not depend on it, and the weight takes no more memory
+//! than as loaded. An MLX-quantized weight with bfloat16 scales and biases (as mlx-lm converts
+//! bfloat16 checkpoints) is reordered likewise ([`amx_quantized`]), with its scales and biases,
+//! at the bytes MLX's arrays took. The tiles serve the unit where this process may use it, else
+//! the `vdpbf16ps` loops of `tiles_avx512` on a CPU with AVX-512 BF16 (both formats; a tile row
+//! is the pairs that instruction reads), else, for quantized weights on a CPU with AVX2 and no
+//! AVX-512, the loops of `tiles_avx2` ([`amx_bf16::held`], [`amx_quantized::held`]).
 
 use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype};
@@ -24,8 +25,8 @@ pub enum Packed {
 }
 
 impl Packed {
-    /// `w` [n, k] repacked for the tile unit, where it is a plain bfloat16 matrix, the CPU route
-    /// is taken and the unit is available.
+    /// `w` [n, k] repacked as tiles, where it is a plain bfloat16 matrix, the CPU route is taken
+    /// and the CPU multiplies bfloat16 tiles ([`amx_bf16::held`]).
     pub fn plain(w: &Array) -> Option<Packed> {
         if w.dtype() != Dtype::Bfloat16 || w.ndim() != 2 || !crate::route::on_cpu() || !amx_bf16::held() {
             return None;
