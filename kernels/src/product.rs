@@ -978,35 +978,14 @@ mod tests {
             unsafe { crate::tiles_avx2::rows(xs, rows, t, outputs, &mut y) };
             y
         };
-        for (bits, group_size) in [(4, 32), (4, 64), (4, 128), (8, 32), (8, 64), (8, 128)] {
-            for (n, k) in [(72, 256), (16, 128), (130, 384)] {
-                let w = normal(&[n, k], 80).as_dtype(Dtype::Bfloat16).unwrap();
-                let (wq, scales, biases) = mlx_rs::ops::quantize(&w, group_size, bits).unwrap();
-                let q = Quantization { group_size, bits };
-                let (n, k) = (n as usize, k as usize);
-                let case = format!("{bits} bits, group {group_size}, n {n}, k {k}");
-                let (s, b) = (bits16(&scales).unwrap(), bits16(&biases).unwrap());
-                let t =
-                    amx_quantized::QuantTiles::pack(wq.as_slice::<u32>(), s, b, n, k, bits as u32, group_size as usize);
-                for (rows, dtype) in [
-                    (1, Dtype::Bfloat16),
-                    (2, Dtype::Float32),
-                    (3, Dtype::Bfloat16),
-                    (7, Dtype::Float32),
-                    (43, Dtype::Bfloat16),
-                ] {
-                    let x = normal(&[rows, k as i32], 81 + rows as u64).as_dtype(dtype).unwrap();
-                    let xs = x.as_dtype(Dtype::Float32).unwrap();
-                    let xs = xs.as_slice::<f32>();
-                    let rows = rows as usize;
-                    let window = run(xs, rows, &t, 0..n);
-                    let ours = Array::from_slice(&window, &[rows as i32, n as i32]);
-                    let d = relative_difference(&ours, &mlx_in_float32(&x, &wq, &scales, &biases, q));
-                    assert!(d <= 1e-5, "{case}, {rows} rows: {d}");
-                    each_row_alone_and_split(|x, r, o| run(x, r, &t, o), xs, (rows, k, n), &window, &case);
-                }
-            }
-        }
+        let windows = [
+            (1, Dtype::Bfloat16),
+            (2, Dtype::Float32),
+            (3, Dtype::Bfloat16),
+            (7, Dtype::Float32),
+            (43, Dtype::Bfloat16),
+        ];
+        quantized_tiles_by(run, 80, &windows);
     }
 
     /// Quantized tiles on the AVX-512 BF16 loops of CPUs without the unit (`tiles_avx512`),
@@ -1030,9 +1009,23 @@ mod tests {
             }
             y
         };
+        let windows = [1, 2, 6, 7, 50].map(|rows| (rows, Dtype::Bfloat16));
+        quantized_tiles_by(run, 60, &windows);
+    }
+
+    /// Quantized tiles multiplied by `run` (y [rows, n] of x's rows for the outputs given) in
+    /// every format MLX makes and three shapes, at each window of `windows` (rows, x's dtype):
+    /// MLX's float32 product of the same values up to summation order, and each row alone and
+    /// the outputs split as in the window.
+    #[cfg(target_arch = "x86_64")]
+    fn quantized_tiles_by(
+        run: impl Fn(&[f32], usize, &amx_quantized::QuantTiles, std::ops::Range<usize>) -> Vec<f32>,
+        seed: u64,
+        windows: &[(i32, Dtype)],
+    ) {
         for (bits, group_size) in [(4, 32), (4, 64), (4, 128), (8, 32), (8, 64), (8, 128)] {
             for (n, k) in [(72, 256), (16, 128), (130, 384)] {
-                let w = normal(&[n, k], 60).as_dtype(Dtype::Bfloat16).unwrap();
+                let w = normal(&[n, k], seed).as_dtype(Dtype::Bfloat16).unwrap();
                 let (wq, scales, biases) = mlx_rs::ops::quantize(&w, group_size, bits).unwrap();
                 let q = Quantization { group_size, bits };
                 let (n, k) = (n as usize, k as usize);
@@ -1040,15 +1033,15 @@ mod tests {
                 let (s, b) = (bits16(&scales).unwrap(), bits16(&biases).unwrap());
                 let t =
                     amx_quantized::QuantTiles::pack(wq.as_slice::<u32>(), s, b, n, k, bits as u32, group_size as usize);
-                for rows in [1, 2, 6, 7, 50] {
-                    let x = normal(&[rows, k as i32], 61 + rows as u64).as_dtype(Dtype::Bfloat16).unwrap();
+                for &(rows, dtype) in windows {
+                    let x = normal(&[rows, k as i32], seed + 1 + rows as u64).as_dtype(dtype).unwrap();
                     let xs = x.as_dtype(Dtype::Float32).unwrap();
                     let xs = xs.as_slice::<f32>();
                     let rows = rows as usize;
                     let window = run(xs, rows, &t, 0..n);
                     let ours = Array::from_slice(&window, &[rows as i32, n as i32]);
                     let d = relative_difference(&ours, &mlx_in_float32(&x, &wq, &scales, &biases, q));
-                    assert!(d <= 1e-5, "{case}, {rows} rows: {d}");
+                    assert!(d <= 1e-5, "{case}, {rows} rows of {dtype:?}: {d}");
                     each_row_alone_and_split(|x, r, o| run(x, r, &t, o), xs, (rows, k, n), &window, &case);
                 }
             }
