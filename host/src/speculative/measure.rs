@@ -9,8 +9,11 @@ use super::depth::AUTO_MOST;
 use crate::generate::GenerateError;
 use crate::model::Gemma4;
 
-/// Timings of each width; the fastest counts (the machine's noise only adds).
-const REPEATS: usize = 2;
+/// Timings of each width, taken in passes over every width, so that a spell of load on the
+/// machine (other processes, other tests) falls on all widths alike rather than on a run of
+/// them, which would tilt the line and with it every depth chosen; the fastest counts (the
+/// machine's noise only adds).
+const REPEATS: usize = 3;
 
 /// Milliseconds of a one-row forward and its logits over n tokens (index n − 1), for n up to
 /// one more than [`AUTO_MOST`]. The ranks of a tensor-parallel target each measure, as every
@@ -22,13 +25,11 @@ pub(super) fn verify_ms(model: &Gemma4) -> Result<Vec<f64>, GenerateError> {
     let widths = AUTO_MOST + 1;
     // A warm-up forward: the first touches weights and buffers the others find ready.
     forward_ms(model, widths)?;
-    let mut ms = Vec::with_capacity(widths);
-    for n in 1..=widths {
-        let mut best = f64::INFINITY;
-        for _ in 0..REPEATS {
-            best = best.min(forward_ms(model, n)?);
+    let mut ms = vec![f64::INFINITY; widths];
+    for _ in 0..REPEATS {
+        for (n, best) in (1..=widths).zip(&mut ms) {
+            *best = best.min(forward_ms(model, n)?);
         }
-        ms.push(best);
     }
     if let Some(group) = model.group {
         let bytes: Vec<u8> = ms.iter().flat_map(|v| v.to_le_bytes()).collect();
