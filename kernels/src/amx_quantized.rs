@@ -403,7 +403,7 @@ unsafe fn fma_row<const BITS: usize>(
                     ([_mm512_setzero_ps(); BLOCKS_AT_ONCE], [_mm512_setzero_ps(); BLOCKS_AT_ONCE]);
                 for quad in 0..DEPTH / 8 {
                     for c in 0..BLOCKS_AT_ONCE {
-                        prefetch_quarter(tiles, tile_bytes, c, quad, PREFETCH_BLOCKS);
+                        prefetch_quarter::<BITS>(tiles, c, quad, PREFETCH_BLOCKS);
                         let rows = four_row_values::<BITS>(tiles.add(c * tile_bytes), quad);
                         for (s, (w_even, w_odd)) in rows.into_iter().enumerate() {
                             let at = kb * DEPTH + 2 * (4 * quad + s);
@@ -458,8 +458,11 @@ pub(super) unsafe fn prefetch_ahead<const BITS: usize, const HINT: i32>(tiles: *
 /// of the rate.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-pub(super) unsafe fn prefetch_quarter(tiles: *const u8, tile_bytes: usize, c: usize, quad: usize, blocks: usize) {
+pub(super) unsafe fn prefetch_quarter<const BITS: usize>(tiles: *const u8, c: usize, quad: usize, blocks: usize) {
     use std::arch::x86_64::*;
+    // A compile-time count of lines: a loop of unknown length here keeps the callers' loops over
+    // tiles from being unrolled, and then their accumulators, indexed by tile, live in memory.
+    let tile_bytes = BLOCK * DEPTH * BITS / 8;
     let quarter = tile_bytes / 4;
     let ahead = tiles.wrapping_add((blocks * BLOCKS_AT_ONCE + c) * tile_bytes + quad * quarter);
     for line in (0..quarter).step_by(64) {

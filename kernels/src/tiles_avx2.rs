@@ -188,7 +188,7 @@ unsafe fn register_tile<const R: usize, const C: usize, const BITS: usize, const
                 for c in 0..C {
                     let packed = tiles.add((c0 + c) * t.tile_bytes());
                     if !BUFFERED {
-                        prefetch_quarter(tiles, t.tile_bytes(), c0 + c, quad, PREFETCH_BLOCKS);
+                        prefetch_quarter::<BITS>(tiles, c0 + c, quad, PREFETCH_BLOCKS);
                     }
                     for s in 0..4 {
                         let p = 4 * quad + s;

@@ -220,7 +220,7 @@ unsafe fn few_rows<const R: usize, const BITS: usize>(
             let x = tile.xb.as_ptr().add(tile.m * tile.k + kb * DEPTH);
             for quad in 0..DEPTH / 8 {
                 for c in 0..BLOCKS_AT_ONCE {
-                    prefetch_quarter(tiles, t.tile_bytes(), c, quad, PREFETCH_BLOCKS);
+                    prefetch_quarter::<BITS>(tiles, c, quad, PREFETCH_BLOCKS);
                     let rows = four_rows::<BITS>(tiles.add(c * t.tile_bytes()), quad);
                     for (s, w) in rows.into_iter().enumerate() {
                         let w = std::mem::transmute::<__m512i, __m512bh>(w);
