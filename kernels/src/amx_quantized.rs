@@ -66,7 +66,9 @@ impl QuantTiles {
         // SAFETY: the words' bytes, in memory order (low bits first on x86-64, as MLX packs).
         let bytes = unsafe { std::slice::from_raw_parts(packed.as_ptr().cast::<u8>(), packed.len() * 4) };
         let mut t = QuantTiles {
-            packed: vec![0; n.div_ceil(GROUP) * GROUP * row_bytes],
+            // (A line past the last tile: `tiles_avx2` reads a quad's odd words two bytes on,
+            // which for the last quad reaches two bytes past it, masked off.)
+            packed: vec![0; n.div_ceil(GROUP) * GROUP * row_bytes + 64],
             scales: vec![0; n.div_ceil(GROUP) * GROUP * (k / group)],
             biases: vec![0; n.div_ceil(GROUP) * GROUP * (k / group)],
             n,

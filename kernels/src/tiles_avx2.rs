@@ -18,8 +18,9 @@
 //! A 4-bit weight is widened by a mask and a conversion, without the shift that would bring it
 //! down to bit 0: masked in place, q at bit 4·s is q · 2^(4·s) as an integer, exactly. Each pass
 //! of x's rows is copied with the matching input scaled by 2^(−4·s) instead
-//! ([`place_nibble_inputs`]); a power of two moves no bits (only inputs below 2^−98 lose some,
-//! as subnormals, and on every path alike), so each product is x·q. On Intel the variable shift
+//! ([`place_nibble_inputs`]); a power of two moves no bits (only inputs below 2^−114 lose some,
+//! as subnormals, and on every path alike), so each product is x·q. The odd input's nibble is
+//! read in place too, from the same words loaded two bytes on. On Intel the variable shift
 //! is two operations on the ports that the conversions and FMAs need: without it the 40M bench
 //! model's 4-bit decode spends 28% less time in these loops.
 
@@ -113,19 +114,10 @@ pub unsafe fn rows(x: &[f32], rows: usize, t: &QuantTiles, outputs: std::ops::Ra
 }
 
 /// Rows of x for 4-bit tiles, copied into `placed` with each input scaled by the power of two
-/// that undoes where [`widen_row`] leaves its weight: pair 4·quad + s at bit 4·s (even inputs)
-/// and 16 + 4·s (odd ones, except at s = 3, shifted down from the lane's top).
+/// that undoes where [`widen_row`] leaves its weight: 2^(−4·s) for input pair 4·quad + s.
 #[inline(always)]
 fn place_nibble_inputs<'a>(x: &[f32], placed: &'a mut [f32]) -> &'a [f32] {
-    let places: [f32; DEPTH] = std::array::from_fn(|i| {
-        let (s, odd) = ((i / 2) % 4, i % 2 == 1);
-        let up = match odd {
-            false => 4 * s,
-            true if s < 3 => 16 + 4 * s,
-            true => 0,
-        };
-        f32::from_bits((127 - up as u32) << 23)
-    });
+    let places: [f32; DEPTH] = std::array::from_fn(|i| f32::from_bits((127 - 4 * ((i as u32 / 2) % 4)) << 23));
     for (to, from) in placed.chunks_exact_mut(DEPTH).zip(x.chunks_exact(DEPTH)) {
         for ((to, from), place) in to.iter_mut().zip(from).zip(places) {
             *to = from * place;
@@ -240,15 +232,14 @@ unsafe fn widen_params(bits: *const u16) -> __m256 {
 unsafe fn widen_row<const BITS: usize>(tile: *const u8, quad: usize, s: usize) -> [__m256; 4] {
     if BITS == 4 {
         // Per quad of rows 32 words, word 2·o + parity holding rows 4·quad to 4·quad + 3 in its
-        // nibbles: as 32-bit lanes, output o's even nibble sits 4·s bits up, its odd one 16 more.
-        let low = _mm256_loadu_si256(tile.add(quad * 64).cast());
-        let high = _mm256_loadu_si256(tile.add(quad * 64 + 32).cast());
-        let even = _mm256_set1_epi32(0xF << (4 * s));
+        // nibbles: as 32-bit lanes, output o's even nibble sits 4·s bits up; read two bytes on,
+        // its odd nibble sits there too (the lane's high word, the next output's, masked off).
+        let (quad, mask) = (tile.add(quad * 64), _mm256_set1_epi32(0xF << (4 * s)));
         [
-            _mm256_cvtepi32_ps(_mm256_and_si256(low, even)),
-            _mm256_cvtepi32_ps(_mm256_and_si256(high, even)),
-            _mm256_cvtepi32_ps(odd_nibbles(low, s)),
-            _mm256_cvtepi32_ps(odd_nibbles(high, s)),
+            _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_loadu_si256(quad.cast()), mask)),
+            _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_loadu_si256(quad.add(32).cast()), mask)),
+            _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_loadu_si256(quad.add(2).cast()), mask)),
+            _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_loadu_si256(quad.add(34).cast()), mask)),
         ]
     } else {
         // 32 bytes: output o's even input, then its odd one, as the low and high byte of a lane.
@@ -261,18 +252,6 @@ unsafe fn widen_row<const BITS: usize>(tile: *const u8, quad: usize, s: usize) -
             _mm256_cvtepi32_ps(_mm256_srli_epi32::<8>(low)),
             _mm256_cvtepi32_ps(_mm256_srli_epi32::<8>(high)),
         ]
-    }
-}
-
-/// The odd nibbles of row s of a quad, in place, except the top one (s = 3), which in place
-/// would be the sign bit and is shifted down. (A function, not a closure: a closure that calls
-/// intrinsics is compiled without the caller's target features.)
-#[inline(always)]
-unsafe fn odd_nibbles(d: __m256i, s: usize) -> __m256i {
-    if s == 3 {
-        _mm256_srli_epi32::<28>(d)
-    } else {
-        _mm256_and_si256(d, _mm256_set1_epi32(0xF << (16 + 4 * s)))
     }
 }
 
