@@ -57,8 +57,8 @@ pub fn available() -> bool {
 pub unsafe fn rows(x: &[f32], rows: usize, t: &QuantTiles, outputs: std::ops::Range<usize>, y: &mut [f32]) {
     let (n, k, groups) = (t.n, t.k, t.k / t.group);
     assert!(x.len() == rows * k && y.len() == rows * n, "{rows} rows for a weight [{n}, {k}]");
-    // (Each thread of a split product sums and places x itself: done once before the split, it
-    // was work the other thread waited for, 2% of a prefill.)
+    // Each thread of a split product sums and places x itself: little work, which done once
+    // before the split the other thread would wait for.
     let sums = group_sums(x, t.group);
     let mut placed = if t.bits == 4 { vec![0f32; PASS_ROWS.min(rows) * k] } else { Vec::new() };
     let per_group = t.group / DEPTH;
@@ -174,8 +174,8 @@ unsafe fn register_tile<const R: usize, const C: usize, const BITS: usize, const
             let kb = tile.g * per_group + b;
             let tiles = t.packed_tile(tile.og * BLOCKS_AT_ONCE, kb);
             let x = tile.x.as_ptr().add(tile.m * tile.k + kb * DEPTH);
-            // Tile by tile, a quad of tile rows at a time: the quad's words stay in registers
-            // for its four rows, and the accumulators do not leave them.
+            // Per quad of tile rows, tile by tile, each tile's four rows in turn: the live values
+            // are the accumulators and one tile's row, which on AVX2's sixteen registers matters.
             for quad in 0..PAIRS / 4 {
                 for c in 0..C {
                     let packed = tiles.add((c0 + c) * t.tile_bytes());
@@ -226,7 +226,7 @@ unsafe fn widen_params(bits: *const u16) -> __m256 {
 }
 
 /// Tile row 4·quad + s (an input pair of its block) of the tile at `tile` as float32, each
-/// weight where it lies in its lane ([`place`]): the even input of outputs 0–7 and 8–15, then
+/// weight where it lies in its lane ([`place_nibble_inputs`]): the even input of outputs 0–7 and 8–15, then
 /// the odd input of both.
 #[inline(always)]
 unsafe fn widen_row<const BITS: usize>(tile: *const u8, quad: usize, s: usize) -> [__m256; 4] {
@@ -242,13 +242,13 @@ unsafe fn widen_row<const BITS: usize>(tile: *const u8, quad: usize, s: usize) -
             _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_loadu_si256(quad.add(34).cast()), mask)),
         ]
     } else {
-        // 32 bytes: output o's even input, then its odd one, as the low and high byte of a lane.
+        // 32 bytes: output o's even input, then its odd one.
+        let byte = _mm256_set1_epi32(0xFF);
         let low = _mm256_cvtepu16_epi32(_mm_loadu_si128(tile.add((4 * quad + s) * 32).cast()));
         let high = _mm256_cvtepu16_epi32(_mm_loadu_si128(tile.add((4 * quad + s) * 32 + 16).cast()));
-        let even = _mm256_set1_epi32(0xFF);
         [
-            _mm256_cvtepi32_ps(_mm256_and_si256(low, even)),
-            _mm256_cvtepi32_ps(_mm256_and_si256(high, even)),
+            _mm256_cvtepi32_ps(_mm256_and_si256(low, byte)),
+            _mm256_cvtepi32_ps(_mm256_and_si256(high, byte)),
             _mm256_cvtepi32_ps(_mm256_srli_epi32::<8>(low)),
             _mm256_cvtepi32_ps(_mm256_srli_epi32::<8>(high)),
         ]
