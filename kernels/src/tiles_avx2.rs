@@ -178,7 +178,6 @@ unsafe fn register_tile<const R: usize, const C: usize, const BITS: usize, const
             // are the accumulators and one tile's row, which on AVX2's sixteen registers matters.
             for quad in 0..PAIRS / 4 {
                 for c in 0..C {
-                    let packed = tiles.add((c0 + c) * t.tile_bytes());
                     if !BUFFERED {
                         prefetch_quarter::<BITS>(tiles, c0 + c, quad, PREFETCH_BLOCKS);
                     }
@@ -188,7 +187,7 @@ unsafe fn register_tile<const R: usize, const C: usize, const BITS: usize, const
                             let at = ((b * BLOCKS_AT_ONCE + c0 + c) * PAIRS + p) * 4;
                             [wide[at], wide[at + 1], wide[at + 2], wide[at + 3]]
                         } else {
-                            widen_row::<BITS>(packed, quad, s)
+                            widen_row::<BITS>(tiles.add((c0 + c) * t.tile_bytes()), quad, s)
                         };
                         for (r, acc) in acc.iter_mut().enumerate() {
                             let even = _mm256_set1_ps(*x.add(r * tile.k + 2 * p));
@@ -234,12 +233,12 @@ unsafe fn widen_row<const BITS: usize>(tile: *const u8, quad: usize, s: usize) -
         // Per quad of rows 32 words, word 2·o + parity holding rows 4·quad to 4·quad + 3 in its
         // nibbles: as 32-bit lanes, output o's even nibble sits 4·s bits up; read two bytes on,
         // its odd nibble sits there too (the lane's high word, the next output's, masked off).
-        let (quad, mask) = (tile.add(quad * 64), _mm256_set1_epi32(0xF << (4 * s)));
+        let (words, mask) = (tile.add(quad * 64), _mm256_set1_epi32(0xF << (4 * s)));
         [
-            _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_loadu_si256(quad.cast()), mask)),
-            _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_loadu_si256(quad.add(32).cast()), mask)),
-            _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_loadu_si256(quad.add(2).cast()), mask)),
-            _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_loadu_si256(quad.add(34).cast()), mask)),
+            _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_loadu_si256(words.cast()), mask)),
+            _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_loadu_si256(words.add(32).cast()), mask)),
+            _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_loadu_si256(words.add(2).cast()), mask)),
+            _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_loadu_si256(words.add(34).cast()), mask)),
         ]
     } else {
         // 32 bytes: output o's even input, then its odd one.
