@@ -358,7 +358,7 @@ pub(super) unsafe fn four_rows<const BITS: usize>(tile: *const u8, quad: usize) 
 /// a conversion, two operations fewer than through bfloat16.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn four_row_values<const BITS: usize>(
+pub(super) unsafe fn four_row_values<const BITS: usize>(
     tile: *const u8,
     quad: usize,
 ) -> [(std::arch::x86_64::__m512, std::arch::x86_64::__m512); 4] {

@@ -49,6 +49,8 @@ pub mod quantized_f32_avx2;
 mod tiles_avx2;
 #[cfg(target_arch = "x86_64")]
 mod tiles_avx512;
+#[cfg(target_arch = "x86_64")]
+mod tiles_fma512;
 pub mod weight;
 pub mod weighted_sum;
 #[cfg(target_arch = "x86_64")]

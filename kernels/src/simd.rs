@@ -92,6 +92,16 @@ macro_rules! has {
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_imports))]
 pub(crate) use has;
 
+/// Whether the CPU is Intel's: some loops pick instructions by how its cores issue them.
+#[cfg(target_arch = "x86_64")]
+pub fn intel() -> bool {
+    static INTEL: OnceLock<bool> = OnceLock::new();
+    *INTEL.get_or_init(|| {
+        let leaf = std::arch::x86_64::__cpuid(0);
+        [leaf.ebx, leaf.edx, leaf.ecx].map(u32::to_le_bytes).concat() == *b"GenuineIntel"
+    })
+}
+
 /// The widest product route this process takes on x86, in words (`amx`, `avx512`, `avx2`,
 /// `portable`; `+int8` where quantized products round activations to 8 bits), for the bench
 /// and `host doctor`.

@@ -1,7 +1,8 @@
 //! Weights held as tiles ([`Tiles`], [`QuantTiles`]) on CPUs with AVX-512 BF16 but without the
 //! tile unit (Zen 4, Cooper Lake, or a Sapphire Rapids with `HOST_AMX=off`): every bfloat16 row
 //! count, one row or a prefill, multiplied by `vdpbf16ps` over the tile rows, quantized ones
-//! widened to bfloat16 first.
+//! widened to bfloat16 first. On Intel's cores a prefill's passes take the same sums by float32
+//! FMAs instead ([`crate::tiles_fma512`]), which issue there at twice `vdpbf16ps`'s rate.
 //!
 //! Why these loops: the AVX-512 BF16 loops over MLX's own layout (`dot`,
 //! `quantized_bf16_avx512`) put a weight row's inputs across the vector's lanes, so each output
@@ -14,8 +15,8 @@
 //! group.
 //!
 //! Each output of each row is summed the same way whatever the rows' count: the input pairs in
-//! order into one float32 lane from zero (`vdpbf16ps` rounds after each product and reads and
-//! writes denormals as zero), over all inputs for bfloat16 weights; for quantized ones per
+//! order into one float32 lane from zero (`vdpbf16ps` adds a pair's odd product, then its even
+//! one, rounding after each and reading and writing denormals as zero), over all inputs for bfloat16 weights; for quantized ones per
 //! group, then scale and bias applied as every tiled route applies them. So a row's result is
 //! the same alone, in a verify window and in a batch. It is not the tile unit's (which sums a
 //! block's even and odd inputs apart), and this route never runs beside the unit: it serves
@@ -28,6 +29,7 @@ use crate::amx_quantized::{
     apply_group, four_rows, group_params, prefetch_ahead, prefetch_quarter, QuantTiles, PREFETCH_BLOCKS,
     TILED_PREFETCH_BLOCKS,
 };
+use crate::tiles_fma512;
 
 /// Rows of x per register tile: six rows of four blocks of 16 outputs are 24 accumulators,
 /// beside four widened tile rows and a broadcast input pair.
@@ -62,9 +64,25 @@ pub(super) unsafe fn bf16_rows(
 ) {
     let depth_blocks = t.k.div_ceil(DEPTH);
     assert!(stride >= depth_blocks * DEPTH && xb.len() >= rows * stride, "rows of {stride} for k {}", t.k);
+    let fmas = tiles_fma512::outrun_dpbf16();
+    let _flushing = fmas.then(crate::amx_bf16::Flushing::set);
+    let (mut x, mut wide) = (Vec::new(), Vec::new());
+    let mut totals = vec![[_mm512_setzero_ps(); BLOCKS_AT_ONCE]; PASS_ROWS];
     // Passes of rows whose x stays in L2 while each group of outputs' tiles passes over them.
     for m0 in (0..rows).step_by(PASS_ROWS) {
         let pass = PASS_ROWS.min(rows - m0);
+        if fmas && pass > ROWS {
+            // A prefill's pass on Intel: the same sums by FMAs, at twice the rate.
+            tiles_fma512::widen_inputs(&xb[m0 * stride..(m0 + pass) * stride], &mut x);
+            for og in outputs.start / GROUP..outputs.end.div_ceil(GROUP) {
+                totals[..pass].fill([_mm512_setzero_ps(); BLOCKS_AT_ONCE]);
+                for kb in 0..depth_blocks {
+                    tiles_fma512::bf16_block(t, (og, kb), (&x, stride), &mut wide, &mut totals[..pass]);
+                }
+                put_totals(&totals[..pass], m0, og, &outputs, &mut sink);
+            }
+            continue;
+        }
         for og in outputs.start / GROUP..outputs.end.div_ceil(GROUP) {
             for r0 in (m0..m0 + pass).step_by(ROWS) {
                 let x = xb.as_ptr().add(r0 * stride);
@@ -136,10 +154,24 @@ pub(super) unsafe fn rows(
     // A group's widened tiles: per input block, the four blocks' tiles of 16 pair rows.
     let mut wide = vec![_mm512_setzero_si512(); t.group / DEPTH * BLOCKS_AT_ONCE * DEPTH / 2];
     let mut totals = vec![[_mm512_setzero_ps(); BLOCKS_AT_ONCE]; PASS_ROWS];
+    let fmas = tiles_fma512::outrun_dpbf16();
+    let (mut x, mut wide_values) = (Vec::new(), Vec::new());
     for m0 in (0..rows).step_by(PASS_ROWS) {
         let pass = PASS_ROWS.min(rows - m0);
+        if fmas && pass > ROWS {
+            tiles_fma512::widen_inputs(&xb[m0 * k..(m0 + pass) * k], &mut x);
+        }
         for og in outputs.start / GROUP..outputs.end.div_ceil(GROUP) {
             totals[..pass].fill([_mm512_setzero_ps(); BLOCKS_AT_ONCE]);
+            if fmas && pass > ROWS {
+                // A prefill's pass on Intel: the same sums by FMAs, at twice the rate.
+                for g in 0..groups {
+                    let rows = (&x[..], &sums[m0 * groups..]);
+                    tiles_fma512::quantized_group(t, og, g, rows, &mut wide_values, &mut totals[..pass]);
+                }
+                put_totals(&totals[..pass], m0, og, &outputs, &mut sink);
+                continue;
+            }
             if pass <= ROWS {
                 // One register tile of rows (a decode step, a verify window): the tiles widened
                 // in registers as they are read.
@@ -245,7 +277,7 @@ unsafe fn few_rows<const R: usize, const BITS: usize>(
 
 /// The scales and biases of output group `og`'s four blocks, quantization group `g`.
 #[inline(always)]
-unsafe fn group_params_of(t: &QuantTiles, og: usize, g: usize) -> [(__m512, __m512); BLOCKS_AT_ONCE] {
+pub(super) unsafe fn group_params_of(t: &QuantTiles, og: usize, g: usize) -> [(__m512, __m512); BLOCKS_AT_ONCE] {
     // (A loop, not `array::from_fn`: a closure that calls intrinsics is compiled without the
     // caller's target features, and calls each intrinsic out of line.)
     let mut params = [(_mm512_setzero_ps(), _mm512_setzero_ps()); BLOCKS_AT_ONCE];
