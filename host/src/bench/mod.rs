@@ -99,8 +99,9 @@ pub struct PlainBench {
     /// device, whose memory this does not measure.
     pub memory_gb_per_s: Option<f64>,
     pub bandwidth_bound_tokens_per_s: Option<f64>,
-    /// The read bandwidth of two threads on two cores, and the share of it each program's
-    /// median decode reads (the reference's where its bytes per token are known).
+    /// The read bandwidth of two threads on two cores (the median of the readings taken before
+    /// each pair), and the share of it each program's decoding reads (the reference's where its
+    /// bytes per token are known): per run against its pair's reading, the median over pairs.
     pub memory_gb_per_s_two_threads: Option<f64>,
     pub host_share_of_two_threads: Option<f64>,
     pub reference_share_of_two_threads: Option<f64>,
@@ -162,8 +163,14 @@ pub fn plain(
     if let Some(r) = &config.reference {
         reference(r)?;
     }
-    let (mut host, mut other) = (Vec::new(), Vec::new());
+    let on_cpu = ::kernels::route::on_cpu();
+    let (mut host, mut other, mut two_threads) = (Vec::new(), Vec::new(), Vec::new());
     for pair in 0..config.pairs {
+        // The bandwidth a machine shared with others gives varies from minute to minute: each
+        // pair's decoding is held to a reading taken with it.
+        if on_cpu {
+            two_threads.push(crate::runtime::starting_children(|| memory_bandwidth_gb_per_s_threads(2)));
+        }
         match &config.reference {
             None => host.push(run_host(model, request)?),
             Some(r) if pair % 2 == 0 => {
@@ -180,12 +187,15 @@ pub fn plain(
     let sampling = sampling_cost(&logits, 20).map_err(|e| GenerateError::Internal(e.to_string()))?;
     let ratios = |f: fn(&Throughput) -> f64| host.iter().zip(&other).map(|(h, m)| f(h) / f(m)).collect::<Vec<_>>();
     let weight_bytes_per_token = model.weight_bytes_per_token();
-    let on_cpu = ::kernels::route::on_cpu();
     let memory_gb_per_s = on_cpu.then(memory_bandwidth_gb_per_s);
-    let two_threads = on_cpu.then(|| crate::runtime::starting_children(|| memory_bandwidth_gb_per_s_threads(2)));
-    let median_decode =
-        |runs: &[Throughput]| summary(&runs.iter().map(|t| t.decode_tokens_per_s).collect::<Vec<_>>()).0;
-    let share = |bytes: usize, rate: f64| two_threads.map(|bw| bytes as f64 * rate / (bw * 1e9));
+    // Each run's bytes a second over its pair's reading, the median over the pairs.
+    let share = |bytes: usize, runs: &[Throughput]| {
+        (!two_threads.is_empty() && runs.len() == two_threads.len()).then(|| {
+            let shares: Vec<f64> =
+                runs.iter().zip(&two_threads).map(|(t, bw)| bytes as f64 * t.decode_tokens_per_s / (bw * 1e9)).collect();
+            summary(&shares).0
+        })
+    };
     let reference_bytes = config.reference.as_ref().and_then(Reference::bytes_per_token);
     Ok(PlainBench {
         host_route: match on_cpu {
@@ -194,17 +204,15 @@ pub fn plain(
         },
         decode_ratios: ratios(|t| t.decode_tokens_per_s),
         prefill_ratios: ratios(|t| t.prefill_tokens_per_s),
-        host_share_of_two_threads: share(weight_bytes_per_token, median_decode(&host)),
-        reference_share_of_two_threads: reference_bytes
-            .filter(|_| !other.is_empty())
-            .and_then(|bytes| share(bytes, median_decode(&other))),
+        host_share_of_two_threads: share(weight_bytes_per_token, &host),
+        reference_share_of_two_threads: reference_bytes.and_then(|bytes| share(bytes, &other)),
         host,
         reference_name: config.reference.as_ref().map(|r| r.name().to_owned()),
         reference: other,
         weight_bytes_per_token,
         memory_gb_per_s,
         bandwidth_bound_tokens_per_s: memory_gb_per_s.map(|m| m * 1e9 / weight_bytes_per_token as f64),
-        memory_gb_per_s_two_threads: two_threads,
+        memory_gb_per_s_two_threads: (!two_threads.is_empty()).then(|| summary(&two_threads).0),
         step_ms,
         window_ms,
         window_over_step: window_ms / step_ms,
