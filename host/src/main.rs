@@ -231,6 +231,8 @@ struct BenchArgs {
     no_mlx_lm: bool,
     /// Measure plain decoding against llama.cpp instead of mlx-lm: its `llama-bench` binary, run
     /// on --gguf at as many threads as the host has cores (`make bench-llamacpp` builds both).
+    /// Both decode from an empty context, apart from the prefill: the host from the prompt's
+    /// first token.
     #[arg(long, value_name = "PATH", requires = "gguf", conflicts_with_all = ["mlx_lm_python", "no_mlx_lm"])]
     llama_bench: Option<PathBuf>,
     /// The GGUF conversion of the manifest's target that --llama-bench runs.

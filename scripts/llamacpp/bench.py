@@ -7,10 +7,10 @@
 
 For each model and format it runs `host bench --manifest M --llama-bench B --gguf G
 --prompt-tokens 512 --max-tokens 128 --json`, which alternates the host's plain decoding of the
-MLX checkpoint with llama-bench on the GGUF (prefill of 512 tokens, decode of 128, 2 threads),
-and writes the results as JSON and as a Markdown table: medians of host / llama.cpp with their
-ranges, the rates, and each program's share of the two-thread read bandwidth measured in the
-same run. The host's x86 route is whatever HOST_SIMD and HOST_AMX leave it (the table says).
+MLX checkpoint with llama-bench on the GGUF (prefill of 512 tokens, and decode of 128 from an
+empty context timed apart, by both; 2 threads), and writes the results as JSON and as a
+Markdown table: medians of host / llama.cpp with their ranges, the rates, and each program's
+share of the two-thread read bandwidth measured with each pair. The host's x86 route is whatever HOST_SIMD and HOST_AMX leave it (the table says).
 """
 
 from __future__ import annotations

@@ -159,7 +159,11 @@ pub fn plain(
 ) -> Result<PlainBench, BenchError> {
     // One unmeasured run of each, so that neither side pays first-touch costs in the sample.
     let reference = |r: &Reference| r.run(model_dir, request);
-    run_host(model, request)?;
+    // llama-bench times decoding from an empty context, apart from its prefill: against it the
+    // host's decoding is timed from a one-token prompt too, so that both read the same cache.
+    let apart = matches!(config.reference, Some(Reference::LlamaCpp { .. }));
+    let run_host = || run_host(model, request, apart);
+    run_host()?;
     if let Some(r) = &config.reference {
         reference(r)?;
     }
@@ -172,14 +176,14 @@ pub fn plain(
             two_threads.push(crate::runtime::starting_children(|| memory_bandwidth_gb_per_s_threads(2)));
         }
         match &config.reference {
-            None => host.push(run_host(model, request)?),
+            None => host.push(run_host()?),
             Some(r) if pair % 2 == 0 => {
-                host.push(run_host(model, request)?);
+                host.push(run_host()?);
                 other.push(reference(r)?);
             }
             Some(r) => {
                 other.push(reference(r)?);
-                host.push(run_host(model, request)?);
+                host.push(run_host()?);
             }
         }
     }
@@ -257,11 +261,21 @@ fn window_cost(model: &Gemma4, prompt: &[u32], repetitions: usize) -> Result<(f6
     Ok((summary(&step[1..]).0, summary(&window[1..]).0, step_logits))
 }
 
-fn run_host(model: &Gemma4, request: &Request) -> Result<Throughput, BenchError> {
-    let g = generate(model, request, |_| {})?;
+/// The host's prefill and decoding of `request`; with `apart`, decoding timed in a second run
+/// from the prompt's first token alone.
+fn run_host(model: &Gemma4, request: &Request, apart: bool) -> Result<Throughput, BenchError> {
+    if !apart {
+        let g = generate(model, request, |_| {})?;
+        return Ok(Throughput {
+            prefill_tokens_per_s: g.stats.prefill_tokens_per_s,
+            decode_tokens_per_s: g.stats.decode_tokens_per_s,
+        });
+    }
+    let prefill = generate(model, &Request { max_tokens: 1, ..request.clone() }, |_| {})?;
+    let decode = generate(model, &Request { prompt: request.prompt[..1].to_vec(), ..request.clone() }, |_| {})?;
     Ok(Throughput {
-        prefill_tokens_per_s: g.stats.prefill_tokens_per_s,
-        decode_tokens_per_s: g.stats.decode_tokens_per_s,
+        prefill_tokens_per_s: prefill.stats.prefill_tokens_per_s,
+        decode_tokens_per_s: decode.stats.decode_tokens_per_s,
     })
 }
 
