@@ -16,8 +16,9 @@
 //!
 //! Each output of each row is summed the same way whatever the rows' count: the input pairs in
 //! order into one float32 lane from zero (`vdpbf16ps` adds a pair's odd product, then its even
-//! one, rounding after each and reading and writing denormals as zero), over all inputs for bfloat16 weights; for quantized ones per
-//! group, then scale and bias applied as every tiled route applies them. So a row's result is
+//! one, rounding after each and reading and writing denormals as zero), over all inputs for
+//! bfloat16 weights; for quantized ones per group, then scale and bias applied as every tiled
+//! route applies them. So a row's result is
 //! the same alone, in a verify window and in a batch. It is not the tile unit's (which sums a
 //! block's even and odd inputs apart), and this route never runs beside the unit: it serves
 //! only where the unit does not.

@@ -162,8 +162,8 @@ pub fn plain(
     // llama-bench times decoding from an empty context, apart from its prefill: against it the
     // host's decoding is timed from a one-token prompt too, so that both read the same cache.
     let apart = matches!(config.reference, Some(Reference::LlamaCpp { .. }));
-    let run_host = || run_host(model, request, apart);
-    run_host()?;
+    let host_run = || run_host(model, request, apart);
+    host_run()?;
     if let Some(r) = &config.reference {
         reference(r)?;
     }
@@ -176,14 +176,14 @@ pub fn plain(
             two_threads.push(crate::runtime::starting_children(|| memory_bandwidth_gb_per_s_threads(2)));
         }
         match &config.reference {
-            None => host.push(run_host()?),
+            None => host.push(host_run()?),
             Some(r) if pair % 2 == 0 => {
-                host.push(run_host()?);
+                host.push(host_run()?);
                 other.push(reference(r)?);
             }
             Some(r) => {
                 other.push(reference(r)?);
-                host.push(run_host()?);
+                host.push(host_run()?);
             }
         }
     }
@@ -195,8 +195,11 @@ pub fn plain(
     // Each run's bytes a second over its pair's reading, the median over the pairs.
     let share = |bytes: usize, runs: &[Throughput]| {
         (!two_threads.is_empty() && runs.len() == two_threads.len()).then(|| {
-            let shares: Vec<f64> =
-                runs.iter().zip(&two_threads).map(|(t, bw)| bytes as f64 * t.decode_tokens_per_s / (bw * 1e9)).collect();
+            let shares: Vec<f64> = runs
+                .iter()
+                .zip(&two_threads)
+                .map(|(t, bw)| bytes as f64 * t.decode_tokens_per_s / (bw * 1e9))
+                .collect();
             summary(&shares).0
         })
     };
