@@ -160,19 +160,20 @@ pub(super) unsafe fn rows(
     for m0 in (0..rows).step_by(PASS_ROWS) {
         let pass = PASS_ROWS.min(rows - m0);
         if fmas && pass > ROWS {
+            // A prefill's pass on Intel: the same sums by FMAs, at twice the rate.
             tiles_fma512::widen_inputs(&xb[m0 * k..(m0 + pass) * k], &mut x);
-        }
-        for og in outputs.start / GROUP..outputs.end.div_ceil(GROUP) {
-            totals[..pass].fill([_mm512_setzero_ps(); BLOCKS_AT_ONCE]);
-            if fmas && pass > ROWS {
-                // A prefill's pass on Intel: the same sums by FMAs, at twice the rate.
+            for og in outputs.start / GROUP..outputs.end.div_ceil(GROUP) {
+                totals[..pass].fill([_mm512_setzero_ps(); BLOCKS_AT_ONCE]);
                 for g in 0..groups {
                     let rows = (&x[..], &sums[m0 * groups..]);
                     tiles_fma512::quantized_group(t, og, g, rows, &mut wide_values, &mut totals[..pass]);
                 }
                 put_totals(&totals[..pass], m0, og, &outputs, &mut sink);
-                continue;
             }
+            continue;
+        }
+        for og in outputs.start / GROUP..outputs.end.div_ceil(GROUP) {
+            totals[..pass].fill([_mm512_setzero_ps(); BLOCKS_AT_ONCE]);
             if pass <= ROWS {
                 // One register tile of rows (a decode step, a verify window): the tiles widened
                 // in registers as they are read.

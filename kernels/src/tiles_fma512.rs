@@ -144,27 +144,15 @@ pub(super) unsafe fn quantized_group(
         _ => widen_group::<8>(t, og, g, wide),
     }
     let params = super::tiles_avx512::group_params_of(t, og, g);
-    let tile = Tile { g, groups: t.k / t.group, group: t.group, k: t.k, x, sums };
     for r0 in (0..totals.len()).step_by(ROWS) {
         let totals = &mut totals[r0..];
         match totals.len().min(ROWS) {
-            4 => register_tile::<4>(wide, r0, &tile, &params, totals),
-            3 => register_tile::<3>(wide, r0, &tile, &params, totals),
-            2 => register_tile::<2>(wide, r0, &tile, &params, totals),
-            _ => register_tile::<1>(wide, r0, &tile, &params, totals),
+            4 => register_tile::<4>(wide, t, (g, r0), (x, sums), &params, totals),
+            3 => register_tile::<3>(wide, t, (g, r0), (x, sums), &params, totals),
+            2 => register_tile::<2>(wide, t, (g, r0), (x, sums), &params, totals),
+            _ => register_tile::<1>(wide, t, (g, r0), (x, sums), &params, totals),
         }
     }
-}
-
-/// A pass's rows as float32 and where a quantization group starts in them.
-struct Tile<'a> {
-    g: usize,
-    groups: usize,
-    /// Inputs per quantization group.
-    group: usize,
-    k: usize,
-    x: &'a [f32],
-    sums: &'a [f32],
 }
 
 /// The four tiles of each input block of quantization group `g`, output group `og`, as float32
@@ -188,26 +176,29 @@ unsafe fn widen_group<const BITS: usize>(t: &QuantTiles, og: usize, g: usize, wi
     }
 }
 
-/// Rows `m` to `m + R` of a [`Tile`] times its group's widened tiles: the group's sums from
-/// zero, then scale and bias added into the rows' totals.
+/// Rows `m` to `m + R` of a pass (`x`, [rows, k] as float32, with the rows' group sums `sums`)
+/// times quantization group `g`'s widened tiles: the group's sums from zero, then scale and bias
+/// added into the rows' totals.
 #[inline(always)]
 unsafe fn register_tile<const R: usize>(
     wide: &[__m512],
-    m: usize,
-    tile: &Tile,
+    t: &QuantTiles,
+    (g, m): (usize, usize),
+    (x, sums): (&[f32], &[f32]),
     params: &[(__m512, __m512); BLOCKS_AT_ONCE],
     totals: &mut [[__m512; BLOCKS_AT_ONCE]],
 ) {
     let mut acc = [[_mm512_setzero_ps(); BLOCKS_AT_ONCE]; R];
-    let x = tile.x.as_ptr().add(m * tile.k + tile.g * tile.group);
+    let groups = t.k / t.group;
+    let x = x.as_ptr().add(m * t.k + g * t.group);
     for (b, block) in wide.chunks_exact(BLOCKS_AT_ONCE * PAIRS * 2).enumerate() {
         for p in 0..PAIRS {
             let (even, odd) = pair_row(block, p);
-            pair_into(&mut acc, &even, &odd, x.add(b * DEPTH + 2 * p), tile.k);
+            pair_into(&mut acc, &even, &odd, x.add(b * DEPTH + 2 * p), t.k);
         }
     }
     for (r, acc) in acc.iter().enumerate() {
-        let x_sum = *tile.sums.get_unchecked((m + r) * tile.groups + tile.g);
+        let x_sum = *sums.get_unchecked((m + r) * groups + g);
         for c in 0..BLOCKS_AT_ONCE {
             totals[r][c] = apply_group(totals[r][c], acc[c], params[c], x_sum);
         }
