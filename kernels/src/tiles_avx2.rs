@@ -177,8 +177,9 @@ unsafe fn register_tile<const R: usize, const C: usize, const BITS: usize, const
             let kb = tile.g * per_group + b;
             let tiles = t.packed_tile(tile.og * BLOCKS_AT_ONCE, kb);
             let x = tile.x.as_ptr().add(tile.m * tile.k + kb * DEPTH);
-            // Per quad of tile rows, tile by tile, each tile's four rows in turn: the live values
-            // are the accumulators and one tile's row, which on AVX2's sixteen registers matters.
+            // Per quad of tile rows, tile by tile, each tile's four rows in turn. LLVM keeps each
+            // tile's quad of words for its four rows, so the live values are the accumulators
+            // and C tiles' words, which on AVX2's sixteen registers bounds C (see `rows`).
             for quad in 0..PAIRS / 4 {
                 for c in 0..C {
                     if !BUFFERED {
@@ -228,8 +229,8 @@ unsafe fn widen_params(bits: *const u16) -> __m256 {
 }
 
 /// Tile row 4·quad + s (an input pair of its block) of the tile at `tile` as float32, each
-/// weight where it lies in its lane ([`place_nibble_inputs`]): the even input of outputs 0–7 and 8–15, then
-/// the odd input of both.
+/// weight where it lies in its lane ([`place_nibble_inputs`]): the even input of outputs 0–7 and
+/// 8–15, then the odd input of both.
 #[inline(always)]
 unsafe fn widen_row<const BITS: usize>(tile: *const u8, quad: usize, s: usize) -> [__m256; 4] {
     if BITS == 4 {
