@@ -52,8 +52,10 @@ replicas: build ## two `host serve` replicas behind nginx on loopback
 # oracle sums quantized products in float32 as Metal, CUDA and the host's kernels do, where
 # MLX's CPU kernel rounds to bfloat16 at every step (tests/oracle/README.md). The kernels' own
 # tests run again without the tile unit (with the target's parity and speculative output equal
-# to plain: on a CPU with AMX the AVX-512 routes would go untested), on the AVX2 loops (with the
-# target's parity), on the portable loops and with 8-bit activations for quantized products.
+# to plain: on a CPU with AMX the AVX-512 routes would go untested), on AVX-512 without BF16
+# (as Skylake-SP to Ice Lake run it: the target's parity, speculative output and trees equal to
+# plain), on the AVX2 loops (with the target's parity), on the portable loops and with 8-bit
+# activations for quantized products.
 MLX_ROUTE_TESTS := --test gemma4_parity --test speculative --test plain_decoding --test round_trips --test assistant --test dflash --test dspark \
 	--test deepspec --test trained_drafters
 NO_UNIT_TESTS := --test gemma4_parity --test speculative --test plain_decoding --test round_trips --test trees --test trained_drafters
@@ -64,6 +66,8 @@ test: setup fixtures training-smoke check-platforms ## every test: Rust (both ke
 	HOST_KERNELS=mlx cargo test -p host $(MLX_ROUTE_TESTS) -- --skip quantized_4_bit
 	HOST_AMX=off cargo test -p kernels
 	HOST_AMX=off cargo test -p host $(NO_UNIT_TESTS)
+	HOST_SIMD=avx512-nobf16 cargo test -p kernels
+	HOST_SIMD=avx512-nobf16 cargo test -p host --test gemma4_parity --test speculative --test trees
 	HOST_SIMD=avx2 cargo test -p kernels
 	HOST_SIMD=avx2 cargo test -p host --test gemma4_parity
 	HOST_SIMD=portable cargo test -p kernels

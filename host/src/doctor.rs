@@ -27,8 +27,8 @@ pub struct Report {
     /// own ops, as on Metal and CUDA), and why (`HOST_KERNELS`, the device).
     pub route: String,
     pub route_why: String,
-    /// The widest loops the products take on this CPU: `amx`, `avx512`, `avx2` or `portable`
-    /// (`HOST_SIMD` narrows it).
+    /// The widest loops the products take on this CPU: `amx`, `avx512`, `avx512-nobf16`, `avx2`
+    /// or `portable` (`HOST_SIMD` narrows it).
     pub vector_loops: String,
 }
 

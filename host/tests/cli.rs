@@ -332,7 +332,7 @@ fn plain_bench_against_llama_cpp_needs_both_its_binary_and_a_gguf_and_names_a_fa
 #[test]
 fn loop_choices_that_name_nothing_are_refused_at_start() {
     for (variable, value, expected) in [
-        ("HOST_SIMD", "sse4", "HOST_SIMD=\"sse4\" is not a route; use auto, avx512, avx2 or portable"),
+        ("HOST_SIMD", "sse4", "HOST_SIMD=\"sse4\" is not a route; use auto, avx512, avx512-nobf16, avx2 or portable"),
         (
             "HOST_QUANTIZED_ACTIVATIONS",
             "int4",

@@ -106,7 +106,7 @@ impl Tiles {
 }
 
 /// Whether plain bfloat16 weights are held as [`Tiles`]: where the unit multiplies them
-/// ([`available`]), or the AVX-512 BF16 loops of `tiles_avx512` do, on a CPU without the unit.
+/// ([`available`]), or the AVX-512 loops of `tiles_avx512` do, on a CPU without the unit.
 pub fn held() -> bool {
     #[cfg(target_arch = "x86_64")]
     return available() || super::tiles_avx512::available();
@@ -132,6 +132,7 @@ fn cpu_has_tiles() -> bool {
     let leaf7 = std::arch::x86_64::__cpuid_count(7, 0);
     leaf7.edx & (1 << 22) != 0
         && leaf7.edx & (1 << 24) != 0
+        && crate::simd::allows("amx-tile")
         && crate::simd::has!("avx512f")
         && crate::simd::has!("avx512bw")
 }

@@ -210,8 +210,8 @@ fn put_nibbles(tile: &mut [u8], o: usize, from: &[u8]) {
 }
 
 /// Whether MLX-quantized weights are held as [`QuantTiles`]: where the unit multiplies them
-/// ([`available`]), or, on a CPU without the unit, the AVX-512 BF16 loops of `tiles_avx512` or
-/// the AVX2 ones of `tiles_avx2` do.
+/// ([`available`]), or, on a CPU without the unit, the AVX-512 loops of `tiles_avx512` or the
+/// AVX2 ones of `tiles_avx2` do.
 ///
 /// Where 8-bit activations are asked for (`HOST_QUANTIZED_ACTIVATIONS=int8`) and the unit is
 /// not in use, weights keep MLX's layout for the integer loops (`quantized_avx2`).
@@ -239,8 +239,8 @@ pub fn available() -> bool {
 /// the unit does, or rows of other values.
 ///
 /// # Safety
-/// The CPU must have AVX-512 F, BW and BF16 (as where the unit or `tiles_avx512` holds the tiles;
-/// not the unit itself).
+/// The CPU must have AVX-512 F and BW (as where the unit or `tiles_avx512` holds the tiles; not
+/// the unit itself).
 #[cfg(target_arch = "x86_64")]
 pub unsafe fn fma_rows(x: &[f32], rows: usize, t: &QuantTiles, outputs: std::ops::Range<usize>, y: &mut [f32]) {
     let (n, k, groups) = (t.n, t.k, t.k / t.group);
@@ -384,7 +384,7 @@ pub(super) unsafe fn four_row_values<const BITS: usize>(
 /// of 32 inputs the even and the odd inputs' products each summed in order from zero, their sum
 /// added to the group's; then scale · that + bias · Σ x added to the output, group by group.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+#[target_feature(enable = "avx512f,avx512bw")]
 unsafe fn fma_row<const BITS: usize>(
     x: &[f32],
     sums: &[f32],

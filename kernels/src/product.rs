@@ -143,7 +143,7 @@ pub fn tiled_product(x: &Array, tiles: Tiled) -> Result<Option<Array>, Exception
         // halving it to pay for the handover.
         let at = (n / 2).next_multiple_of(amx_bf16::GROUP);
         let split = (n * k >= SPLIT_WORK && at < n).then_some(at);
-        // Tiles on a CPU without the unit take AVX-512 BF16 loops at every bfloat16 row count
+        // Tiles on a CPU without the unit take the AVX-512 loops at every bfloat16 row count
         // (`tiles_avx512`), or without AVX-512 the AVX2 loops at every row count
         // (`tiles_avx2`).
         let unit = amx_bf16::available();
@@ -152,8 +152,8 @@ pub fn tiled_product(x: &Array, tiles: Tiled) -> Result<Option<Array>, Exception
             return bf16_rows(x, tiles, rows, split).map(Some);
         }
         // SAFETY: the tiles' loops have what they need (`available`: the unit, granted, or
-        // AVX-512 F, BW and BF16, or AVX2, FMA and F16C for `tiles_avx2`, which held only
-        // quantized tiles); the tiles hold an [n, k] weight.
+        // AVX-512 F and BW, or AVX2, FMA and F16C for `tiles_avx2`, which held only quantized
+        // tiles); the tiles hold an [n, k] weight.
         outputs(x, n, split, |xs, range, y| unsafe {
             match tiles {
                 Tiled::Quantized(t) if avx2 => crate::tiles_avx2::rows(xs, rows, t, range, y),
@@ -182,7 +182,7 @@ fn bf16_rows(x: &Array, tiles: Tiled, rows: usize, split: Option<usize>) -> Resu
     let out = amx_bf16::Bf16Rows::new(&mut bits, n);
     // Quantized rows' sums per group, once for both threads.
     let sums = match tiles {
-        // SAFETY: the CPU has AVX-512 F (`Tiled::available`: the unit, or AVX-512 BF16).
+        // SAFETY: the CPU has AVX-512 F (`Tiled::available`: the unit, or `tiles_avx512`).
         Tiled::Quantized(t) => unsafe { amx_quantized::group_sums_of_bits(xb, t.group) },
         Tiled::Bf16(_) => Vec::new(),
     };
@@ -906,16 +906,18 @@ mod tests {
     }
 
     /// Whether this CPU has what `tiles_avx512` needs (with the unit or not), saying so where not.
+    /// With AVX-512 BF16 the loops take `vdpbf16ps`, without it (or under
+    /// `HOST_SIMD=avx512-nobf16`) FMAs at every row count.
     #[cfg(target_arch = "x86_64")]
     fn vector_tiles_here() -> bool {
-        let here = crate::lanes::available() && crate::simd::has!("avx512bw") && crate::simd::has!("avx512bf16");
+        let here = crate::lanes::available() && crate::simd::has!("avx512bw");
         if !here {
-            eprintln!("no AVX-512 BF16 on this CPU: tiles on its vectors are not tested here");
+            eprintln!("no AVX-512 on this CPU: tiles on its vectors are not tested here");
         }
         here
     }
 
-    /// bfloat16 tiles on the AVX-512 BF16 loops of CPUs without the unit (`tiles_avx512`), where
+    /// bfloat16 tiles on the AVX-512 loops of CPUs without the unit (`tiles_avx512`), where
     /// this CPU has those instructions: MLX's float32 product of the same values up to summation
     /// order, a row's result the same alone, in a window of any size and in either part of a
     /// split, and zeros appended to both operands changing no sum.
@@ -929,7 +931,7 @@ mod tests {
             let xb: Vec<u16> = xs.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
             let (xb, stride) = amx_bf16::padded(&xb, t.k);
             let mut y = vec![0f32; rows * t.n];
-            // SAFETY: the CPU has AVX-512 F, BW, VL, DQ and BF16 (checked above).
+            // SAFETY: the CPU has AVX-512 F, BW, VL and DQ (checked above).
             unsafe {
                 let out = amx_bf16::F32Rows { y: &mut y, n: t.n };
                 crate::tiles_avx512::bf16_rows(&xb, stride, rows, t, outputs, out);
@@ -988,7 +990,7 @@ mod tests {
         quantized_tiles_by(run, 80, &windows);
     }
 
-    /// Quantized tiles on the AVX-512 BF16 loops of CPUs without the unit (`tiles_avx512`),
+    /// Quantized tiles on the AVX-512 loops of CPUs without the unit (`tiles_avx512`),
     /// where this CPU has those instructions (with the unit or not): MLX's float32 product of the
     /// same values up to summation order, for every format, and a row's result the same alone,
     /// in a window of any size (past a register tile and a pass) and in either part of a split.
@@ -1001,7 +1003,7 @@ mod tests {
         let run = |xs: &[f32], rows: usize, t: &amx_quantized::QuantTiles, outputs: std::ops::Range<usize>| {
             let xb: Vec<u16> = xs.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
             let mut y = vec![0f32; rows * t.n];
-            // SAFETY: the CPU has AVX-512 F, BW, VL, DQ and BF16 (checked above).
+            // SAFETY: the CPU has AVX-512 F, BW, VL and DQ (checked above).
             unsafe {
                 let sums = amx_quantized::group_sums_of_bits(&xb, t.group);
                 let out = amx_bf16::F32Rows { y: &mut y, n: t.n };

@@ -7,7 +7,8 @@
 
 use std::sync::OnceLock;
 
-/// The variable that narrows the routes: `auto` (or unset), `avx512`, `avx2` or `portable`.
+/// The variable that narrows the routes: `auto` (or unset), `avx512`, `avx512-nobf16`, `avx2` or
+/// `portable`.
 pub const SIMD_ENV: &str = "HOST_SIMD";
 
 /// The widest instructions allowed, in order.
@@ -17,6 +18,8 @@ pub enum Level {
     Portable,
     /// AVX2, FMA and F16C at most.
     Avx2,
+    /// AVX-512 without BF16, FP16 or AMX: what Skylake-SP, Cascade Lake and Ice Lake have.
+    Avx512NoBf16,
     /// Whatever the CPU has (AVX-512 and AMX included).
     Any,
 }
@@ -25,9 +28,12 @@ pub enum Level {
 fn parse(value: Option<&str>) -> Result<Level, String> {
     match value.map(str::trim) {
         None | Some("") | Some("auto") | Some("avx512") => Ok(Level::Any),
+        Some("avx512-nobf16") => Ok(Level::Avx512NoBf16),
         Some("avx2") => Ok(Level::Avx2),
         Some("portable") => Ok(Level::Portable),
-        Some(other) => Err(format!("{SIMD_ENV}={other:?} is not a route; use auto, avx512, avx2 or portable")),
+        Some(other) => {
+            Err(format!("{SIMD_ENV}={other:?} is not a route; use auto, avx512, avx512-nobf16, avx2 or portable"))
+        }
     }
 }
 
@@ -66,11 +72,13 @@ pub fn level() -> Level {
     *LEVEL.get_or_init(|| parse(std::env::var(SIMD_ENV).ok().as_deref()).unwrap_or(Level::Any))
 }
 
-/// The level a feature belongs to: AVX-512's and AMX's need [`Level::Any`], the rest
-/// (AVX2, FMA, F16C) [`Level::Avx2`].
+/// The level a feature belongs to: AVX-512 BF16's, FP16's and AMX's need [`Level::Any`], the
+/// rest of AVX-512 [`Level::Avx512NoBf16`], the rest (AVX2, FMA, F16C) [`Level::Avx2`].
 pub fn level_of(feature: &str) -> Level {
-    if feature.starts_with("avx512") || feature.starts_with("amx") {
+    if matches!(feature, "avx512bf16" | "avx512fp16") || feature.starts_with("amx") {
         Level::Any
+    } else if feature.starts_with("avx512") {
+        Level::Avx512NoBf16
     } else {
         Level::Avx2
     }
@@ -102,19 +110,19 @@ pub fn intel() -> bool {
     })
 }
 
-/// The widest product route this process takes on x86, in words (`amx`, `avx512`, `avx2`,
-/// `portable`; `+int8` where quantized products round activations to 8 bits), for the bench
-/// and `host doctor`.
+/// The widest product route this process takes on x86, in words (`amx`, `avx512`,
+/// `avx512-nobf16`, `avx2`, `portable`; `+int8` where quantized products round activations to 8
+/// bits), for the bench and `host doctor`.
 #[cfg(target_arch = "x86_64")]
 pub fn product_route() -> &'static str {
     let int8 = crate::quantized_avx2::available();
     if crate::amx_bf16::available() {
         "amx"
     } else if has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512dq") {
-        if int8 {
-            "avx512+int8"
-        } else {
-            "avx512"
+        match (int8, has!("avx512bf16")) {
+            (true, _) => "avx512+int8",
+            (false, true) => "avx512",
+            (false, false) => "avx512-nobf16",
         }
     } else if int8 {
         "avx2+int8"
@@ -140,6 +148,9 @@ mod tests {
         assert_eq!(parse(None), Ok(Level::Any));
         assert_eq!(parse(Some("auto")), Ok(Level::Any));
         assert_eq!(parse(Some(" avx2 ")), Ok(Level::Avx2));
+        assert_eq!(parse(Some("avx512-nobf16")), Ok(Level::Avx512NoBf16));
+        assert!(Level::Avx512NoBf16 >= level_of("avx512vnni") && Level::Avx512NoBf16 < level_of("avx512bf16"));
+        assert!(Level::Avx512NoBf16 < level_of("amx-bf16") && Level::Avx512NoBf16 > level_of("avx2"));
         assert_eq!(parse(Some("portable")), Ok(Level::Portable));
         assert!(Level::Avx2 >= level_of("fma") && Level::Avx2 < level_of("avx512bf16"));
         assert!(Level::Portable < level_of("avx2") && Level::Any >= level_of("amx-tile"));
@@ -157,6 +168,6 @@ mod tests {
     #[test]
     fn an_unknown_value_is_refused_by_name() {
         let e = parse(Some("sse4")).unwrap_err();
-        assert!(e.contains("\"sse4\"") && e.contains("auto, avx512, avx2 or portable"), "{e}");
+        assert!(e.contains("\"sse4\"") && e.contains("auto, avx512, avx512-nobf16, avx2 or portable"), "{e}");
     }
 }

@@ -1,8 +1,10 @@
-//! Weights held as tiles ([`Tiles`], [`QuantTiles`]) on CPUs with AVX-512 BF16 but without the
-//! tile unit (Zen 4, Cooper Lake, or a Sapphire Rapids with `HOST_AMX=off`): every bfloat16 row
-//! count, one row or a prefill, multiplied by `vdpbf16ps` over the tile rows, quantized ones
-//! widened to bfloat16 first. On Intel's cores a prefill's passes take the same sums by float32
-//! FMAs instead ([`crate::tiles_fma512`]), which issue there at twice `vdpbf16ps`'s rate.
+//! Weights held as tiles ([`Tiles`], [`QuantTiles`]) on CPUs with AVX-512 but without the tile
+//! unit (Zen 4, Cooper Lake, a Sapphire Rapids with `HOST_AMX=off`; Skylake-SP, Cascade Lake
+//! and Ice Lake, which lack AVX-512 BF16): every bfloat16 row count, one row or a prefill,
+//! multiplied by `vdpbf16ps` over the tile rows, quantized ones widened to bfloat16 first. On
+//! Intel's cores a prefill's passes take the same sums by float32 FMAs instead
+//! ([`crate::tiles_fma512`]), which issue there at twice `vdpbf16ps`'s rate; CPUs without the
+//! instruction take those FMAs for every row count.
 //!
 //! Why these loops: the AVX-512 BF16 loops over MLX's own layout (`dot`,
 //! `quantized_bf16_avx512`) put a weight row's inputs across the vector's lanes, so each output
@@ -40,13 +42,10 @@ const ROWS: usize = 6;
 /// in L1 while each group's tiles are widened once for all of them.
 const PASS_ROWS: usize = 48;
 
-/// Whether products of [`Tiles`] and [`QuantTiles`] take these loops: the CPU has AVX-512 F, BW, VL, DQ and
-/// BF16, and the tile unit is not in use.
+/// Whether products of [`Tiles`] and [`QuantTiles`] take these loops: the CPU has AVX-512 F,
+/// BW, VL and DQ (BF16 or not), and the tile unit is not in use.
 pub fn available() -> bool {
-    !crate::amx_bf16::available()
-        && crate::lanes::available()
-        && crate::simd::has!("avx512bw")
-        && crate::simd::has!("avx512bf16")
+    !crate::amx_bf16::available() && crate::lanes::available() && crate::simd::has!("avx512bw")
 }
 
 /// Rows of x as bfloat16 bits times a bfloat16 weight's tiles: `xb` holds `rows` rows `stride`
@@ -54,35 +53,82 @@ pub fn available() -> bool {
 ///
 /// # Safety
 /// [`available`] must have returned true (or the CPU have what it checks).
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")]
 pub(super) unsafe fn bf16_rows(
     xb: &[u16],
     stride: usize,
     rows: usize,
     t: &Tiles,
     outputs: std::ops::Range<usize>,
+    sink: impl RowSink,
+) {
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")]
+    unsafe fn with_dpbf16(xb: &[u16], stride: usize, rows: usize, t: &Tiles, o: Range, sink: impl RowSink) {
+        bf16_rows_by::<true>(xb, stride, rows, t, o, sink)
+    }
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq")]
+    unsafe fn on_fmas(xb: &[u16], stride: usize, rows: usize, t: &Tiles, o: Range, sink: impl RowSink) {
+        bf16_rows_by::<false>(xb, stride, rows, t, o, sink)
+    }
+    match dpbf16() {
+        true => with_dpbf16(xb, stride, rows, t, outputs, sink),
+        false => on_fmas(xb, stride, rows, t, outputs, sink),
+    }
+}
+
+type Range = std::ops::Range<usize>;
+
+/// Whether the CPU has `vdpbf16ps` (AVX-512 BF16); without it every row count takes the FMAs
+/// of [`tiles_fma512`], which sum as it does.
+fn dpbf16() -> bool {
+    crate::simd::has!("avx512bf16")
+}
+
+/// [`bf16_rows`], with `vdpbf16ps` (`DP`) or on FMAs alone.
+#[inline(always)]
+unsafe fn bf16_rows_by<const DP: bool>(
+    xb: &[u16],
+    stride: usize,
+    rows: usize,
+    t: &Tiles,
+    outputs: Range,
     mut sink: impl RowSink,
 ) {
     let depth_blocks = t.k.div_ceil(DEPTH);
     assert!(stride >= depth_blocks * DEPTH && xb.len() >= rows * stride, "rows of {stride} for k {}", t.k);
-    let fmas = tiles_fma512::outrun_dpbf16();
+    let fmas = !DP || tiles_fma512::outrun_dpbf16();
     let _flushing = fmas.then(crate::amx_bf16::Flushing::set);
     let (mut x, mut wide) = (Vec::new(), Vec::new());
     let mut totals = vec![[_mm512_setzero_ps(); BLOCKS_AT_ONCE]; PASS_ROWS];
     // Passes of rows whose x stays in L2 while each group of outputs' tiles passes over them.
     for m0 in (0..rows).step_by(PASS_ROWS) {
         let pass = PASS_ROWS.min(rows - m0);
-        if fmas && pass > ROWS {
-            // A prefill's pass on Intel: the same sums by FMAs, at twice the rate.
+        if fmas && (pass > ROWS || !DP) {
+            // The same sums by FMAs: every pass without `vdpbf16ps`, a prefill's on Intel.
             tiles_fma512::widen_inputs(&xb[m0 * stride..(m0 + pass) * stride], &mut x);
             for og in outputs.start / GROUP..outputs.end.div_ceil(GROUP) {
-                totals[..pass].fill([_mm512_setzero_ps(); BLOCKS_AT_ONCE]);
-                for kb in 0..depth_blocks {
-                    tiles_fma512::bf16_block(t, (og, kb), (&x, stride), &mut wide, &mut totals[..pass]);
+                if pass > ROWS {
+                    totals[..pass].fill([_mm512_setzero_ps(); BLOCKS_AT_ONCE]);
+                    for kb in 0..depth_blocks {
+                        tiles_fma512::bf16_block(t, (og, kb), (&x, stride), &mut wide, &mut totals[..pass]);
+                    }
+                    put_totals(&totals[..pass], m0, og, &outputs, &mut sink);
+                    continue;
                 }
-                put_totals(&totals[..pass], m0, og, &outputs, &mut sink);
+                for r0 in (0..pass).step_by(tiles_fma512::ROWS) {
+                    let (x, at, sink) = (x.as_ptr().add(r0 * stride), m0 + r0, &mut sink);
+                    use tiles_fma512::bf16_few_rows as few;
+                    match (pass - r0).min(tiles_fma512::ROWS) {
+                        4 => put_totals(&few::<4>(t, og, depth_blocks, x, stride), at, og, &outputs, sink),
+                        3 => put_totals(&few::<3>(t, og, depth_blocks, x, stride), at, og, &outputs, sink),
+                        2 => put_totals(&few::<2>(t, og, depth_blocks, x, stride), at, og, &outputs, sink),
+                        _ => put_totals(&few::<1>(t, og, depth_blocks, x, stride), at, og, &outputs, sink),
+                    }
+                }
             }
             continue;
+        }
+        if !DP {
+            unreachable!("every pass takes the FMAs without vdpbf16ps");
         }
         for og in outputs.start / GROUP..outputs.end.div_ceil(GROUP) {
             for r0 in (m0..m0 + pass).step_by(ROWS) {
@@ -140,13 +186,29 @@ unsafe fn bf16_tile<const R: usize>(
 ///
 /// # Safety
 /// [`available`] must have returned true (or the CPU have what it checks).
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")]
-pub(super) unsafe fn rows(
+pub(super) unsafe fn rows(xb: &[u16], rows: usize, sums: &[f32], t: &QuantTiles, outputs: Range, sink: impl RowSink) {
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")]
+    unsafe fn with_dpbf16(xb: &[u16], rows: usize, sums: &[f32], t: &QuantTiles, o: Range, sink: impl RowSink) {
+        rows_by::<true>(xb, rows, sums, t, o, sink)
+    }
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq")]
+    unsafe fn on_fmas(xb: &[u16], rows: usize, sums: &[f32], t: &QuantTiles, o: Range, sink: impl RowSink) {
+        rows_by::<false>(xb, rows, sums, t, o, sink)
+    }
+    match dpbf16() {
+        true => with_dpbf16(xb, rows, sums, t, outputs, sink),
+        false => on_fmas(xb, rows, sums, t, outputs, sink),
+    }
+}
+
+/// [`rows`], with `vdpbf16ps` (`DP`) or on FMAs alone.
+#[inline(always)]
+unsafe fn rows_by<const DP: bool>(
     xb: &[u16],
     rows: usize,
     sums: &[f32],
     t: &QuantTiles,
-    outputs: std::ops::Range<usize>,
+    outputs: Range,
     mut sink: impl RowSink,
 ) {
     let (k, groups) = (t.k, t.k / t.group);
@@ -155,22 +217,42 @@ pub(super) unsafe fn rows(
     // A group's widened tiles: per input block, the four blocks' tiles of 16 pair rows.
     let mut wide = vec![_mm512_setzero_si512(); t.group / DEPTH * BLOCKS_AT_ONCE * DEPTH / 2];
     let mut totals = vec![[_mm512_setzero_ps(); BLOCKS_AT_ONCE]; PASS_ROWS];
-    let fmas = tiles_fma512::outrun_dpbf16();
+    let fmas = !DP || tiles_fma512::outrun_dpbf16();
     let (mut x, mut wide_values) = (Vec::new(), Vec::new());
     for m0 in (0..rows).step_by(PASS_ROWS) {
         let pass = PASS_ROWS.min(rows - m0);
-        if fmas && pass > ROWS {
-            // A prefill's pass on Intel: the same sums by FMAs, at twice the rate.
+        if fmas && (pass > ROWS || !DP) {
+            // The same sums by FMAs: every pass without `vdpbf16ps`, a prefill's on Intel.
             tiles_fma512::widen_inputs(&xb[m0 * k..(m0 + pass) * k], &mut x);
+            let pass_rows = (&x[..], &sums[m0 * groups..]);
             for og in outputs.start / GROUP..outputs.end.div_ceil(GROUP) {
                 totals[..pass].fill([_mm512_setzero_ps(); BLOCKS_AT_ONCE]);
-                for g in 0..groups {
-                    let rows = (&x[..], &sums[m0 * groups..]);
-                    tiles_fma512::quantized_group(t, og, g, rows, &mut wide_values, &mut totals[..pass]);
+                if pass > ROWS {
+                    for g in 0..groups {
+                        tiles_fma512::quantized_group(t, og, g, pass_rows, &mut wide_values, &mut totals[..pass]);
+                    }
+                } else {
+                    for r0 in (0..pass).step_by(tiles_fma512::ROWS) {
+                        let totals = &mut totals[r0..pass];
+                        use tiles_fma512::quantized_few_rows as few;
+                        match (totals.len().min(tiles_fma512::ROWS), t.bits) {
+                            (4, 4) => few::<4, 4>(t, og, pass_rows, r0, totals),
+                            (3, 4) => few::<3, 4>(t, og, pass_rows, r0, totals),
+                            (2, 4) => few::<2, 4>(t, og, pass_rows, r0, totals),
+                            (_, 4) => few::<1, 4>(t, og, pass_rows, r0, totals),
+                            (4, _) => few::<4, 8>(t, og, pass_rows, r0, totals),
+                            (3, _) => few::<3, 8>(t, og, pass_rows, r0, totals),
+                            (2, _) => few::<2, 8>(t, og, pass_rows, r0, totals),
+                            (_, _) => few::<1, 8>(t, og, pass_rows, r0, totals),
+                        }
+                    }
                 }
                 put_totals(&totals[..pass], m0, og, &outputs, &mut sink);
             }
             continue;
+        }
+        if !DP {
+            unreachable!("every pass takes the FMAs without vdpbf16ps");
         }
         for og in outputs.start / GROUP..outputs.end.div_ceil(GROUP) {
             totals[..pass].fill([_mm512_setzero_ps(); BLOCKS_AT_ONCE]);

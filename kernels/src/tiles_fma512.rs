@@ -1,19 +1,23 @@
-//! The register tiles of [`crate::tiles_avx512`]'s prefills as float32 FMAs, on Intel cores,
-//! which issue `vdpbf16ps` once every two cycles and 512-bit FMAs twice a cycle: 16
-//! multiply-adds a cycle against 32. (On the Sapphire Rapids the project is measured on, 1.64 G
-//! `vdpbf16ps` a second on a core against 6.5 G FMAs.) Other CPUs (AMD's Zen 4) keep
-//! `vdpbf16ps`: its rate there was not measured, nor whether its sums match these.
+//! The register tiles of [`crate::tiles_avx512`] as float32 FMAs: for every row count on CPUs
+//! with AVX-512 but without `vdpbf16ps` (Skylake-SP, Cascade Lake, Ice Lake, Tiger Lake), and
+//! for a prefill's passes on Intel cores that have it, which issue `vdpbf16ps` once every two
+//! cycles and 512-bit FMAs twice a cycle: 16 multiply-adds a cycle against 32. (On the Sapphire
+//! Rapids the project is measured on, 1.64 G `vdpbf16ps` a second on a core against 6.5 G FMAs.)
+//! Other CPUs with the instruction (AMD's Zen 4) keep it: its rate there was not measured, nor
+//! whether its sums match these.
 //!
 //! The sums are `vdpbf16ps`'s bit for bit: it adds an input pair's odd product, then its even
 //! one, into the float32 lane, each as an FMA would (a product of two bfloat16 values is exact
 //! in float32) with denormals read and written as zero. So these FMAs take the odd input first,
-//! under MXCSR's DAZ and FTZ, and a row's result stays the same alone (where the loops of
-//! `tiles_avx512` take it), in a window and in a prefill.
+//! under MXCSR's DAZ and FTZ, and a row's result stays the same alone, in a window and in a
+//! prefill, whichever of the two a CPU takes for each.
 
 use std::arch::x86_64::*;
 
 use crate::amx_bf16::{Tiles, BLOCK, BLOCKS_AT_ONCE, DEPTH};
-use crate::amx_quantized::{apply_group, four_row_values, prefetch_ahead, QuantTiles, TILED_PREFETCH_BLOCKS};
+use crate::amx_quantized::{
+    apply_group, four_row_values, prefetch_ahead, prefetch_quarter, QuantTiles, PREFETCH_BLOCKS, TILED_PREFETCH_BLOCKS,
+};
 
 /// Rows of x per register tile: four rows of four blocks of 16 outputs are 16 accumulators,
 /// beside a pair row's eight float32 vectors (four tiles, even and odd) and two broadcast
@@ -23,7 +27,7 @@ pub(super) const ROWS: usize = 4;
 /// Input pairs per tile: its rows.
 const PAIRS: usize = DEPTH / 2;
 
-/// Whether these loops outrun `vdpbf16ps` here: on Intel's cores.
+/// Whether these loops outrun `vdpbf16ps` for a prefill's passes here: on Intel's cores.
 pub(super) fn outrun_dpbf16() -> bool {
     crate::simd::intel()
 }
@@ -117,9 +121,89 @@ unsafe fn pair_into<const R: usize>(
 ) {
     for (r, acc) in acc.iter_mut().enumerate() {
         let at = x.add(r * stride);
-        let (x_even, x_odd) = (_mm512_set1_ps(*at), _mm512_set1_ps(*at.add(1)));
         for c in 0..BLOCKS_AT_ONCE {
-            acc[c] = _mm512_fmadd_ps(even[c], x_even, _mm512_fmadd_ps(odd[c], x_odd, acc[c]));
+            acc[c] = odd_then_even(acc[c], (even[c], odd[c]), at);
+        }
+    }
+}
+
+/// `sum` plus the products of one input pair's weights (16 outputs' even and odd inputs) and
+/// the pair at `x`: the odd product first, as `vdpbf16ps`.
+#[inline(always)]
+unsafe fn odd_then_even(sum: __m512, (even, odd): (__m512, __m512), x: *const f32) -> __m512 {
+    _mm512_fmadd_ps(even, _mm512_set1_ps(*x), _mm512_fmadd_ps(odd, _mm512_set1_ps(*x.add(1)), sum))
+}
+
+/// `R` rows (at most [`ROWS`]) of x (float32, from `x`, `stride` apart) times output group
+/// `og`'s bfloat16 tiles, every input block, each tile row split into its even and odd inputs'
+/// weights in registers as it is read: each output's sum over all of its inputs, as
+/// [`bf16_block`] continues it block by block.
+#[inline(always)]
+pub(super) unsafe fn bf16_few_rows<const R: usize>(
+    t: &Tiles,
+    og: usize,
+    depth_blocks: usize,
+    x: *const f32,
+    stride: usize,
+) -> [[__m512; BLOCKS_AT_ONCE]; R] {
+    let mut acc = [[_mm512_setzero_ps(); BLOCKS_AT_ONCE]; R];
+    let odd_mask = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
+    let tile_values = BLOCK * DEPTH;
+    for kb in 0..depth_blocks {
+        let tiles = t.tile(og * BLOCKS_AT_ONCE, kb);
+        for p in 0..PAIRS {
+            let (mut even, mut odd) = ([_mm512_setzero_ps(); BLOCKS_AT_ONCE], [_mm512_setzero_ps(); BLOCKS_AT_ONCE]);
+            for c in 0..BLOCKS_AT_ONCE {
+                let row = tiles.add(c * tile_values + p * 2 * BLOCK);
+                // The same row of the same tile PREFETCH_BLOCKS blocks ahead.
+                _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(PREFETCH_BLOCKS * BLOCKS_AT_ONCE * tile_values).cast());
+                let w = _mm512_loadu_si512(row.cast());
+                even[c] = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(w));
+                odd[c] = _mm512_castsi512_ps(_mm512_and_si512(w, odd_mask));
+            }
+            pair_into(&mut acc, &even, &odd, x.add(kb * DEPTH + 2 * p), stride);
+        }
+    }
+    acc
+}
+
+/// `R` rows (at most [`ROWS`]) of a pass from row `m` (`x`, [rows, k] as float32, with the
+/// rows' group sums `sums`) times output group `og`, every quantization group, into their
+/// totals: the tiles widened in registers as they are read, and summed as [`register_tile`]
+/// sums them.
+#[inline(always)]
+pub(super) unsafe fn quantized_few_rows<const R: usize, const BITS: usize>(
+    t: &QuantTiles,
+    og: usize,
+    (x, sums): (&[f32], &[f32]),
+    m: usize,
+    totals: &mut [[__m512; BLOCKS_AT_ONCE]],
+) {
+    let (groups, per_group) = (t.k / t.group, t.group / DEPTH);
+    let x = x.as_ptr().add(m * t.k);
+    for g in 0..groups {
+        let mut acc = [[_mm512_setzero_ps(); BLOCKS_AT_ONCE]; R];
+        for kb in g * per_group..(g + 1) * per_group {
+            let tiles = t.packed_tile(og * BLOCKS_AT_ONCE, kb);
+            for quad in 0..PAIRS / 4 {
+                for c in 0..BLOCKS_AT_ONCE {
+                    prefetch_quarter::<BITS>(tiles, c, quad, PREFETCH_BLOCKS);
+                    let rows = four_row_values::<BITS>(tiles.add(c * t.tile_bytes()), quad);
+                    for (s, weights) in rows.into_iter().enumerate() {
+                        let at = kb * DEPTH + 2 * (4 * quad + s);
+                        for (r, acc) in acc.iter_mut().enumerate() {
+                            acc[c] = odd_then_even(acc[c], weights, x.add(r * t.k + at));
+                        }
+                    }
+                }
+            }
+        }
+        let params = super::tiles_avx512::group_params_of(t, og, g);
+        for (r, acc) in acc.iter().enumerate() {
+            let x_sum = *sums.get_unchecked((m + r) * groups + g);
+            for c in 0..BLOCKS_AT_ONCE {
+                totals[r][c] = apply_group(totals[r][c], acc[c], params[c], x_sum);
+            }
         }
     }
 }
@@ -129,7 +213,7 @@ unsafe fn pair_into<const R: usize>(
 /// added with scale and bias into the rows' `totals`.
 ///
 /// # Safety
-/// The CPU has AVX-512 F, BW and BF16; MXCSR flushes denormals (`amx_bf16::Flushing`).
+/// The CPU has AVX-512 F and BW; MXCSR flushes denormals (`amx_bf16::Flushing`).
 #[inline(always)]
 pub(super) unsafe fn quantized_group(
     t: &QuantTiles,
@@ -222,7 +306,7 @@ mod tests {
         }
     }
 
-    /// [`pair_into`]'s FMAs give `vdpbf16ps`'s sums bit for bit over values of every magnitude,
+    /// [`pair_into`]'s FMAs ([`odd_then_even`], which every loop here takes) give `vdpbf16ps`'s sums bit for bit over values of every magnitude,
     /// denormals among them, on running sums of every magnitude, on the CPUs where the loops
     /// take them for `vdpbf16ps` (Intel's with AVX-512 BF16).
     #[test]
