@@ -7,9 +7,9 @@
 //! row of W once into a buffer that stays in L1 and use it for every row of x. Each row of x is
 //! summed in the same order whatever the number of rows.
 //!
-//! Weights held as tiles ([`crate::packed`]: plain bfloat16 ones on a CPU with AMX or AVX-512
-//! BF16, quantized ones with bfloat16 scales there too and on CPUs with AVX2 but no AVX-512)
-//! never come here.
+//! Weights held as tiles ([`crate::packed`]: plain bfloat16 ones on a CPU with AMX or AVX-512,
+//! quantized ones with bfloat16 scales there too and on CPUs with AVX2 but no AVX-512) never
+//! come here.
 //!
 //! Routes, chosen at run time by the CPU's features (narrowed by `HOST_SIMD`, [`crate::simd`]):
 //! - quantized weights with `HOST_QUANTIZED_ACTIVATIONS=int8`, on any CPU with AVX2
@@ -24,8 +24,8 @@
 //! - quantized weights times bfloat16 activations where the CPU has AVX-512 BF16
 //!   ([`crate::quantized_bf16_avx512`]): per group, scale · Σ q·x + bias · Σ x, the integers made
 //!   bfloat16 in registers and multiplied 32 at a time by `vdpbf16ps`;
-//! - other quantized products where the CPU has AVX-512 ([`crate::quantized_avx512`]):
-//!   dequantized in registers straight from their packed bytes;
+//! - other quantized products (scales of another dtype) where the CPU has AVX-512
+//!   ([`crate::quantized_avx512`]): dequantized in registers straight from their packed bytes;
 //! - quantized weights on other CPUs with AVX2 ([`crate::quantized_f32_avx2`]): per group,
 //!   scale · Σ q·x + bias · Σ x;
 //! - AVX2 with FMA for everything else where the CPU has it; up to six rows of half-precision

@@ -6,9 +6,10 @@
 //! than as loaded. An MLX-quantized weight with bfloat16 scales and biases (as mlx-lm converts
 //! bfloat16 checkpoints) is reordered likewise ([`amx_quantized`]), with its scales and biases,
 //! at the bytes MLX's arrays took. The tiles serve the unit where this process may use it, else
-//! the `vdpbf16ps` loops of `tiles_avx512` on a CPU with AVX-512 BF16 (both formats; a tile row
-//! is the pairs that instruction reads), else, for quantized weights on a CPU with AVX2 and no
-//! AVX-512, the loops of `tiles_avx2` ([`amx_bf16::held`], [`amx_quantized::held`]).
+//! the loops of `tiles_avx512` on a CPU with AVX-512 (both formats; a tile row is the pairs
+//! that `vdpbf16ps` reads, and CPUs without it take FMAs that sum as it does), else, for
+//! quantized weights on a CPU with AVX2 and no AVX-512, the loops of `tiles_avx2`
+//! ([`amx_bf16::held`], [`amx_quantized::held`]).
 
 use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype};

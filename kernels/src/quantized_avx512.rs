@@ -1,6 +1,7 @@
 //! MLX affine-quantized weights (4 and 8 bits) times float32 rows, on AVX-512: the route of
-//! [`super::dot::product`] for quantized weights where the CPU has it, except for bfloat16
-//! activations on CPUs with AVX-512 BF16 ([`crate::quantized_bf16_avx512`]).
+//! [`super::dot::product`] for quantized weights not held as tiles (scales of another dtype
+//! than bfloat16) where the CPU has it, except for bfloat16 activations on CPUs with AVX-512
+//! BF16 ([`crate::quantized_bf16_avx512`]).
 //!
 //! Each weight is dequantized as MLX does (w = scale · q + bias, one multiply-add in float32)
 //! straight from its packed bytes into a register and multiplied into every row of x in the
