@@ -46,14 +46,17 @@ fn times_looked_up(table: &[f32], gate: &Array, up: &Array) -> Result<Array, Exc
         return Err(Exception::custom("half-precision gate and up"));
     };
     let mut y = vec![0u16; gates.len()];
-    match gate.dtype() {
-        Dtype::Bfloat16 => times_looked_up_bf16(table, gates, ups, &mut y),
-        _ => {
-            for ((y, &g), &u) in y.iter_mut().zip(gates).zip(ups) {
-                *y = half::f16::from_f32(table[g as usize] * half::f16::from_bits(u).to_f32()).to_bits();
-            }
+    let bf16 = gate.dtype() == Dtype::Bfloat16;
+    // Element by element: each half of a prefill's on its own thread.
+    helper::rows_in_halves(&mut y, 1, |from, y| {
+        let (gates, ups) = (&gates[from..from + y.len()], &ups[from..from + y.len()]);
+        if bf16 {
+            return times_looked_up_bf16(table, gates, ups, y);
         }
-    }
+        for ((y, &g), &u) in y.iter_mut().zip(gates).zip(ups) {
+            *y = half::f16::from_f32(table[g as usize] * half::f16::from_bits(u).to_f32()).to_bits();
+        }
+    });
     Ok(from_bits16(&y, gate.shape(), gate.dtype()))
 }
 
@@ -87,25 +90,15 @@ fn cpu_geglu(gate: &Array, up: &Array) -> Result<Option<Array>, Exception> {
     let y = with_floats(&gate, |gates| {
         with_floats(&up, |ups| {
             let mut y = vec![0f32; gates.len()];
-            let run =
-                |gates: &[f32], ups: &[f32], y: &mut [f32]| tanh::zip_into(gates, ups, y, |g, u| gelu_float32(g) * u);
-            if y.len() >= SPLIT_ELEMENTS {
-                let half = y.len() / 2;
-                let (first, second) = y.split_at_mut(half);
-                helper::join(|| run(&gates[..half], &ups[..half], first), || run(&gates[half..], &ups[half..], second));
-            } else {
-                run(gates, ups, &mut y);
-            }
+            helper::rows_in_halves(&mut y, 1, |from, y| {
+                let (gates, ups) = (&gates[from..from + y.len()], &ups[from..from + y.len()]);
+                tanh::zip_into(gates, ups, y, |g, u| gelu_float32(g) * u)
+            });
             rounded(&y, gate.shape(), dtype)
         })
     })??;
     Ok(Some(y))
 }
-
-/// Elements from which the float32 GeGLU is split in two, the second half on the products'
-/// helper thread: a prefill's activations (rows × the MLP's width), not a decode step's, whose
-/// few thousand take microseconds.
-const SPLIT_ELEMENTS: usize = 1 << 16;
 
 /// gelu_tanh(x) in float32, by MLX's steps.
 #[inline(always)]

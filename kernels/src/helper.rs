@@ -119,6 +119,24 @@ pub fn join(mine: impl FnOnce() + Send, theirs: impl FnOnce() + Send) {
     shared(&mut mine, &mut theirs);
 }
 
+/// Elements from which [`rows_in_halves`] splits a pass: a prefill's rows (rows × a model's
+/// width), not a decode step's or a verify window's few thousand, which take microseconds.
+pub const SPLIT_ELEMENTS: usize = 1 << 16;
+
+/// `each(first_row, rows_out)` over the rows of `out` (`width` elements each): in two halves of
+/// whole rows, the second on the helper, where `out` holds [`SPLIT_ELEMENTS`] or more; else
+/// all here at once. A row's result must not depend on the rows beside it, so that it is the
+/// same either way.
+pub fn rows_in_halves<T: Send>(out: &mut [T], width: usize, each: impl Fn(usize, &mut [T]) + Sync) {
+    let rows = out.len() / width.max(1);
+    if out.len() < SPLIT_ELEMENTS || rows < 2 {
+        return each(0, out);
+    }
+    let half = rows / 2;
+    let (first, second) = out.split_at_mut(half * width);
+    join(|| each(0, first), || each(half, second));
+}
+
 /// [`join`] on this copy's own helper, whatever was shared: what a copy that shares its helper
 /// runs for the others.
 pub fn join_here(mine: impl FnOnce() + Send, theirs: impl FnOnce() + Send) {

@@ -7,6 +7,7 @@ use crate::arrays::{
     avx2_where_available, bf16_bits, bits16, from_bits16, rounded, row_major, with_floats, with_round, Round, ToBf16,
     Value,
 };
+use crate::helper;
 
 /// RMSNorm with a weight (multiplied as is, not 1 + w) or without one, where the CPU route
 /// covers it; `None` for MLX's op to compute.
@@ -36,11 +37,15 @@ fn cpu_rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Option<Ar
         let weight =
             weight.as_ref().map(|w| bits16(w).ok_or_else(|| Exception::custom("bfloat16 weight"))).transpose()?;
         let bits = bits16(&x).ok_or_else(|| Exception::custom("bfloat16 data"))?;
-        let scales = row_scales(bits, n, eps);
         let mut y = vec![0u16; bits.len()];
-        for ((row, out), &scale) in bits.chunks(n).zip(y.chunks_mut(n)).zip(&scales) {
-            normalized_bf16(row, scale, weight, out);
-        }
+        // Row by row: each half of a prefill's rows on its own thread.
+        helper::rows_in_halves(&mut y, n, |first, y| {
+            let bits = &bits[first * n..first * n + y.len()];
+            let scales = row_scales(bits, n, eps);
+            for ((row, out), &scale) in bits.chunks(n).zip(y.chunks_mut(n)).zip(&scales) {
+                normalized_bf16(row, scale, weight, out);
+            }
+        });
         return Ok(Some(from_bits16(&y, x.shape(), dtype)));
     }
     let weight = weight.map(|w| row_major(w).and_then(|w| with_floats(&w, <[f32]>::to_vec))).transpose()?;
@@ -146,8 +151,9 @@ mod tests {
     #[test]
     fn equals_mlxs_bit_for_bit() {
         for dtype in [Dtype::Float32, Dtype::Bfloat16, Dtype::Float16] {
-            for (seed, (rows, n)) in [(1, 256), (5, 100), (3, 2560), (2, 17), (7, 64), (19, 64)].into_iter().enumerate()
-            {
+            // (37 rows of 2048 are a prefill's, which the rows' halves take on two threads.)
+            let shapes = [(1, 256), (5, 100), (3, 2560), (2, 17), (7, 64), (19, 64), (37, 2048)];
+            for (seed, (rows, n)) in shapes.into_iter().enumerate() {
                 let key = |k: u64| random::key(seed as u64 * 10 + k).unwrap();
                 let spread = Array::from_f32([0.05, 1.0, 40.0][seed % 3]);
                 let x = random::normal::<f32>(&[rows, n], None, None, &key(1)).unwrap().multiply(&spread).unwrap();

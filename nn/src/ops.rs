@@ -258,12 +258,15 @@ mod elementwise_tests {
         }
     }
 
+    /// A decode step's rows, and a prefill's, which the kernels split between two threads.
     #[test]
     fn half_precision_equals_mlxs_bit_for_bit() {
         for dtype in [Dtype::Bfloat16, Dtype::Float16] {
-            for (seed, spread) in [0.3f32, 2.0, 9.0].into_iter().enumerate() {
+            for (seed, (spread, shape)) in
+                [(0.3f32, [7, 300]), (2.0, [33, 2049]), (9.0, [7, 300])].into_iter().enumerate()
+            {
                 let key = |k: u64| random::key(seed as u64 * 10 + k).unwrap();
-                let normal = |k| random::normal::<f32>(&[7, 300], None, None, &key(k)).unwrap();
+                let normal = |k| random::normal::<f32>(&shape, None, None, &key(k)).unwrap();
                 let gate = normal(1).multiply(Array::from_f32(spread)).unwrap().as_dtype(dtype).unwrap();
                 let up = normal(2).as_dtype(dtype).unwrap();
                 let ours = geglu(&gate, &up).unwrap();
