@@ -306,9 +306,10 @@ mod tests {
         }
     }
 
-    /// [`pair_into`]'s FMAs ([`odd_then_even`], which every loop here takes) give `vdpbf16ps`'s sums bit for bit over values of every magnitude,
-    /// denormals among them, on running sums of every magnitude, on the CPUs where the loops
-    /// take them for `vdpbf16ps` (Intel's with AVX-512 BF16).
+    /// [`pair_into`]'s FMAs ([`odd_then_even`], which every loop here takes) give
+    /// `vdpbf16ps`'s sums bit for bit over values of every magnitude, denormals among them, on
+    /// running sums of every magnitude, on the CPUs where the loops take them for `vdpbf16ps`
+    /// (Intel's with AVX-512 BF16).
     #[test]
     fn fmas_sum_an_input_pair_as_vdpbf16ps() {
         if !(outrun_dpbf16() && crate::simd::has!("avx512f") && crate::simd::has!("avx512bf16")) {
