@@ -38,7 +38,7 @@ fn cpu_rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Option<Ar
             weight.as_ref().map(|w| bits16(w).ok_or_else(|| Exception::custom("bfloat16 weight"))).transpose()?;
         let bits = bits16(&x).ok_or_else(|| Exception::custom("bfloat16 data"))?;
         let mut y = vec![0u16; bits.len()];
-        // Row by row: each half of a prefill's rows on its own thread.
+        // Row by row (as below): each half of a prefill's rows on its own thread.
         helper::rows_in_halves(&mut y, n, |first, y| {
             let bits = &bits[first * n..first * n + y.len()];
             let scales = row_scales(bits, n, eps);
@@ -50,11 +50,14 @@ fn cpu_rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Option<Ar
     }
     let weight = weight.map(|w| row_major(w).and_then(|w| with_floats(&w, <[f32]>::to_vec))).transpose()?;
     let y = with_floats(&x, |xs| {
-        let scales = row_scales(xs, n, eps);
         let mut y = vec![0f32; xs.len()];
-        for ((row, out), &scale) in xs.chunks(n).zip(y.chunks_mut(n)).zip(&scales) {
-            with_round!(dtype, |r| normalized(r, row, scale, weight.as_deref(), out));
-        }
+        helper::rows_in_halves(&mut y, n, |first, y| {
+            let xs = &xs[first * n..first * n + y.len()];
+            let scales = row_scales(xs, n, eps);
+            for ((row, out), &scale) in xs.chunks(n).zip(y.chunks_mut(n)).zip(&scales) {
+                with_round!(dtype, |r| normalized(r, row, scale, weight.as_deref(), out));
+            }
+        });
         rounded(&y, x.shape(), dtype)
     })?;
     Ok(Some(y))
