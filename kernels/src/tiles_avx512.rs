@@ -42,6 +42,8 @@ const ROWS: usize = 6;
 /// in L1 while each group's tiles are widened once for all of them.
 const PASS_ROWS: usize = 48;
 
+type Range = std::ops::Range<usize>;
+
 /// Whether products of [`Tiles`] and [`QuantTiles`] take these loops: the CPU has AVX-512 F,
 /// BW, VL and DQ (BF16 or not), and the tile unit is not in use.
 pub fn available() -> bool {
@@ -75,12 +77,16 @@ pub(super) unsafe fn bf16_rows(
     }
 }
 
-type Range = std::ops::Range<usize>;
-
 /// Whether the CPU has `vdpbf16ps` (AVX-512 BF16); without it every row count takes the FMAs
 /// of [`tiles_fma512`], which sum as it does.
 fn dpbf16() -> bool {
     crate::simd::has!("avx512bf16")
+}
+
+/// Whether a pass of `pass` rows takes the FMAs of [`tiles_fma512`]: every pass without
+/// `vdpbf16ps` (`DP`), a prefill's on Intel, where they outrun it.
+fn pass_on_fmas<const DP: bool>(pass: usize) -> bool {
+    !DP || (pass > ROWS && tiles_fma512::outrun_dpbf16())
 }
 
 /// [`bf16_rows`], with `vdpbf16ps` (`DP`) or on FMAs alone.
@@ -95,15 +101,13 @@ unsafe fn bf16_rows_by<const DP: bool>(
 ) {
     let depth_blocks = t.k.div_ceil(DEPTH);
     assert!(stride >= depth_blocks * DEPTH && xb.len() >= rows * stride, "rows of {stride} for k {}", t.k);
-    let fmas = !DP || tiles_fma512::outrun_dpbf16();
-    let _flushing = fmas.then(crate::amx_bf16::Flushing::set);
+    let _flushing = pass_on_fmas::<DP>(rows).then(crate::amx_bf16::Flushing::set);
     let (mut x, mut wide) = (Vec::new(), Vec::new());
     let mut totals = vec![[_mm512_setzero_ps(); BLOCKS_AT_ONCE]; PASS_ROWS];
     // Passes of rows whose x stays in L2 while each group of outputs' tiles passes over them.
     for m0 in (0..rows).step_by(PASS_ROWS) {
         let pass = PASS_ROWS.min(rows - m0);
-        if fmas && (pass > ROWS || !DP) {
-            // The same sums by FMAs: every pass without `vdpbf16ps`, a prefill's on Intel.
+        if pass_on_fmas::<DP>(pass) {
             tiles_fma512::widen_inputs(&xb[m0 * stride..(m0 + pass) * stride], &mut x);
             for og in outputs.start / GROUP..outputs.end.div_ceil(GROUP) {
                 if pass > ROWS {
@@ -127,9 +131,7 @@ unsafe fn bf16_rows_by<const DP: bool>(
             }
             continue;
         }
-        if !DP {
-            unreachable!("every pass takes the FMAs without vdpbf16ps");
-        }
+        assert!(DP, "every pass takes the FMAs without vdpbf16ps");
         for og in outputs.start / GROUP..outputs.end.div_ceil(GROUP) {
             for r0 in (m0..m0 + pass).step_by(ROWS) {
                 let x = xb.as_ptr().add(r0 * stride);
@@ -217,12 +219,10 @@ unsafe fn rows_by<const DP: bool>(
     // A group's widened tiles: per input block, the four blocks' tiles of 16 pair rows.
     let mut wide = vec![_mm512_setzero_si512(); t.group / DEPTH * BLOCKS_AT_ONCE * DEPTH / 2];
     let mut totals = vec![[_mm512_setzero_ps(); BLOCKS_AT_ONCE]; PASS_ROWS];
-    let fmas = !DP || tiles_fma512::outrun_dpbf16();
     let (mut x, mut wide_values) = (Vec::new(), Vec::new());
     for m0 in (0..rows).step_by(PASS_ROWS) {
         let pass = PASS_ROWS.min(rows - m0);
-        if fmas && (pass > ROWS || !DP) {
-            // The same sums by FMAs: every pass without `vdpbf16ps`, a prefill's on Intel.
+        if pass_on_fmas::<DP>(pass) {
             tiles_fma512::widen_inputs(&xb[m0 * k..(m0 + pass) * k], &mut x);
             let pass_rows = (&x[..], &sums[m0 * groups..]);
             for og in outputs.start / GROUP..outputs.end.div_ceil(GROUP) {
@@ -251,9 +251,7 @@ unsafe fn rows_by<const DP: bool>(
             }
             continue;
         }
-        if !DP {
-            unreachable!("every pass takes the FMAs without vdpbf16ps");
-        }
+        assert!(DP, "every pass takes the FMAs without vdpbf16ps");
         for og in outputs.start / GROUP..outputs.end.div_ceil(GROUP) {
             totals[..pass].fill([_mm512_setzero_ps(); BLOCKS_AT_ONCE]);
             if pass <= ROWS {
